@@ -1,0 +1,13 @@
+"""Long-term memory from Membase for Strands Agents.
+
+``MembaseMemoryStore`` implements the ``strands.memory.MemoryStore`` protocol: put it into
+``MemoryManager(stores=[...])`` and the agent recalls from Membase before each user turn, with
+a time box so a slow memory never holds the turn, and gets the ``membase_search``,
+``membase_save`` and ``membase_profile`` tools.
+"""
+
+from ._version import __version__
+from .errors import MembaseAccessError, MembaseRecallTimeout
+from .store import MembaseMemoryStore
+
+__all__ = ["MembaseAccessError", "MembaseMemoryStore", "MembaseRecallTimeout", "__version__"]

@@ -1,0 +1,176 @@
+"""What the model reads: Membase answers turned into memory entries and tool text.
+
+Everything that comes from Membase (Memory names, passages, a server's error text) is treated as
+data. Names are folded onto one line and cannot close the brackets that frame them; passages
+lose control characters and unpaired surrogates; a Memory that could not answer becomes a clearly
+framed notice, never text that reads like a remembered fact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from strands.memory import MemoryEntry
+
+from .errors import BadResponseError, clip
+
+_NAME_LIMIT = 80
+_REASON_LIMIT = 200
+_BRACKETS = str.maketrans({"[": "(", "]": ")"})
+_DROP = {c: None for c in range(32) if chr(c) not in "\n\t"} | {0x7F: None}
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One passage Membase returned, with the Memory it came from."""
+
+    memory: str
+    text: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Unsearched:
+    """A Memory that could not answer a search, and why."""
+
+    memory: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SearchAnswer:
+    """A search answer: the passages, best first, and the Memories that could not answer."""
+
+    passages: list[Passage]
+    unsearched: list[Unsearched]
+
+
+def memory_label(name: str) -> str:
+    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
+    return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
+
+
+def clean_text(text: str) -> str:
+    """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
+    return text.encode("utf-8", "replace").decode("utf-8").translate(_DROP)
+
+
+def parse_search(body: Any) -> SearchAnswer:
+    """Read the answer of ``client.search()``.
+
+    Hits without text are skipped; Memories reported with an ``error`` become :class:`Unsearched`.
+
+    Raises:
+        BadResponseError: The answer has no ``results`` list.
+    """
+    results = body.get("results") if isinstance(body, dict) else None
+    if not isinstance(results, list):
+        raise BadResponseError("the search answer has no 'results' list")
+    containers = body.get("containers")
+    rows = [row for row in containers if isinstance(row, dict)] if isinstance(containers, list) else []
+    names = {
+        row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
+    }
+
+    passages = []
+    for hit in results:
+        if not isinstance(hit, dict) or not isinstance(hit.get("content"), str) or not hit["content"].strip():
+            continue
+        container = hit.get("container")
+        name = hit.get("container_name") or names.get(container) or container or "Membase"
+        metadata = {key: value for key, value in hit.items() if key != "content"}
+        passages.append(Passage(memory=memory_label(str(name)), text=clean_text(hit["content"]), metadata=metadata))
+
+    unsearched = [
+        Unsearched(
+            memory=memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
+            reason=clip(clean_text(str(row["error"])), _REASON_LIMIT) or "no reason given",
+        )
+        for row in rows
+        if row.get("error")
+    ]
+    return SearchAnswer(passages=passages, unsearched=unsearched)
+
+
+def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
+    """The entries the manager injects: ``[Memory] passage``, then a notice per Memory that could not answer."""
+    entries = [
+        MemoryEntry(content=f"[{p.memory}] {p.text}", metadata={"memory": p.memory, **p.metadata})
+        for p in answer.passages
+    ]
+    entries += [
+        MemoryEntry(
+            content=(
+                f"[Membase notice] The Memory ({u.memory}) could not be searched: {u.reason}. Nothing from it is "
+                "included, so its silence is not evidence that it holds nothing relevant."
+            ),
+            metadata={"memory": u.memory, "unsearched": True, "reason": u.reason},
+        )
+        for u in answer.unsearched
+    ]
+    return entries
+
+
+def search_text(query: str, answer: SearchAnswer) -> str:
+    """The ``membase_search`` tool's answer: numbered passages and a "Not searched" list."""
+    shown = clip(query, 120)
+    lines: list[str] = []
+    if answer.passages:
+        count = len(answer.passages)
+        lines.append(f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":')
+        lines += _numbered(answer.passages)
+    elif answer.unsearched:
+        lines.append(f'Nothing matched "{shown}" in the Memories that answered.')
+    else:
+        lines.append(f'Nothing in Membase matched "{shown}".')
+    if answer.unsearched:
+        lines += [
+            "",
+            "Not searched (these Memories could not answer, so a missing result is not evidence of absence):",
+            *(f"- {u.memory}: {u.reason}" for u in answer.unsearched),
+        ]
+    return "\n".join(lines)
+
+
+def profile_text(body: Any, topic: str | None) -> str:
+    """The ``membase_profile`` tool's answer: standing facts, recent changes and topic results.
+
+    Raises:
+        BadResponseError: The answer is not a JSON object.
+    """
+    if not isinstance(body, dict):
+        raise BadResponseError("the profile answer is not an object")
+    standing = [fact for fact in (_fact_text(item) for item in _as_list(body.get("static"))) if fact]
+    recent = [fact for fact in (_fact_text(item) for item in _as_list(body.get("dynamic"))) if fact]
+    topical = parse_search({"results": _as_list(body.get("results"))}).passages if topic else []
+
+    if not (standing or recent or topical):
+        if topic:
+            return (
+                f'The Membase profile is empty: no standing facts, recent changes or results on "{clip(topic, 120)}".'
+            )
+        return "The Membase profile is empty: no standing facts or recent changes are recorded yet."
+    lines: list[str] = []
+    if standing:
+        lines += ["Standing facts:", *(f"- {fact}" for fact in standing)]
+    if recent:
+        lines += [*([""] if lines else []), "Recent changes:", *(f"- {fact}" for fact in recent)]
+    if topic:
+        lines += [*([""] if lines else []), f'On "{clip(topic, 120)}":']
+        lines += _numbered(topical) if topical else ["Nothing in the profile matched this topic."]
+    return "\n".join(lines)
+
+
+def _numbered(passages: list[Passage]) -> list[str]:
+    return [f"{i}. [{p.memory}] " + p.text.replace("\n", "\n   ") for i, p in enumerate(passages, start=1)]
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _fact_text(item: Any) -> str:
+    if isinstance(item, dict):
+        item = item.get("content") or item.get("description") or item.get("text")
+    return clean_text(item).strip() if isinstance(item, str) else ""

@@ -1,0 +1,111 @@
+"""Automatic recall: time-boxed, fail-open, and guarded against hammering a waking memory.
+
+The first search after a quiet spell can take up to a minute while the account's memory wakes.
+A turn should not wait for that, so :class:`TimeBoxedRecall` gives each recall a budget. A recall
+that runs past it raises :class:`MembaseRecallTimeout` for the manager (which skips the store for
+this turn) while its request runs on to the end in the background, waking the memory for the next
+turn. While such a late request is still running, further recalls skip at once instead of piling
+more threads and requests onto a memory that is not answering yet. Recalls that finish within
+the budget never hold the guard, so healthy concurrent recalls all run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from ._threads import start_daemon, wait_for_future
+from .errors import MembaseRecallTimeout, detail_of
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class TimeBoxedRecall:
+    """Runs blocking recall requests on daemon threads within a time budget, one late request at a time."""
+
+    def __init__(self, store_name: str) -> None:
+        """Create the time box for one store.
+
+        Args:
+            store_name: The store's name, for log lines and thread names.
+        """
+        self._store_name = store_name
+        self._lock = threading.Lock()
+        self._late: set[Future[object]] = set()
+
+    @property
+    def waking(self) -> bool:
+        """Whether a recall that ran past its budget is still running."""
+        with self._lock:
+            return bool(self._late)
+
+    async def run(self, request: Callable[[], T], budget: float | None) -> T:
+        """Run ``request`` off the event loop and wait at most ``budget`` seconds for it.
+
+        Args:
+            request: The blocking Membase call.
+            budget: Seconds to wait, or ``None`` to wait as long as the request takes.
+
+        Returns:
+            What ``request`` returned.
+
+        Raises:
+            MembaseRecallTimeout: The budget ran out (the request goes on in the background), or a
+                late request is still running, in which case nothing is sent.
+            Exception: Whatever ``request`` raised within the budget.
+        """
+        with self._lock:
+            if self._late:
+                logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
+                raise MembaseRecallTimeout(
+                    "Membase recall skipped: an earlier recall that ran out of time is still running "
+                    "(the memory is waking up)"
+                )
+        started = time.monotonic()
+        future = start_daemon(request, name=f"membase-recall[{self._store_name}]")
+        try:
+            return await wait_for_future(future, budget)
+        except asyncio.TimeoutError:
+            self._hold_guard(future, started)
+            logger.warning(
+                "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
+                "the turn goes on without memory and the request finishes in the background",
+                self._store_name,
+                budget,
+            )
+            raise MembaseRecallTimeout(
+                f"Membase recall ran out of time after {budget:g} s; it goes on in the background"
+            ) from None
+
+    def _hold_guard(self, future: Future[T], started: float) -> None:
+        late: Future[object] = future  # type: ignore[assignment]
+        with self._lock:
+            self._late.add(late)
+
+        def release(done: Future[object]) -> None:
+            with self._lock:
+                self._late.discard(done)
+            elapsed = time.monotonic() - started
+            error = done.exception()
+            if error is None:
+                logger.info(
+                    "store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes",
+                    self._store_name,
+                    elapsed,
+                )
+            else:
+                logger.warning(
+                    "store=<%s>, elapsed=<%.1f s>, reason=<%s> | late recall failed; automatic recall resumes",
+                    self._store_name,
+                    elapsed,
+                    detail_of(error),
+                )
+
+        late.add_done_callback(release)

@@ -1,0 +1,120 @@
+"""The errors this library raises, and the plain sentences it gives for Membase failures.
+
+Two exceptions are public. :class:`MembaseAccessError` is a ``PermissionError`` so code that
+already handles permission problems catches it; :class:`MembaseRecallTimeout` is a
+``TimeoutError`` so the Strands ``MemoryManager`` (which logs and skips a failing store) treats a
+slow memory like any other timeout.
+
+Everything else here turns an exception from the Membase SDK into a :class:`Failure`: a short
+``kind`` for logs and counters and a ``sentence`` a model can relay to the user.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import membase
+
+ACCESS_SENTENCE = (
+    "Membase refused this key: this Membase key was narrowed or revoked by its owner, "
+    "or the action is above what the key may do. The request was not retried."
+)
+
+_MAX_DETAIL = 300
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]+")
+
+
+class MembaseAccessError(PermissionError):
+    """Membase refused the key (HTTP 403).
+
+    The key is unknown or expired, its owner narrowed or revoked it, the Memory is outside its
+    reach, or the action is above its access level. The store never retries a 403.
+    """
+
+
+class MembaseRecallTimeout(TimeoutError):
+    """Automatic recall ran out of its time budget, or was skipped while a late one still runs.
+
+    The request that ran out of time is not abandoned: it finishes in the background so the
+    memory is awake for the next turn, and its outcome is logged.
+    """
+
+
+class BadResponseError(membase.MembaseError):
+    """Membase answered 2xx with a body this library cannot read (not JSON, or the wrong shape)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong with one Membase call, for logs and for the model.
+
+    Attributes:
+        kind: A short machine-readable label (``"access"``, ``"timeout"``, ``"rate_limited"``, ...).
+        sentence: A complete sentence a model can relay to the user.
+    """
+
+    kind: str
+    sentence: str
+
+
+def detail_of(error: BaseException) -> str:
+    """The server's own message for an error, on one line and capped in length."""
+    text = error.message if isinstance(error, membase.MembaseError) else str(error)
+    return clip(text or type(error).__name__, _MAX_DETAIL)
+
+
+def clip(text: str, limit: int) -> str:
+    """Fold ``text`` onto one line without control characters, cut to ``limit`` characters."""
+    folded = " ".join(_CONTROL.sub(" ", text).split())
+    return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"
+
+
+def describe_failure(error: BaseException, *, container_named: bool = False) -> Failure:
+    """Turn an exception from a Membase call into a :class:`Failure`.
+
+    Args:
+        error: What the Membase SDK (or this library, for an unreadable answer) raised.
+        container_named: Whether the failed request named a Memory, so a 400 about it can be
+            told apart from any other 400.
+
+    Returns:
+        The failure's kind and the sentence the model reads.
+    """
+    detail = detail_of(error)
+    # Order matters: APITimeoutError is an APIConnectionError, every status error an APIStatusError.
+    if isinstance(error, (membase.PermissionDeniedError, MembaseAccessError)):
+        return Failure("access", ACCESS_SENTENCE)
+    if isinstance(error, membase.AuthenticationError):
+        return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
+    if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout)):
+        return Failure(
+            "timeout",
+            "Membase did not answer in time (the memory may still be waking up); try again in a minute.",
+        )
+    if isinstance(error, membase.APIConnectionError):
+        return Failure(
+            "connection",
+            f"Membase could not be reached (the connection failed: {detail}); try again in a minute.",
+        )
+    if isinstance(error, membase.BadRequestError):
+        if container_named or "container" in detail.lower():
+            return Failure("bad_container", f"Membase rejected the Memory named in the request: {detail}.")
+        return Failure("bad_request", f"Membase rejected the request as invalid: {detail}.")
+    if isinstance(error, membase.UnprocessableEntityError):
+        return Failure("unavailable", f"This Memory cannot run right now (Membase answered 422: {detail}).")
+    if isinstance(error, membase.RateLimitError):
+        return Failure("rate_limited", "Membase is busy right now (rate limited, 429); try again shortly.")
+    if isinstance(error, membase.NotFoundError):
+        return Failure("not_found", f"Membase could not find what was asked for (404: {detail}).")
+    if isinstance(error, membase.InternalServerError):
+        return Failure(
+            "server_error",
+            f"Membase had an internal error ({error.status}: {detail}); try again in a minute.",
+        )
+    if isinstance(error, (BadResponseError, json.JSONDecodeError)):
+        return Failure("bad_response", f"Membase sent an answer that could not be read ({detail}).")
+    if isinstance(error, membase.APIStatusError):
+        return Failure("http_error", f"Membase answered with an error ({error.status}: {detail}).")
+    return Failure("error", f"The Membase call failed ({type(error).__name__}: {detail}).")

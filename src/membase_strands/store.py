@@ -1,0 +1,434 @@
+"""``MembaseMemoryStore``: a Strands ``MemoryStore`` over a person's Membase memory."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import membase
+from strands.memory import MemoryEntry, SearchOptions
+from strands.types.content import Message
+
+from ._containers import Container, ContainerResolver, match, parse_containers
+from ._formatting import SearchAnswer, memory_entries, parse_search
+from ._recall import TimeBoxedRecall
+from ._threads import start_daemon, wait_for_future
+from .errors import ACCESS_SENTENCE, MembaseAccessError, detail_of
+
+if TYPE_CHECKING:
+    from strands.memory import ExtractionConfig
+    from strands.types.tools import AgentTool
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "https://api.app.membase.com"
+DEFAULT_SEARCH_RESULTS = 5
+MAX_SEARCH_RESULTS = 50
+MAX_QUERY_CHARS = 2000
+TOOL_NAMES = ("search", "save", "profile")
+ROLES = ("user", "assistant")
+
+_DEFAULT_DESCRIPTION = (
+    "Long-term memory from Membase: what the user's Memories hold from earlier conversations, notes and documents."
+)
+
+
+class MembaseMemoryStore:
+    """A Strands memory store backed by Membase.
+
+    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for
+    memory: that recall is time-boxed (``recall_timeout``) and fails open, so a slow or unreachable
+    Membase costs a turn at most the budget. The model also gets three tools (``membase_search``,
+    ``membase_save``, ``membase_profile``). Writing every turn is opt-in (``capture=True``).
+
+    Building a store makes no network call. All arguments are keyword-only.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: membase.Membase | None = None,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        local: str | os.PathLike[str] | None = None,
+        container: str | None = None,
+        name: str = "membase",
+        description: str | None = None,
+        max_search_results: int | None = None,
+        recall_timeout: float | None = 8.0,
+        capture: bool = False,
+        extraction: ExtractionConfig | bool | None = None,
+        capture_roles: Iterable[str] | str = ("user",),
+        tools: Iterable[str] = TOOL_NAMES,
+    ) -> None:
+        """Create a store.
+
+        Args:
+            client: A ready ``membase.Membase`` client. The store never closes a client it was given.
+            api_key: The Membase API key, when no ``client`` is given. Defaults to ``MEMBASE_API_KEY``.
+            base_url: The Membase host. Defaults to ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``.
+            local: A directory for local Membase (needs Python 3.12+ and ``membase-strands[local]``).
+            container: One Memory, by name (any case) or id, to search and write to. ``None``
+                searches every Memory in the key's reach.
+            name: The store's name in the ``MemoryManager``.
+            description: The sentence the manager shows the model about this store.
+            max_search_results: Passages per search when the caller gives no number (1-50; default 5).
+            recall_timeout: Seconds the automatic recall may take before the turn goes on without
+                memory; ``None`` waits as long as the SDK does.
+            capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
+            extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
+            capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
+            tools: Which of ``"search"``, ``"save"`` and ``"profile"`` to give the model.
+
+        Raises:
+            ValueError: An option is invalid; the message names it.
+        """
+        self.name = _check_name(name)
+        self.description = description if description is not None else _describe(container)
+        self.max_search_results = _check_limit_option(max_search_results)
+        self._recall_timeout = _check_timeout("recall_timeout", recall_timeout)
+        if not isinstance(capture, bool):
+            raise ValueError(f"capture must be True or False, got {capture!r}")
+        if extraction not in (None, False) and not capture:
+            raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
+        self._capture = capture
+        self.extraction = extraction
+        self._capture_roles = _check_roles(capture_roles)
+        self._tool_names = _check_tools(tools)
+        if container is not None and (not isinstance(container, str) or not container.strip()):
+            raise ValueError(f"container must be a Memory name or id, got {container!r}")
+        self._container = container
+
+        self._client, self._owns_client = _build_client(client, api_key, base_url, local)
+        self._local = local
+        # One attempt per call: the store chooses for itself when a request may be sent again.
+        self._once = _without_retries(self._client)
+        self._resolver = ContainerResolver()
+        self._recall = TimeBoxedRecall(self.name)
+        self._closed = False
+
+    @property
+    def writable(self) -> bool:
+        """Whether the manager may write to this store; the same thing as ``capture``."""
+        return self._capture
+
+    def __repr__(self) -> str:
+        where = (
+            f"local={os.fspath(self._local)!r}" if self._local is not None else f"base_url={self._client.base_url!r}"
+        )
+        return (
+            f"MembaseMemoryStore(name={self.name!r}, {where}, container={self._container!r}, "
+            f"capture={self._capture}, recall_timeout={self._recall_timeout!r})"
+        )
+
+    # --- The MemoryStore protocol -------------------------------------------------------------
+
+    async def initialize(self) -> None:
+        """Check the configuration against Membase before the agent runs, without depending on it.
+
+        With a pinned ``container`` (or capture on) the Memories in reach are listed once, within
+        the recall budget. An unknown or ambiguous Memory name, or capture with several Memories in
+        reach and none pinned, raises here so the mistake shows when the agent is built. If
+        Membase does not answer, the check is left for the first real call.
+
+        Raises:
+            ValueError: The configuration cannot work with the Memories this key reaches.
+        """
+        if self._container is None and not self._capture:
+            return
+        self._check_open()
+        try:
+            containers = await wait_for_future(
+                start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]"),
+                self._recall_timeout if self._recall_timeout is not None else 8.0,
+            )
+        except (asyncio.TimeoutError, membase.MembaseError) as error:
+            logger.warning(
+                "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use",
+                self.name,
+                self._redact(detail_of(error) if isinstance(error, membase.MembaseError) else "no answer in time"),
+            )
+            return
+        if self._container is not None:
+            self._resolver.remember(self._container, match(self._container, containers).id)
+        elif len(containers) > 1:
+            names = ", ".join(f"'{c.name}'" for c in containers)
+            raise ValueError(
+                f"capture=True with several Memories in reach ({names}) needs container= naming the one to write to"
+            )
+
+    async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
+        """Recall passages for ``query``, within ``recall_timeout``.
+
+        Args:
+            query: What to recall; a blank query returns ``[]`` without a request.
+            options: ``max_search_results`` (1-50; more is capped at 50).
+
+        Returns:
+            One entry per passage, ``[Memory name] text``, then one notice per Memory that could not answer.
+
+        Raises:
+            MembaseRecallTimeout: The budget ran out, or a late recall is still running.
+            MembaseAccessError: Membase refused the key (403).
+            ValueError: ``max_search_results`` is not a positive whole number.
+        """
+        self._check_open()
+        if not isinstance(query, str) or not query.strip():
+            return []
+        limit = self.resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
+        client = self._once if self._recall_timeout is not None else self._client
+        text = query.strip()[:MAX_QUERY_CHARS]
+        try:
+            answer = await self._recall.run(
+                lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
+            )
+        except membase.PermissionDeniedError as error:
+            logger.warning(
+                "store=<%s>, reason=<403> | recall refused: this Membase key was narrowed or revoked by its owner; "
+                "the turn goes on without memory",
+                self.name,
+            )
+            raise MembaseAccessError(ACCESS_SENTENCE) from error
+        return memory_entries(answer)
+
+    async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
+        """Save one note (the manager's ``add_memory`` tool and extractor write through this).
+
+        Args:
+            content: The note.
+            metadata: Optional ``title`` (a string) and ``static`` (a bool: ``True`` records a
+                standing fact in the profile). Other keys are ignored.
+
+        Returns:
+            Membase's answer.
+
+        Raises:
+            ValueError: Capture is off, the content is blank, or a metadata flag has the wrong type.
+            MembaseAccessError: Membase refused the key (403).
+            membase.MembaseError: Any other failure, so the manager keeps the write for a retry.
+        """
+        self._require_capture("add")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError("add needs non-blank text content")
+        title, static = _write_flags(metadata)
+        return await self._write(
+            lambda: self._save_blocking(self._once, content, None if static else self._container, static, title)
+        )
+
+    async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
+        """Save the text of a conversation batch as one note (extraction without an extractor).
+
+        Only messages whose role is in ``capture_roles`` are kept; with both roles, each line
+        starts with its role. A batch with no text left sends nothing.
+
+        Returns:
+            Membase's answer, or ``None`` when nothing was sent.
+
+        Raises:
+            ValueError: Capture is off.
+            MembaseAccessError: Membase refused the key (403).
+            membase.MembaseError: Any other failure, so the manager keeps the batch for a retry.
+        """
+        self._require_capture("add_messages")
+        note = self._note_from(messages)
+        if note is None:
+            return None
+        return await self._write(lambda: self._save_blocking(self._once, note, self._container, False, ""))
+
+    def get_tools(self) -> list[AgentTool]:
+        """The model's Membase tools chosen with ``tools=``."""
+        from .tools import build_tools
+
+        return build_tools(self, self._tool_names)
+
+    # --- Lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the client if this store built it; a client passed in is left open. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> MembaseMemoryStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- Shared with the tools ----------------------------------------------------------------
+
+    def resolve_limit(self, limit: Any, option: str) -> int:
+        """The number of passages to ask for: ``limit``, else the store's default, capped at 50.
+
+        Raises:
+            ValueError: ``limit`` is not a whole number of at least 1.
+        """
+        if limit is None:
+            return self.max_search_results
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {limit!r}")
+        return min(limit, MAX_SEARCH_RESULTS)
+
+    def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
+        body = self._resolver.call(client, container, lambda cid: client.search(query, container=cid, limit=limit))
+        return parse_search(body)
+
+    def _save_blocking(
+        self, client: membase.Membase, content: str, container: str | None, static: bool, title: str
+    ) -> Any:
+        return self._resolver.call(
+            client, container, lambda cid: client.memories.add(content, container=cid, static=static, title=title)
+        )
+
+    def _profile_blocking(self, topic: str | None) -> Any:
+        return self._client.profile(q=topic)
+
+    def _memories_in_reach(self) -> list[Container]:
+        return parse_containers(self._once.containers.list())
+
+    def _redact(self, text: str) -> str:
+        key = getattr(self._client, "api_key", "")
+        return text.replace(key, "[redacted]") if key else text
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
+
+    # --- Private helpers ----------------------------------------------------------------------
+
+    def _require_capture(self, method: str) -> None:
+        self._check_open()
+        if not self._capture:
+            raise ValueError(
+                f"{method}: capture is off for store '{self.name}'; "
+                "pass capture=True to let the manager write to Membase"
+            )
+
+    async def _write(self, request: Any) -> Any:
+        try:
+            return await wait_for_future(start_daemon(request, name=f"membase-write[{self.name}]"), None)
+        except membase.PermissionDeniedError as error:
+            logger.warning(
+                "store=<%s>, reason=<403> | write refused: this Membase key was narrowed or revoked", self.name
+            )
+            raise MembaseAccessError(ACCESS_SENTENCE) from error
+
+    def _note_from(self, messages: list[Message]) -> str | None:
+        both = len(self._capture_roles) > 1
+        lines = []
+        for message in messages:
+            role = message.get("role")
+            if role not in self._capture_roles:
+                continue
+            text = "\n".join(block["text"] for block in message.get("content", []) if "text" in block).strip()
+            if text:
+                lines.append(f"{role}: {text}" if both else text)
+        return "\n".join(lines) or None
+
+
+def _build_client(
+    client: membase.Membase | None, api_key: str | None, base_url: str | None, local: str | os.PathLike[str] | None
+) -> tuple[membase.Membase, bool]:
+    if client is not None:
+        if api_key is not None or base_url is not None or local is not None:
+            raise ValueError("client: pass either a ready client or api_key/base_url/local, not both")
+        if not isinstance(client, membase.Membase):
+            raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
+        return client, False
+    if local is not None:
+        if api_key is not None or base_url is not None:
+            raise ValueError("local: local Membase runs on this machine and takes no api_key or base_url")
+        return membase.Membase(local=local), True
+    key = api_key if api_key is not None else os.environ.get("MEMBASE_API_KEY")
+    if key is None and os.environ.get("MEMBASE_LOCAL"):
+        return membase.Membase(), True  # the SDK's own convention: MEMBASE_LOCAL names a local store
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(
+            "api_key: no Membase API key; pass api_key=, set MEMBASE_API_KEY, or pass local=DIR for local memory"
+        )
+    url = base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL
+    return membase.Membase(api_key=key, base_url=url), True
+
+
+def _without_retries(client: membase.Membase) -> membase.Membase:
+    """A view of ``client`` that makes one attempt per call, sharing its connections.
+
+    The SDK retries timeouts, connection errors, 429 and 5xx twice for every method. A recall
+    that ran out of time must hold the in-flight guard for one attempt, not three, and a POST
+    that timed out may already be stored, so neither is retried blindly. The SDK keeps its retry
+    count in ``max_retries`` and its namespaces (``containers``, ``memories``, ...) point back at
+    their client, so the view gets namespaces of its own.
+    """
+    view = copy.copy(client)
+    view.max_retries = 0
+    for namespace in ("containers", "memories", "documents"):
+        if hasattr(client, namespace):
+            setattr(view, namespace, type(getattr(client, namespace))(view))
+    return view
+
+
+def _describe(container: str | None) -> str:
+    if container is None:
+        return _DEFAULT_DESCRIPTION
+    return f"Long-term memory from the user's Membase Memory '{container}': earlier conversations, notes and documents."
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-blank string, got {name!r}")
+    return name
+
+
+def _check_limit_option(value: Any) -> int:
+    if value is None:
+        return DEFAULT_SEARCH_RESULTS
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEARCH_RESULTS:
+        raise ValueError(f"max_search_results must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
+    return value
+
+
+def _check_timeout(option: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def _check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
+    chosen = (roles,) if isinstance(roles, str) else tuple(roles)
+    unknown = [role for role in chosen if role not in ROLES]
+    if unknown or not chosen:
+        raise ValueError(f"capture_roles must name 'user' and/or 'assistant', got {chosen!r}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def _check_tools(tools: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(tools, str):
+        raise ValueError(f"tools must be a list of tool names such as ('search', 'save'), got {tools!r}")
+    chosen = tuple(tools)
+    unknown = [tool for tool in chosen if tool not in TOOL_NAMES]
+    if unknown:
+        raise ValueError(f"tools: unknown tool name(s) {unknown!r}; choose from {', '.join(TOOL_NAMES)}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def _write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
+    if metadata is None:
+        return "", False
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    title = metadata.get("title", "")
+    static = metadata.get("static", False)
+    if not isinstance(title, str):
+        raise ValueError(f"metadata['title'] must be a string, got {type(title).__name__}")
+    if not isinstance(static, bool):
+        raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
+    return title, static

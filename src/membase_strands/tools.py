@@ -1,0 +1,173 @@
+"""The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile``.
+
+Each tool answers in sentences. A Membase failure never raises out of a tool: it becomes a
+sentence the model can relay (a 403, a timeout, a busy memory, ...) in a result whose status is
+``"error"``, so Strands and any tracing see the failure while the model still reads why. There
+is deliberately no tool to delete or forget anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import membase
+from strands import tool
+from strands.types.tools import AgentTool
+
+from ._containers import names_in_reach
+from ._formatting import memory_label, profile_text, search_text
+from .errors import describe_failure
+from .store import MAX_QUERY_CHARS
+
+if TYPE_CHECKING:
+    from .store import MembaseMemoryStore
+
+logger = logging.getLogger(__name__)
+
+SEARCH_DESCRIPTION = (
+    "Search the user's Membase memory: their Memories of earlier conversations, notes and documents. "
+    "Use it when the answer may depend on something the user said or saved before. Results name the "
+    "Memory each passage came from; Memories listed under 'Not searched' could not answer, so a missing "
+    "result from them is not evidence that the fact is unknown."
+)
+SAVE_DESCRIPTION = (
+    "Save a note to the user's Membase memory. Only save when the user asked you to remember something, "
+    "and save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes "
+    "to their profile). If several Memories are in reach and none is named, the tool lists them so you can "
+    "ask the user which one."
+)
+PROFILE_DESCRIPTION = (
+    "Read the user's Membase profile: standing facts about them, their recently changed facts and, with a "
+    "topic, what their memory holds on it."
+)
+
+
+def build_tools(store: MembaseMemoryStore, names: tuple[str, ...]) -> list[AgentTool]:
+    """Build the chosen tools for one store.
+
+    Args:
+        store: The store whose Membase the tools use.
+        names: Which of ``"search"``, ``"save"`` and ``"profile"`` to build, in order.
+
+    Returns:
+        The Strands tools, ready for ``get_tools()``.
+    """
+    makers = {"search": _search_tool, "save": _save_tool, "profile": _profile_tool}
+    return [makers[name](store) for name in names]
+
+
+def _search_tool(store: MembaseMemoryStore) -> AgentTool:
+    def membase_search(query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
+        """Search the user's Membase memory.
+
+        Args:
+            query: What to look for, in plain words.
+            container: The name of one Memory to search. Omit to search every Memory in reach.
+            limit: How many passages to return, 1 to 50.
+        """
+        if not query.strip():
+            return _error("Nothing was searched: the query was empty.")
+        try:
+            count = store.resolve_limit(limit, "limit")
+        except ValueError as error:
+            return _error(f"Nothing was searched: {error}.")
+        target = container or store._container
+        text = query.strip()[:MAX_QUERY_CHARS]
+        try:
+            # The tool waits for the SDK's own timeout and retries: a cold start still gets an answer.
+            answer = store._search_blocking(store._client, text, count, target)
+        except ValueError as error:
+            return _error(f"Nothing was searched: {error}.")
+        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+            return _failed(store, "membase_search", error, container_named=target is not None)
+        return _ok(search_text(text, answer))
+
+    return tool(name="membase_search", description=SEARCH_DESCRIPTION)(membase_search)
+
+
+def _save_tool(store: MembaseMemoryStore) -> AgentTool:
+    def membase_save(content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
+        """Save a note the user asked you to remember.
+
+        Args:
+            content: What to remember, in the user's own words.
+            container: The name of the Memory to save to. Omit when only one Memory is in reach.
+            standing_fact: True for a lasting fact about the user, kept in their profile.
+        """
+        if not content.strip():
+            return _error("Nothing was saved: the content was empty.")
+        target = None if standing_fact else (container or store._container)
+        try:
+            # One attempt: a save that timed out may already be stored, so it is never resent blindly.
+            store._save_blocking(store._once, content, target, standing_fact, "")
+        except ValueError as error:
+            return _error(f"Nothing was saved: {error}.")
+        except membase.BadRequestError as error:
+            if target is None and not standing_fact:
+                several = _several_memories(store)
+                if several:
+                    return _error(
+                        f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
+                        "then call membase_save again with container set to its name."
+                    )
+            return _failed(store, "membase_save", error, container_named=target is not None)
+        except membase.APITimeoutError as error:
+            _failed(store, "membase_save", error)
+            return _error(
+                "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
+                "after checking with membase_search that it is not already there."
+            )
+        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+            return _failed(store, "membase_save", error, container_named=target is not None)
+        if standing_fact:
+            return _ok("Saved as a standing fact in the user's Membase profile.")
+        where = f"the Memory '{memory_label(target)}'" if target else "Membase"
+        return _ok(f"Saved to {where}.")
+
+    return tool(name="membase_save", description=SAVE_DESCRIPTION)(membase_save)
+
+
+def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
+    def membase_profile(topic: str | None = None) -> dict[str, Any]:
+        """Read the user's Membase profile.
+
+        Args:
+            topic: Optionally, a topic to look up in the user's memory as well.
+        """
+        wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
+        try:
+            return _ok(profile_text(store._profile_blocking(wanted), wanted))
+        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+            return _failed(store, "membase_profile", error)
+
+    return tool(name="membase_profile", description=PROFILE_DESCRIPTION)(membase_profile)
+
+
+def _several_memories(store: MembaseMemoryStore) -> str | None:
+    try:
+        containers = store._memories_in_reach()
+    except Exception:  # noqa: BLE001 - only a better sentence is at stake
+        return None
+    return names_in_reach(containers) if len(containers) > 1 else None
+
+
+def _failed(
+    store: MembaseMemoryStore, tool_name: str, error: BaseException, *, container_named: bool = False
+) -> dict[str, Any]:
+    failure = describe_failure(error, container_named=container_named)
+    logger.warning(
+        "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
+        store.name,
+        tool_name,
+        failure.kind,
+    )
+    return _error(store._redact(failure.sentence))
+
+
+def _ok(text: str) -> dict[str, Any]:
+    return {"status": "success", "content": [{"text": text}]}
+
+
+def _error(text: str) -> dict[str, Any]:
+    return {"status": "error", "content": [{"text": text}]}

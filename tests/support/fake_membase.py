@@ -1,0 +1,213 @@
+"""An in-memory Membase that answers the REST routes the SDK uses, over ``httpx.MockTransport``.
+
+It really stores notes and searches them (by shared words), so tests assert on behaviour, and it
+records every request. Faults are injected per route with :meth:`FakeMembase.on`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import membase
+
+API_KEY = "mb_test_key_5ecr3t_do_not_log"
+BASE_URL = "https://membase.test"
+
+Responder = Callable[[httpx.Request], httpx.Response]
+
+
+@dataclass
+class Recorded:
+    """One request that reached the fake."""
+
+    method: str
+    path: str
+    body: Any
+    params: dict[str, str]
+
+
+@dataclass
+class Note:
+    content: str
+    container: str
+    title: str = ""
+
+
+@dataclass
+class FakeMembase:
+    """The Membase API, in memory."""
+
+    containers: list[dict[str, Any]] = field(default_factory=lambda: [{"id": "ctr_main", "name": "Main"}])
+    notes: list[Note] = field(default_factory=list)
+    standing: list[str] = field(default_factory=list)
+    unsearchable: dict[str, str] = field(default_factory=dict)
+    requests: list[Recorded] = field(default_factory=list)
+    _faults: dict[tuple[str, str], list[Responder]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # --- Test controls --------------------------------------------------------------------------
+
+    def remember(self, content: str, container: str = "ctr_main") -> None:
+        """Seed a note, as if saved earlier."""
+        self.notes.append(Note(content=content, container=container))
+
+    def on(self, method: str, path: str, *responders: Responder) -> None:
+        """Answer the next requests to ``method path`` with ``responders``, one each, in order."""
+        self._faults.setdefault((method, path), []).extend(responders)
+
+    def always(self, method: str, path: str, responder: Responder) -> None:
+        """Answer every request to ``method path`` with ``responder``."""
+        self._faults[(method, path)] = _Repeat(responder)  # type: ignore[assignment]
+
+    def heal(self) -> None:
+        """Drop every injected fault."""
+        self._faults.clear()
+
+    def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
+        """The recorded requests, optionally only those to one route."""
+        with self._lock:
+            return [r for r in self.requests if (method in (None, r.method)) and (path in (None, r.path))]
+
+    def client(self, **kwargs: Any) -> membase.Membase:
+        """A real ``membase.Membase`` client whose transport is this fake."""
+        http = httpx.Client(base_url=BASE_URL, transport=httpx.MockTransport(self.handle))
+        return membase.Membase(api_key=API_KEY, base_url=BASE_URL, http_client=http, **kwargs)
+
+    # --- The transport --------------------------------------------------------------------------
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        raw = request.read()
+        body = json.loads(raw) if raw else None
+        with self._lock:
+            self.requests.append(
+                Recorded(request.method, request.url.path, body, dict(request.url.params.multi_items()))
+            )
+            queued = self._faults.get((request.method, request.url.path))
+            responder = None
+            if isinstance(queued, _Repeat):
+                responder = queued.responder
+            elif queued:
+                responder = queued.pop(0)
+        if responder is not None:
+            return responder(request)
+        return self._route(request.method, request.url.path, body, dict(request.url.params))
+
+    def _route(self, method: str, path: str, body: Any, params: dict[str, str]) -> httpx.Response:
+        if (method, path) == ("GET", "/v1/containers"):
+            return httpx.Response(200, json={"containers": self.containers})
+        if (method, path) == ("POST", "/v1/search"):
+            return self._search(body)
+        if (method, path) == ("POST", "/v1/memories"):
+            return self._add(body)
+        if (method, path) == ("GET", "/v1/profile"):
+            topic = params.get("q")
+            out: dict[str, Any] = {"static": list(self.standing), "dynamic": [], "available": True}
+            out["dynamic"] = [{"content": n.content, "updated_at": "2026-11-01T00:00:00Z"} for n in self.notes[-3:]]
+            if topic:
+                out["results"] = self._hits(topic, None, 5)
+            return httpx.Response(200, json=out)
+        return error(404, "not_found", f"no route {method} {path}")
+
+    def _search(self, body: dict[str, Any]) -> httpx.Response:
+        q, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
+        if limit is not None and not 1 <= limit <= 50:
+            return error(400, "bad_request", "limit must be 1-50")
+        if container is not None and container not in {c["id"] for c in self.containers}:
+            return error(403, "unauthorized", f"container {container!r} is not in reach")
+        targets = [c for c in self.containers if container in (None, c["id"])]
+        return httpx.Response(
+            200,
+            json={
+                "query": q,
+                "results": self._hits(q, container, limit or 8),
+                "containers": [
+                    {"id": c["id"], "name": c["name"], **({"error": self.unsearchable[c["id"]]} if c["id"] in self.unsearchable else {})}
+                    for c in targets
+                ],
+            },
+        )
+
+    def _hits(self, q: str, container: str | None, limit: int) -> list[dict[str, Any]]:
+        words = set(_words(q))
+        names = {c["id"]: c["name"] for c in self.containers}
+        scored = []
+        for note in self.notes:
+            if container not in (None, note.container) or note.container in self.unsearchable:
+                continue
+            overlap = len(words & set(_words(note.content)))
+            if overlap:
+                scored.append((overlap, note))
+        scored.sort(key=lambda pair: -pair[0])
+        return [
+            {
+                "content": note.content,
+                "container": note.container,
+                "container_name": names.get(note.container, note.container),
+                "score": float(overlap),
+                "source": "episode",
+                "title": note.title,
+            }
+            for overlap, note in scored[:limit]
+        ]
+
+    def _add(self, body: dict[str, Any]) -> httpx.Response:
+        content = body.get("content") or ""
+        if not content.strip():
+            return error(400, "bad_request", "content is required")
+        if body.get("static"):
+            self.standing.append(content)
+            return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
+        container = body.get("container")
+        if container is None:
+            if len(self.containers) != 1:
+                return error(400, "bad_request", "several containers are in reach; name one")
+            container = self.containers[0]["id"]
+        elif container not in {c["id"] for c in self.containers}:
+            return error(403, "unauthorized", f"container {container!r} is not in reach")
+        self.notes.append(Note(content=content, container=container, title=body.get("title") or ""))
+        return httpx.Response(200, json={"memory_id": f"{container}:{len(self.notes)}", "container": container})
+
+
+@dataclass
+class _Repeat:
+    responder: Responder
+
+
+def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """A Membase error envelope. Retry-After 0 keeps the SDK's retries instant in tests."""
+    body = {"error": {"code": code, "message": message, "details": None, "retryable": status == 429, "trace_id": ""}}
+    return httpx.Response(status, json=body, headers={"Retry-After": "0", **(headers or {})})
+
+
+def status(code: int, message: str = "refused", headers: dict[str, str] | None = None) -> Responder:
+    """A responder answering ``code`` with Membase's error envelope."""
+    return lambda request: error(code, "error", message, headers)
+
+
+def hang(release: threading.Event, then: Responder | None = None, limit: float = 30.0) -> Responder:
+    """A responder that blocks until ``release`` is set (at most ``limit`` s), then answers with ``then``.
+
+    Without ``then`` it raises a read timeout, as httpx would for a host that never answered.
+    """
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        release.wait(limit)
+        if then is None:
+            raise httpx.ReadTimeout("timed out", request=request)
+        return then(request)
+
+    return respond
+
+
+def refuse_connection(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 2]
