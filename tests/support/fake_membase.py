@@ -126,12 +126,15 @@ class FakeMembase:
             json={
                 "query": q,
                 "results": self._hits(q, container, limit or 8),
-                "containers": [
-                    {"id": c["id"], "name": c["name"], **({"error": self.unsearchable[c["id"]]} if c["id"] in self.unsearchable else {})}
-                    for c in targets
-                ],
+                "containers": [self._answered(c) for c in targets],
             },
         )
+
+    def _answered(self, container: dict[str, Any]) -> dict[str, Any]:
+        row = {"id": container["id"], "name": container["name"]}
+        if container["id"] in self.unsearchable:
+            row["error"] = self.unsearchable[container["id"]]
+        return row
 
     def _hits(self, q: str, container: str | None, limit: int) -> list[dict[str, Any]]:
         words = set(_words(q))
