@@ -7,7 +7,7 @@ a time box so a slow memory never holds the turn, and gets the ``membase_search`
 """
 
 from ._version import __version__
-from .errors import MembaseAccessError, MembaseRecallTimeout
+from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 from .store import MembaseMemoryStore
 
-__all__ = ["MembaseAccessError", "MembaseMemoryStore", "MembaseRecallTimeout", "__version__"]
+__all__ = ["MembaseAccessError", "MembaseMemoryStore", "MembaseRecallTimeout", "MembaseWriteTimeout", "__version__"]

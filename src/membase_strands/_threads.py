@@ -19,12 +19,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def start_daemon(fn: Callable[[], T], *, name: str) -> Future[T]:
+def start_daemon(fn: Callable[[], T], *, name: str, future: Future[T] | None = None) -> Future[T]:
     """Run ``fn`` on a new daemon thread and return a future for its outcome.
 
     The caller's context variables (for example the current tracing span) go with the call.
+    Pass ``future`` to settle a future the caller already made (and shared) instead of a new one.
     """
-    future: Future[T] = Future()
+    future = future if future is not None else Future()
     context = contextvars.copy_context()
 
     def run() -> None:

@@ -42,6 +42,14 @@ class MembaseRecallTimeout(TimeoutError):
     """
 
 
+class MembaseWriteTimeout(TimeoutError):
+    """A captured write ran out of its time budget.
+
+    The manager keeps the batch and retries it later; the request itself goes on in the
+    background, and if it succeeds the retry sends nothing new.
+    """
+
+
 class BadResponseError(membase.MembaseError):
     """Membase answered 2xx with a body this library cannot read (not JSON, or the wrong shape)."""
 
@@ -88,7 +96,7 @@ def describe_failure(error: BaseException, *, container_named: bool = False) -> 
         return Failure("access", ACCESS_SENTENCE)
     if isinstance(error, membase.AuthenticationError):
         return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
-    if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout)):
+    if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout, MembaseWriteTimeout)):
         return Failure(
             "timeout",
             "Membase did not answer in time (the memory may still be waking up); try again in a minute.",

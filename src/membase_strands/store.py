@@ -18,6 +18,7 @@ from ._containers import Container, ContainerResolver, match, parse_containers
 from ._formatting import SearchAnswer, memory_entries, parse_search
 from ._recall import TimeBoxedRecall
 from ._threads import start_daemon, wait_for_future
+from ._writes import Part, WriteRecord, fingerprint
 from .errors import ACCESS_SENTENCE, MembaseAccessError, detail_of
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class MembaseMemoryStore:
         description: str | None = None,
         max_search_results: int | None = None,
         recall_timeout: float | None = 8.0,
+        write_timeout: float | None = 5.0,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
         capture_roles: Iterable[str] | str = ("user",),
@@ -80,6 +82,9 @@ class MembaseMemoryStore:
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             recall_timeout: Seconds the automatic recall may take before the turn goes on without
                 memory; ``None`` waits as long as the SDK does.
+            write_timeout: Seconds a captured write (``add``, ``add_messages``) may hold the caller
+                before it raises so the manager keeps the batch for a retry; the request goes on
+                in the background and is never sent twice. ``None`` waits for one full attempt.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
@@ -92,6 +97,7 @@ class MembaseMemoryStore:
         self.description = description if description is not None else _describe(container)
         self.max_search_results = _check_limit_option(max_search_results)
         self._recall_timeout = _check_timeout("recall_timeout", recall_timeout)
+        self._write_timeout = _check_timeout("write_timeout", write_timeout)
         if not isinstance(capture, bool):
             raise ValueError(f"capture must be True or False, got {capture!r}")
         if extraction not in (None, False) and not capture:
@@ -110,6 +116,7 @@ class MembaseMemoryStore:
         self._once = _without_retries(self._client)
         self._resolver = ContainerResolver()
         self._recall = TimeBoxedRecall(self.name)
+        self._writes = WriteRecord(self.name)
         self._closed = False
 
     @property
@@ -216,8 +223,10 @@ class MembaseMemoryStore:
         if not isinstance(content, str) or not content.strip():
             raise ValueError("add needs non-blank text content")
         title, static = _write_flags(metadata)
+        target = None if static else self._container
+        part = Part(key=fingerprint("add", target, static, title, content), text=content)
         return await self._write(
-            lambda: self._save_blocking(self._once, content, None if static else self._container, static, title)
+            [part], lambda parts: self._save_blocking(self._once, parts[0].text, target, static, title)
         )
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
@@ -235,10 +244,13 @@ class MembaseMemoryStore:
             membase.MembaseError: Any other failure, so the manager keeps the batch for a retry.
         """
         self._require_capture("add_messages")
-        note = self._note_from(messages)
-        if note is None:
+        parts = self._parts_of(messages, getattr(context, "sequence_numbers", None))
+        if not parts:
             return None
-        return await self._write(lambda: self._save_blocking(self._once, note, self._container, False, ""))
+        return await self._write(
+            parts,
+            lambda todo: self._save_blocking(self._once, "\n".join(p.text for p in todo), self._container, False, ""),
+        )
 
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``."""
@@ -311,26 +323,33 @@ class MembaseMemoryStore:
                 "pass capture=True to let the manager write to Membase"
             )
 
-    async def _write(self, request: Any) -> Any:
+    async def _write(self, parts: list[Part], send: Any) -> Any:
         try:
-            return await wait_for_future(start_daemon(request, name=f"membase-write[{self.name}]"), None)
+            return await self._writes.write(parts, send, self._write_timeout)
         except membase.PermissionDeniedError as error:
             logger.warning(
                 "store=<%s>, reason=<403> | write refused: this Membase key was narrowed or revoked", self.name
             )
             raise MembaseAccessError(ACCESS_SENTENCE) from error
 
-    def _note_from(self, messages: list[Message]) -> str | None:
-        both = len(self._capture_roles) > 1
-        lines = []
-        for message in messages:
+    def _parts_of(self, messages: list[Message], sequence_numbers: list[int] | None) -> list[Part]:
+        """The captured lines of a batch, each with the identity that survives the manager's retries."""
+        numbers = sequence_numbers if sequence_numbers and len(sequence_numbers) == len(messages) else None
+        prefix = len(self._capture_roles) > 1
+        parts = []
+        for index, message in enumerate(messages):
             role = message.get("role")
-            if role not in self._capture_roles:
+            blocks = [block for block in message.get("content", []) if "text" in block]
+            text = "\n".join(block["text"] for block in blocks).strip()
+            if role not in self._capture_roles or not text:
                 continue
-            text = "\n".join(block["text"] for block in message.get("content", []) if "text" in block).strip()
-            if text:
-                lines.append(f"{role}: {text}" if both else text)
-        return "\n".join(lines) or None
+            sequence = numbers[index] if numbers is not None else None
+            # The first text block is the same object on every retry of this batch and a new one in a
+            # new agent run; the record holds it, so its id stays unique while the record stands.
+            anchor = blocks[0]
+            key = fingerprint("message", sequence, id(anchor), role, text)
+            parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
+        return parts
 
 
 def _build_client(
