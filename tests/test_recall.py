@@ -1,0 +1,363 @@
+"""Time-boxed, fail-open recall: through a real Agent, directly on the store, and TimeBoxedRecall itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from membase_strands import MembaseRecallTimeout
+from membase_strands._recall import TimeBoxedRecall
+from tests.conftest import make_agent
+from tests.support.fake_membase import API_KEY, hang, status
+from tests.support.store_helpers import (
+    FACT,
+    QUESTION,
+    RECALL_THREAD,
+    Gates,
+    delayed,
+    gates_fixture,
+    membase_threads,
+    routed,
+    wait_until,
+)
+
+BUDGET = 0.3
+SLACK = 2.0  # loaded 2-core machines
+
+
+@pytest.fixture
+def gates() -> Iterator[Gates]:
+    yield from gates_fixture()
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= level]
+
+
+def timed(fn, *args):
+    started = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - started
+
+
+# --- Through a real Agent -----------------------------------------------------------------------
+
+
+def test_a_stalled_recall_never_holds_a_synchronous_turn(fake, make_store, gates, caplog, no_key_in_logs):
+    fake.remember(FACT)
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
+    store = make_store(recall_timeout=BUDGET)
+    agent, model = make_agent(store, ["Without memory.", "Still without.", "Again without.", "With memory."])
+
+    # The first turn runs out of its budget and goes on without memory.
+    result, elapsed = timed(agent, QUESTION)
+    assert "Without memory." in str(result)
+    assert elapsed < BUDGET + SLACK
+    assert model.memory_block() is None
+    assert any("ran out of time" in m for m in messages(caplog, logging.WARNING))
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+    # While the late request still runs, the next turns skip recall at once, with no new request.
+    for _ in range(2):
+        _, elapsed = timed(agent, QUESTION)
+        assert elapsed < 1.0
+        assert model.memory_block() is None
+    assert len(fake.sent("POST", "/v1/search")) == 1
+    assert len(membase_threads(RECALL_THREAD)) <= 1
+
+    # The late request ends: its outcome is logged and recall resumes.
+    stall.set()
+    assert wait_until(lambda: any("late recall finished" in m for m in messages(caplog)))
+    assert wait_until(lambda: not store._recall.waking)
+    agent(QUESTION)
+    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+
+
+def test_a_late_recall_that_fails_is_logged_and_recall_resumes(fake, make_store, gates, caplog):
+    fake.remember(FACT)
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall))  # then: a read timeout, as from a host that never answered
+    store = make_store(recall_timeout=BUDGET)
+    agent, model = make_agent(store, ["Without memory.", "With memory."])
+
+    agent(QUESTION)
+    stall.set()
+
+    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog, logging.WARNING)))
+    assert wait_until(lambda: not store._recall.waking)
+    # One SDK attempt: the late recall was not retried while it held the guard.
+    assert len(fake.sent("POST", "/v1/search")) == 1
+    agent(QUESTION)
+    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+
+
+def test_a_late_recall_holds_the_guard_for_one_attempt_only(fake, make_store, gates):
+    stall = gates.new()
+    # A host that fails with 503 after the budget: the SDK would retry it twice; the store must not.
+    fake.always("POST", "/v1/search", hang(stall, then=status(503)))
+    store = make_store(recall_timeout=BUDGET)
+    agent, _ = make_agent(store, ["ok"])
+
+    agent(QUESTION)
+    stall.set()
+
+    assert wait_until(lambda: not store._recall.waking, timeout=3.0)
+    time.sleep(0.2)
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+def test_repeated_stalled_turns_leave_at_most_one_recall_thread(fake, make_store, gates):
+    stall = gates.new()
+    fake.always("POST", "/v1/search", hang(stall, then=routed(fake)))
+    store = make_store(recall_timeout=BUDGET)
+    agent, _ = make_agent(store)
+
+    for _ in range(4):
+        agent(QUESTION)
+
+    assert len([t for t in membase_threads(RECALL_THREAD) if store.name in t.name]) == 1
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+async def test_two_healthy_recalls_at_once_on_one_store_both_run(fake, make_store):
+    fake.remember("We chose Postgres for the ledger.")
+    fake.remember("Deploys happen on Tuesdays.")
+    barrier = threading.Barrier(2, timeout=4.0)
+    broke: list[bool] = []
+    answer = delayed(fake, 0.2)
+
+    def together(request):
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            broke.append(True)
+        return answer(request)
+
+    fake.always("POST", "/v1/search", together)
+    store = make_store(recall_timeout=6.0)
+    first, first_model = make_agent(store, ["Postgres."])
+    second, second_model = make_agent(store, ["Tuesdays."])
+
+    await asyncio.gather(
+        first.invoke_async("Which database did we choose for the ledger?"),
+        second.invoke_async("When do deploys happen?"),
+    )
+
+    assert not broke, "the two recalls did not run at the same time"
+    assert "[Main] We chose Postgres for the ledger." in (first_model.memory_block() or "")
+    assert "[Main] Deploys happen on Tuesdays." in (second_model.memory_block() or "")
+    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert not store._recall.waking
+
+
+def test_without_a_budget_recall_waits_for_the_sdk(fake, make_store, caplog):
+    fake.remember(FACT)
+    fake.on("POST", "/v1/search", delayed(fake, 0.6))
+    agent, model = make_agent(make_store(recall_timeout=None), ["Postgres."])
+
+    agent(QUESTION)
+
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+    assert not any("ran out of time" in m for m in messages(caplog))
+
+
+def test_without_a_budget_recall_uses_the_sdks_retries(fake, make_store):
+    fake.remember(FACT)
+    fake.on("POST", "/v1/search", status(503))
+    agent, model = make_agent(make_store(recall_timeout=None), ["Postgres."])
+
+    agent(QUESTION)
+
+    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+
+
+async def test_search_past_its_budget_raises_then_skips_without_a_request(fake, make_store, gates):
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
+    store = make_store(recall_timeout=BUDGET)
+
+    started = time.monotonic()
+    with pytest.raises(MembaseRecallTimeout) as raised:
+        await store.search(QUESTION)
+    assert time.monotonic() - started < BUDGET + SLACK
+    assert isinstance(raised.value, TimeoutError)
+    assert API_KEY not in str(raised.value)
+
+    started = time.monotonic()
+    with pytest.raises(MembaseRecallTimeout):
+        await store.search("another question about the ledger")
+    assert time.monotonic() - started < 1.0
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+async def test_a_healthy_search_within_budget_leaves_no_guard(fake, make_store):
+    fake.remember(FACT)
+    store = make_store(recall_timeout=5.0)
+
+    for _ in range(3):
+        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
+
+    assert not store._recall.waking
+    assert len(fake.sent("POST", "/v1/search")) == 3
+
+
+@pytest.mark.xfail(
+    reason="BUG: a late recall's failure is logged with the server's raw message, unredacted (_recall.py release)",
+    strict=True,
+)
+def test_a_late_failure_that_echoes_the_key_does_not_log_it(fake, make_store, gates, caplog):
+    caplog.set_level(logging.DEBUG)
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall, then=status(403, f"unknown key {API_KEY}")))
+    store = make_store(recall_timeout=BUDGET)
+    agent, _ = make_agent(store)
+
+    agent(QUESTION)
+    stall.set()
+
+    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog)))
+    assert not any(API_KEY in m for m in messages(caplog))
+
+
+@pytest.mark.xfail(
+    reason="BUG: search() lets non-403 Membase errors through with the server's raw text; the manager logs it",
+    strict=True,
+)
+def test_a_recall_error_that_echoes_the_key_does_not_log_it(fake, make_store, caplog):
+    caplog.set_level(logging.DEBUG)
+    fake.on("POST", "/v1/search", status(401, f"bad bearer {API_KEY}"))
+    agent, model = make_agent(make_store())
+
+    agent(QUESTION)
+
+    assert model.memory_block() is None
+    assert not any(API_KEY in m for m in messages(caplog))
+
+
+# --- TimeBoxedRecall ----------------------------------------------------------------------------
+
+
+class Counter:
+    def __init__(self, gate: threading.Event | None = None, result: object = "answer") -> None:
+        self.calls = 0
+        self.gate = gate
+        self.result = result
+        self._lock = threading.Lock()
+
+    def __call__(self) -> object:
+        with self._lock:
+            self.calls += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+async def test_a_recall_within_budget_returns_its_answer_and_holds_no_guard():
+    recall = TimeBoxedRecall("unit")
+    request = Counter()
+
+    assert await recall.run(request, 5.0) == "answer"
+    assert await recall.run(request, 5.0) == "answer"
+    assert request.calls == 2
+    assert not recall.waking
+
+
+async def test_an_error_within_budget_is_raised_and_holds_no_guard():
+    recall = TimeBoxedRecall("unit")
+
+    with pytest.raises(ValueError, match="boom"):
+        await recall.run(Counter(result=ValueError("boom")), 5.0)
+
+    assert not recall.waking
+    assert await recall.run(Counter(), 5.0) == "answer"
+
+
+async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(gates, caplog):
+    caplog.set_level(logging.INFO)
+    recall = TimeBoxedRecall("unit")
+    stall = gates.new()
+    late = Counter(stall)
+
+    with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
+        await recall.run(late, BUDGET)
+    assert recall.waking
+    assert any("ran out of time" in m for m in messages(caplog, logging.WARNING))
+
+    skipped = Counter()
+    started = time.monotonic()
+    with pytest.raises(MembaseRecallTimeout, match="still running"):
+        await recall.run(skipped, BUDGET)
+    assert time.monotonic() - started < 1.0
+    assert skipped.calls == 0
+
+    stall.set()
+    assert wait_until(lambda: not recall.waking)
+    assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
+    assert await recall.run(skipped, 5.0) == "answer"
+    assert skipped.calls == 1
+
+
+async def test_concurrent_healthy_runs_both_execute():
+    recall = TimeBoxedRecall("unit")
+    barrier = threading.Barrier(2, timeout=4.0)
+
+    def request() -> str:
+        barrier.wait()
+        return threading.current_thread().name
+
+    names = await asyncio.gather(recall.run(request, 6.0), recall.run(request, 6.0))
+
+    assert names == ["membase-recall[unit]", "membase-recall[unit]"]
+    assert not recall.waking
+
+
+async def test_a_late_failure_is_logged_at_warning(gates, caplog):
+    caplog.set_level(logging.DEBUG)
+    recall = TimeBoxedRecall("unit")
+    stall = gates.new()
+
+    with pytest.raises(MembaseRecallTimeout):
+        await recall.run(Counter(stall, result=ConnectionError("host went away")), BUDGET)
+    stall.set()
+
+    assert wait_until(lambda: not recall.waking)
+    failed = [r for r in caplog.records if "late recall failed" in r.getMessage()]
+    assert len(failed) == 1
+    assert failed[0].levelno == logging.WARNING
+    assert "host went away" in failed[0].getMessage()
+
+
+async def test_no_budget_waits_as_long_as_the_request_takes():
+    recall = TimeBoxedRecall("unit")
+
+    def slow() -> str:
+        time.sleep(0.5)
+        return "late but welcome"
+
+    assert await recall.run(slow, None) == "late but welcome"
+    assert not recall.waking
+
+
+def test_a_timed_out_run_does_not_hold_asyncio_run(gates):
+    recall = TimeBoxedRecall("unit")
+    stall = gates.new()
+
+    started = time.monotonic()
+    with pytest.raises(MembaseRecallTimeout):
+        asyncio.run(recall.run(Counter(stall), BUDGET))
+    assert time.monotonic() - started < BUDGET + SLACK
+    # The loop is gone; the late request finishes later without anyone waiting for it.
+    stall.set()
+    assert wait_until(lambda: not recall.waking)
+    assert asyncio.run(recall.run(Counter(), 5.0)) == "answer"
