@@ -18,7 +18,8 @@ from .errors import BadResponseError, clip
 _NAME_LIMIT = 80
 _REASON_LIMIT = 200
 _BRACKETS = str.maketrans({"[": "(", "]": ")"})
-_DROP = {c: None for c in range(32) if chr(c) not in "\n\t"} | {0x7F: None}
+# C0 controls but newline and tab, DEL, and the C1 controls (terminal escapes such as CSI U+009B).
+_DROP = {c: None for c in [*range(32), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,36 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
         for u in answer.unsearched
     ]
     return entries
+
+
+CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
+
+
+def fit_to_budget(entries: list[MemoryEntry], limit: int | None) -> list[MemoryEntry]:
+    """Keep the passages that fit in ``limit`` characters, best first, each whole.
+
+    A passage that does not fit in the room left is skipped and smaller ones after it may still
+    fit. Only when not even the best passage fits on its own is it cut, with a visible marker, so a
+    recall never comes back empty because of the budget. Notices about Memories that could not
+    answer are short and always kept.
+    """
+    if limit is None:
+        return entries
+    kept: list[MemoryEntry] = []
+    used = 0
+    for entry in entries:
+        metadata = entry.metadata or {}
+        size = len(entry.content)
+        if metadata.get("unsearched"):
+            kept.append(entry)
+        elif used + size <= limit:
+            kept.append(entry)
+            used += size
+        elif used == 0:
+            cut = entry.content[: limit - len(CUT_MARKER)].rstrip() + CUT_MARKER
+            kept.append(MemoryEntry(content=cut, metadata={**metadata, "cut": True}))
+            used = limit
+    return kept
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:

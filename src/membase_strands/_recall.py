@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
 from .errors import MembaseRecallTimeout, detail_of
 
@@ -30,13 +31,17 @@ T = TypeVar("T")
 class TimeBoxedRecall:
     """Runs blocking recall requests on daemon threads within a time budget, one late request at a time."""
 
-    def __init__(self, store_name: str) -> None:
+    def __init__(self, store_name: str, counters: Counters | None = None, redact: Callable[[str], str] = str) -> None:
         """Create the time box for one store.
 
         Args:
             store_name: The store's name, for log lines and thread names.
+            counters: Where to count timeouts, skips and late completions.
+            redact: Masks secrets in the text of a late failure before it is logged.
         """
         self._store_name = store_name
+        self._counters = counters if counters is not None else Counters()
+        self._redact = redact
         self._lock = threading.Lock()
         self._late: set[Future[object]] = set()
 
@@ -63,6 +68,7 @@ class TimeBoxedRecall:
         """
         with self._lock:
             if self._late:
+                self._counters.add("recall_skipped")
                 logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
                 raise MembaseRecallTimeout(
                     "Membase recall skipped: an earlier recall that ran out of time is still running "
@@ -73,6 +79,7 @@ class TimeBoxedRecall:
         try:
             return await wait_for_future(future, budget)
         except asyncio.TimeoutError:
+            self._counters.add("recall_timeouts")
             self._hold_guard(future, started)
             logger.warning(
                 "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
@@ -92,6 +99,7 @@ class TimeBoxedRecall:
         def release(done: Future[object]) -> None:
             with self._lock:
                 self._late.discard(done)
+            self._counters.add("recall_late_completions")
             elapsed = time.monotonic() - started
             error = done.exception()
             if error is None:
@@ -105,7 +113,7 @@ class TimeBoxedRecall:
                     "store=<%s>, elapsed=<%.1f s>, reason=<%s> | late recall failed; automatic recall resumes",
                     self._store_name,
                     elapsed,
-                    detail_of(error),
+                    self._redact(detail_of(error)),
                 )
 
         late.add_done_callback(release)

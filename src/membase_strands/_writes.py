@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
 from .errors import MembaseWriteTimeout
 
@@ -65,6 +66,7 @@ class WriteRecord:
     def __init__(
         self,
         store_name: str,
+        counters: Counters | None = None,
         *,
         size: int = RECORD_SIZE,
         seconds: float = RECORD_SECONDS,
@@ -74,11 +76,13 @@ class WriteRecord:
 
         Args:
             store_name: The store's name, for log lines and thread names.
+            counters: Where to count writes saved, deduplicated and timed out.
             size: How many saved writes to remember at most (oldest forgotten first).
             seconds: How long to remember a saved write.
             clock: The monotonic clock (a parameter so tests can move time).
         """
         self._store_name = store_name
+        self._counters = counters if counters is not None else Counters()
         self._size = size
         self._seconds = seconds
         self._clock = clock
@@ -120,6 +124,7 @@ class WriteRecord:
                 await self._wait(earlier, deadline, "an earlier write of the same content is still running")
         skipped = len(parts) - len(todo)
         if skipped:
+            self._counters.add("writes_deduplicated", skipped)
             logger.debug(
                 "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, skipped
             )
@@ -134,6 +139,7 @@ class WriteRecord:
         try:
             return await wait_for_future(future, remaining)
         except asyncio.TimeoutError:
+            self._counters.add("write_timeouts")
             logger.warning(
                 "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s", self._store_name, what
             )
@@ -145,6 +151,8 @@ class WriteRecord:
 
     def _settle(self, parts: list[Part], done: Future[Any]) -> None:
         failed = done.exception() is not None
+        if not failed:
+            self._counters.add("writes_saved", len(parts))
         now = self._clock()
         with self._lock:
             for part in parts:

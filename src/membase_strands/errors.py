@@ -23,7 +23,7 @@ ACCESS_SENTENCE = (
 )
 
 _MAX_DETAIL = 300
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]+")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 class MembaseAccessError(PermissionError):
@@ -77,6 +77,28 @@ def clip(text: str, limit: int) -> str:
     """Fold ``text`` onto one line without control characters, cut to ``limit`` characters."""
     folded = " ".join(_CONTROL.sub(" ", text).split())
     return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"
+
+
+def redact(text: str, secret: str) -> str:
+    """``text`` with every occurrence of ``secret`` masked."""
+    return text.replace(secret, "[redacted]") if secret else text
+
+
+def without_secret(error: BaseException, secret: str) -> BaseException:
+    """``error`` itself, or, when its text carries ``secret``, a copy of it with the secret masked.
+
+    A server may echo what it was sent in an error message. The copy keeps the class (so callers
+    still catch what they expect) and the status, and drops the body that held the secret.
+    """
+    text = str(error)
+    if not secret or secret not in text:
+        return error
+    if isinstance(error, membase.MembaseError):
+        try:
+            return type(error)(redact(error.message, secret), status=error.status)
+        except TypeError:  # a subclass with another signature
+            pass
+    return BadResponseError(redact(text, secret), status=getattr(error, "status", None))
 
 
 def describe_failure(error: BaseException, *, container_named: bool = False) -> Failure:

@@ -4,22 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import math
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
 from ._containers import Container, ContainerResolver, match, parse_containers
-from ._formatting import SearchAnswer, memory_entries, parse_search
+from ._counters import Counters
+from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
 from ._recall import TimeBoxedRecall
 from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
-from .errors import ACCESS_SENTENCE, MembaseAccessError, detail_of
+from .errors import (
+    ACCESS_SENTENCE,
+    BadResponseError,
+    MembaseAccessError,
+    MembaseRecallTimeout,
+    MembaseWriteTimeout,
+    describe_failure,
+    detail_of,
+    redact,
+    without_secret,
+)
 
 if TYPE_CHECKING:
     from strands.memory import ExtractionConfig
@@ -31,6 +44,7 @@ DEFAULT_BASE_URL = "https://api.app.membase.com"
 DEFAULT_SEARCH_RESULTS = 5
 MAX_SEARCH_RESULTS = 50
 MAX_QUERY_CHARS = 2000
+MIN_RECALL_CHARS = 200
 TOOL_NAMES = ("search", "save", "profile")
 ROLES = ("user", "assistant")
 
@@ -61,6 +75,7 @@ class MembaseMemoryStore:
         name: str = "membase",
         description: str | None = None,
         max_search_results: int | None = None,
+        max_recall_chars: int | None = None,
         recall_timeout: float | None = 8.0,
         write_timeout: float | None = 5.0,
         capture: bool = False,
@@ -80,6 +95,8 @@ class MembaseMemoryStore:
             name: The store's name in the ``MemoryManager``.
             description: The sentence the manager shows the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
+            max_recall_chars: A cap on the text one recall returns, in characters: whole passages,
+                best first; a passage that alone exceeds it is cut with a visible marker. ``None``: no cap.
             recall_timeout: Seconds the automatic recall may take before the turn goes on without
                 memory; ``None`` waits as long as the SDK does.
             write_timeout: Seconds a captured write (``add``, ``add_messages``) may hold the caller
@@ -96,6 +113,7 @@ class MembaseMemoryStore:
         self.name = _check_name(name)
         self.description = description if description is not None else _describe(container)
         self.max_search_results = _check_limit_option(max_search_results)
+        self._max_recall_chars = _check_recall_chars(max_recall_chars)
         self._recall_timeout = _check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _check_timeout("write_timeout", write_timeout)
         if not isinstance(capture, bool):
@@ -115,8 +133,9 @@ class MembaseMemoryStore:
         # One attempt per call: the store chooses for itself when a request may be sent again.
         self._once = _without_retries(self._client)
         self._resolver = ContainerResolver()
-        self._recall = TimeBoxedRecall(self.name)
-        self._writes = WriteRecord(self.name)
+        self._counters = Counters()
+        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact)
+        self._writes = WriteRecord(self.name, self._counters)
         self._closed = False
 
     @property
@@ -190,18 +209,17 @@ class MembaseMemoryStore:
         limit = self.resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
         client = self._once if self._recall_timeout is not None else self._client
         text = query.strip()[:MAX_QUERY_CHARS]
+        self._counters.add("recalls")
         try:
             answer = await self._recall.run(
                 lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
             )
-        except membase.PermissionDeniedError as error:
-            logger.warning(
-                "store=<%s>, reason=<403> | recall refused: this Membase key was narrowed or revoked by its owner; "
-                "the turn goes on without memory",
-                self.name,
-            )
-            raise MembaseAccessError(ACCESS_SENTENCE) from error
-        return memory_entries(answer)
+        except MembaseRecallTimeout:
+            raise
+        except Exception as error:
+            self._fail("recall", error)
+        self._counters.add("recall_hits" if answer.passages else "recall_empty")
+        return fit_to_budget(memory_entries(answer), self._max_recall_chars)
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save one note (the manager's ``add_memory`` tool and extractor write through this).
@@ -252,6 +270,17 @@ class MembaseMemoryStore:
             lambda todo: self._save_blocking(self._once, "\n".join(p.text for p in todo), self._container, False, ""),
         )
 
+    def counters(self) -> dict[str, int]:
+        """A snapshot of what this store has done since it was built, for logs or metrics.
+
+        Always present: ``recalls`` and their outcomes (``recall_hits``, ``recall_empty``,
+        ``recall_timeouts``, ``recall_skipped``, ``recall_errors``), ``recall_late_completions``,
+        ``writes_saved``, ``writes_deduplicated``, ``write_timeouts`` and ``write_errors``. Present once
+        they happen: ``errors.<kind>`` for each kind of Membase failure and ``tool_calls.<tool>``.
+        Cheap and safe to call from any thread.
+        """
+        return self._counters.snapshot()
+
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``."""
         from .tools import build_tools
@@ -289,25 +318,38 @@ class MembaseMemoryStore:
         return min(limit, MAX_SEARCH_RESULTS)
 
     def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
-        body = self._resolver.call(client, container, lambda cid: client.search(query, container=cid, limit=limit))
+        with _readable_answers():
+            body = self._resolver.call(client, container, lambda cid: client.search(query, container=cid, limit=limit))
         return parse_search(body)
 
     def _save_blocking(
         self, client: membase.Membase, content: str, container: str | None, static: bool, title: str
     ) -> Any:
-        return self._resolver.call(
-            client, container, lambda cid: client.memories.add(content, container=cid, static=static, title=title)
-        )
+        def send(container_id: str | None) -> Any:
+            try:
+                return client.memories.add(content, container=container_id, static=static, title=title)
+            except json.JSONDecodeError:
+                # A 2xx means Membase took the note; only its answer is unreadable. Calling that a failure
+                # would make the manager send the note again.
+                logger.warning(
+                    "store=<%s>, reason=<2xx answer is not JSON> | Membase accepted the note; counting it as saved",
+                    self.name,
+                )
+                return None
+
+        with _readable_answers():
+            return self._resolver.call(client, container, send)
 
     def _profile_blocking(self, topic: str | None) -> Any:
-        return self._client.profile(q=topic)
+        with _readable_answers():
+            return self._client.profile(q=topic)
 
     def _memories_in_reach(self) -> list[Container]:
-        return parse_containers(self._once.containers.list())
+        with _readable_answers():
+            return parse_containers(self._once.containers.list())
 
     def _redact(self, text: str) -> str:
-        key = getattr(self._client, "api_key", "")
-        return text.replace(key, "[redacted]") if key else text
+        return redact(text, self._client.api_key or "")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -326,11 +368,27 @@ class MembaseMemoryStore:
     async def _write(self, parts: list[Part], send: Any) -> Any:
         try:
             return await self._writes.write(parts, send, self._write_timeout)
-        except membase.PermissionDeniedError as error:
+        except MembaseWriteTimeout:
+            raise
+        except Exception as error:
+            self._fail("write", error)
+
+    def _fail(self, action: str, error: Exception) -> NoReturn:
+        """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError``,
+        anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
+        self._counters.add(f"{action}_errors")
+        self._counters.add(f"errors.{describe_failure(error).kind}")
+        if isinstance(error, membase.PermissionDeniedError):
             logger.warning(
-                "store=<%s>, reason=<403> | write refused: this Membase key was narrowed or revoked", self.name
+                "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner",
+                self.name,
+                action,
             )
             raise MembaseAccessError(ACCESS_SENTENCE) from error
+        clean = without_secret(error, self._client.api_key or "")
+        if clean is error:
+            raise error
+        raise clean from None
 
     def _parts_of(self, messages: list[Message], sequence_numbers: list[int] | None) -> list[Part]:
         """The captured lines of a batch, each with the identity that survives the manager's retries."""
@@ -350,6 +408,15 @@ class MembaseMemoryStore:
             key = fingerprint("message", sequence, id(anchor), role, text)
             parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
         return parts
+
+
+@contextmanager
+def _readable_answers() -> Iterator[None]:
+    """Turn a 2xx answer that is not JSON (the SDK lets ``json.JSONDecodeError`` through) into a Membase error."""
+    try:
+        yield
+    except json.JSONDecodeError as error:
+        raise BadResponseError(f"Membase answered with a body that is not JSON ({error.msg})") from None
 
 
 def _build_client(
@@ -410,6 +477,16 @@ def _check_limit_option(value: Any) -> int:
         return DEFAULT_SEARCH_RESULTS
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEARCH_RESULTS:
         raise ValueError(f"max_search_results must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
+    return value
+
+
+def _check_recall_chars(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_RECALL_CHARS:
+        raise ValueError(
+            f"max_recall_chars must be a whole number of at least {MIN_RECALL_CHARS}, or None; got {value!r}"
+        )
     return value
 
 

@@ -66,6 +66,7 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             container: The name of one Memory to search. Omit to search every Memory in reach.
             limit: How many passages to return, 1 to 50.
         """
+        store._counters.add("tool_calls.membase_search")
         if not query.strip():
             return _error("Nothing was searched: the query was empty.")
         try:
@@ -95,6 +96,7 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
             container: The name of the Memory to save to. Omit when only one Memory is in reach.
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
+        store._counters.add("tool_calls.membase_save")
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
         target = None if standing_fact else (container or store._container)
@@ -135,6 +137,7 @@ def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
+        store._counters.add("tool_calls.membase_profile")
         wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
         try:
             return _ok(profile_text(store._profile_blocking(wanted), wanted))
@@ -156,6 +159,7 @@ def _failed(
     store: MembaseMemoryStore, tool_name: str, error: BaseException, *, container_named: bool = False
 ) -> dict[str, Any]:
     failure = describe_failure(error, container_named=container_named)
+    store._counters.add(f"errors.{failure.kind}")
     logger.warning(
         "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
         store.name,

@@ -1,0 +1,43 @@
+"""Counters an operator can read: what recall, writes and tools did, since the store was built."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+class Counters:
+    """Thread-safe event counts. Incrementing takes one uncontended lock; reading copies the counts."""
+
+    def __init__(self) -> None:
+        """Start every count at zero."""
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Count ``amount`` more of ``name`` (names like ``"recalls"`` or ``"errors.timeout"``)."""
+        with self._lock:
+            self._counts[name] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counts, with the standard names present even when zero."""
+        with self._lock:
+            counts = dict(self._counts)
+        return {**dict.fromkeys(STANDARD, 0), **counts}
+
+
+STANDARD = (
+    "recalls",
+    "recall_hits",
+    "recall_empty",
+    "recall_timeouts",
+    "recall_skipped",
+    "recall_late_completions",
+    "recall_errors",
+    "writes_saved",
+    "writes_deduplicated",
+    "write_timeouts",
+    "write_errors",
+)
+"""Counts always present in a snapshot. Others appear once they happen: ``errors.<kind>`` (the kind of
+each Membase failure, as in :func:`membase_strands.errors.describe_failure`) and ``tool_calls.<tool>``."""
