@@ -8,6 +8,14 @@ a time box so a slow memory never holds the turn, and gets the ``membase_search`
 
 from ._version import __version__
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
+from .pool import MembaseStorePool
 from .store import MembaseMemoryStore
 
-__all__ = ["MembaseAccessError", "MembaseMemoryStore", "MembaseRecallTimeout", "MembaseWriteTimeout", "__version__"]
+__all__ = [
+    "MembaseAccessError",
+    "MembaseMemoryStore",
+    "MembaseRecallTimeout",
+    "MembaseStorePool",
+    "MembaseWriteTimeout",
+    "__version__",
+]

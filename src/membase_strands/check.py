@@ -1,0 +1,235 @@
+"""The setup check: does Membase answer this key, and what may the key do?
+
+Run it as ``python -m membase_strands check`` (add ``--json`` for scripts) or call
+:func:`run_check`. It never prints the key and saves nothing: whether the key may save is found
+out by sending an empty note, which Membase refuses without storing anything (403 when the key may
+not write, 400 for the empty content otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import membase
+
+from ._containers import match
+from .errors import describe_failure, redact
+from .store import MembaseMemoryStore
+
+PROBE_QUERY = "membase-strands setup check"
+
+
+@dataclass
+class Step:
+    """One thing the check found out."""
+
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+@dataclass
+class CheckReport:
+    """What :func:`run_check` found.
+
+    Attributes:
+        target: Where Membase was reached (a host, or a local directory). Never the key.
+        steps: Each check, in order.
+        memories: The names of the Memories in reach.
+        first_search_seconds: The first search's time (a cold memory wakes up here).
+        second_search_seconds: The second search's time (the memory is awake).
+        suggested_recall_timeout: A ``recall_timeout`` that covers a warm search with room to spare.
+    """
+
+    target: str
+    steps: list[Step] = field(default_factory=list)
+    memories: list[str] = field(default_factory=list)
+    first_search_seconds: float | None = None
+    second_search_seconds: float | None = None
+    suggested_recall_timeout: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether everything needed works."""
+        return bool(self.steps) and all(step.ok for step in self.steps if step.required)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data, for ``--json``."""
+        return {**asdict(self), "ok": self.ok}
+
+    def to_text(self) -> str:
+        """The report for people."""
+        lines = [f"Membase setup check for {self.target}"]
+        for step in self.steps:
+            mark = "ok" if step.ok else ("FAIL" if step.required else "note")
+            lines.append(f"  [{mark:>4}] {step.name}: {step.detail}")
+        if self.suggested_recall_timeout is not None:
+            lines.append(f"  suggested recall_timeout: {self.suggested_recall_timeout:g} s")
+        lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
+        return "\n".join(lines)
+
+
+def run_check(
+    *,
+    api_key: str | None = None,
+    base_url: str | None = None,
+    local: str | os.PathLike[str] | None = None,
+    client: membase.Membase | None = None,
+    container: str | None = None,
+    need_save: bool = True,
+    need_profile: bool = True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CheckReport:
+    """Check a Membase key (or local directory) the way the store will use it.
+
+    Args:
+        api_key: The key; defaults to ``MEMBASE_API_KEY``.
+        base_url: The host; defaults to ``MEMBASE_BASE_URL``, else the hosted API.
+        local: A local Membase directory instead of a key.
+        client: A ready client instead of the three above.
+        container: The Memory the store will be pinned to, if any.
+        need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
+        need_profile: Whether reading the profile must be allowed for the check to pass.
+        clock: The clock for timings (a parameter so tests can control it).
+
+    Returns:
+        The report; ``report.ok`` tells whether everything needed works.
+    """
+    try:
+        store = MembaseMemoryStore(client=client, api_key=api_key, base_url=base_url, local=local, recall_timeout=None)
+    except (ValueError, membase.MembaseError) as error:
+        report = CheckReport(target="(not configured)")
+        report.steps.append(Step("configuration", False, str(error)))
+        return report
+    with store:
+        target = f"local Membase in {os.fspath(local)}" if local is not None else str(store._client.base_url)
+        if not store._client.api_key:
+            target = f"local Membase ({target})"
+        report = CheckReport(target=target)
+        _check(store, report, container, need_save, need_profile, clock)
+        secret = store._client.api_key or ""
+        for step in report.steps:
+            step.detail = redact(step.detail, secret)
+    return report
+
+
+def _check(
+    store: MembaseMemoryStore,
+    report: CheckReport,
+    container: str | None,
+    need_save: bool,
+    need_profile: bool,
+    clock: Callable[[], float],
+) -> None:
+    started = clock()
+    try:
+        containers = store._memories_in_reach()
+    except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
+        report.steps.append(Step("reach", False, _fix_for(error)))
+        return
+    report.steps.append(Step("reach", True, f"Membase answered in {clock() - started:.2f} s"))
+    report.memories = [c.name for c in containers]
+    report.steps.append(Step("memories in reach", True, ", ".join(report.memories) or "none yet"))
+
+    container_id = None
+    if container is not None:
+        try:
+            container_id = match(container, containers).id
+            report.steps.append(Step("container", True, f"'{container}' is in reach (id {container_id})"))
+        except ValueError as error:
+            report.steps.append(Step("container", False, str(error)))
+            return
+
+    timings = []
+    for attempt in ("first", "second"):
+        started = clock()
+        try:
+            store._search_blocking(store._client, PROBE_QUERY, 1, container_id)
+        except Exception as error:  # noqa: BLE001
+            report.steps.append(Step("search", False, f"the {attempt} search failed: {_fix_for(error)}"))
+            return
+        timings.append(clock() - started)
+    report.first_search_seconds, report.second_search_seconds = timings
+    report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
+    report.steps.append(
+        Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
+    )
+
+    try:
+        store._profile_blocking(None)
+        report.steps.append(Step("profile", True, "the key may read the profile", required=need_profile))
+    except Exception as error:  # noqa: BLE001
+        report.steps.append(Step("profile", False, _fix_for(error, verb="read the profile"), required=need_profile))
+
+    report.steps.append(_probe_save(store, container_id, need_save))
+
+
+def _probe_save(store: MembaseMemoryStore, container_id: str | None, need_save: bool) -> Step:
+    how = "tried with an empty note, which Membase refuses without saving anything"
+    try:
+        store._once.memories.add("", container=container_id)
+    except membase.PermissionDeniedError:
+        return Step("save", False, f"the key may not save ({how}: it answered 403)", required=need_save)
+    except membase.BadRequestError:
+        return Step("save", True, f"the key may save ({how}: it answered 400 for the empty note, not 403)")
+    except Exception as error:  # noqa: BLE001
+        return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
+    return Step("save", True, f"the key may save ({how}: Membase accepted it, with nothing in it)")
+
+
+def _suggest_recall_timeout(warm_seconds: float) -> float:
+    """Room for five warm searches, at least 2 s, at most 30 s, rounded up to a whole second."""
+    return float(min(30, max(2, math.ceil(warm_seconds * 5))))
+
+
+def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
+    failure = describe_failure(error)
+    if failure.kind == "access" and verb != "use Membase":
+        return f"Membase refused (403): the key may not {verb}; its owner did not allow it, or narrowed or revoked it"
+    if failure.kind == "access":
+        return (
+            "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
+            "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
+        )
+    if failure.kind == "unauthenticated":
+        return "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
+    if failure.kind == "connection":
+        return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
+    return failure.sentence
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m membase_strands check``: print the report; exit 0 only when everything needed works."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m membase_strands", description="Check a Membase setup.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="check the key (MEMBASE_API_KEY) or local directory")
+    check.add_argument("--api-key", help="the key (safer: set MEMBASE_API_KEY, which stays out of shell history)")
+    check.add_argument("--local", metavar="DIR", help="check local Membase in DIR instead of a key")
+    check.add_argument("--base-url", help="the Membase host (default: MEMBASE_BASE_URL, else the hosted API)")
+    check.add_argument("--container", help="the Memory the store will be pinned to")
+    check.add_argument("--read-only", action="store_true", help="the key need not save")
+    check.add_argument("--no-profile", action="store_true", help="the key need not read the profile")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+
+    local = (
+        args.local or os.environ.get("MEMBASE_LOCAL") or None if not os.environ.get("MEMBASE_API_KEY") else args.local
+    )
+    report = run_check(
+        base_url=args.base_url,
+        local=local,
+        container=args.container,
+        need_save=not args.read_only,
+        need_profile=not args.no_profile,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    return 0 if report.ok else 1
