@@ -116,31 +116,28 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
 
 
-def fit_to_budget(entries: list[MemoryEntry], limit: int | None) -> list[MemoryEntry]:
-    """Keep the passages that fit in ``limit`` characters, best first, each whole.
+def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
+    """Keep the passages that fit in ``limit`` characters (counting their ``[Memory]`` label), best first, each whole.
 
-    A passage that does not fit in the room left is skipped and smaller ones after it may still
-    fit. Only when not even the best passage fits on its own is it cut, with a visible marker, so a
-    recall never comes back empty because of the budget. Notices about Memories that could not
-    answer are short and always kept.
+    A passage that does not fit in the room left is skipped, and smaller ones after it may still
+    fit. Only when not even the best passage fits on its own is it cut, with a visible marker, so
+    the budget never empties a recall. Memories that could not answer are always reported.
     """
     if limit is None:
-        return entries
-    kept: list[MemoryEntry] = []
+        return answer
+    kept: list[Passage] = []
     used = 0
-    for entry in entries:
-        metadata = entry.metadata or {}
-        size = len(entry.content)
-        if metadata.get("unsearched"):
-            kept.append(entry)
-        elif used + size <= limit:
-            kept.append(entry)
+    for passage in answer.passages:
+        size = len(passage.memory) + 3 + len(passage.text)
+        if used + size <= limit:
+            kept.append(passage)
             used += size
-        elif used == 0:
-            cut = entry.content[: limit - len(CUT_MARKER)].rstrip() + CUT_MARKER
-            kept.append(MemoryEntry(content=cut, metadata={**metadata, "cut": True}))
+        elif not kept:
+            room = max(0, limit - len(passage.memory) - 3 - len(CUT_MARKER))
+            cut = passage.text[:room].rstrip() + CUT_MARKER
+            kept.append(Passage(memory=passage.memory, text=cut, metadata={**passage.metadata, "cut": True}))
             used = limit
-    return kept
+    return SearchAnswer(passages=kept, unsearched=answer.unsearched)
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -45,6 +46,7 @@ DEFAULT_SEARCH_RESULTS = 5
 MAX_SEARCH_RESULTS = 50
 MAX_QUERY_CHARS = 2000
 MIN_RECALL_CHARS = 200
+DEFAULT_RECALL_CHARS = 20_000
 TOOL_NAMES = ("search", "save", "profile")
 ROLES = ("user", "assistant")
 
@@ -75,9 +77,10 @@ class MembaseMemoryStore:
         name: str = "membase",
         description: str | None = None,
         max_search_results: int | None = None,
-        max_recall_chars: int | None = None,
+        max_recall_chars: int | None = DEFAULT_RECALL_CHARS,
         recall_timeout: float | None = 8.0,
         write_timeout: float | None = 5.0,
+        access_cooldown: float | None = 60.0,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
         capture_roles: Iterable[str] | str = ("user",),
@@ -95,13 +98,16 @@ class MembaseMemoryStore:
             name: The store's name in the ``MemoryManager``.
             description: The sentence the manager shows the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
-            max_recall_chars: A cap on the text one recall returns, in characters: whole passages,
-                best first; a passage that alone exceeds it is cut with a visible marker. ``None``: no cap.
+            max_recall_chars: A cap on the passage text one search returns to the model, in characters
+                (default 20,000, about 5,000 tokens): whole passages, best first; a passage that alone
+                exceeds it is cut with a visible marker. ``None``: no cap.
             recall_timeout: Seconds the automatic recall may take before the turn goes on without
                 memory; ``None`` waits as long as the SDK does.
             write_timeout: Seconds a captured write (``add``, ``add_messages``) may hold the caller
                 before it raises so the manager keeps the batch for a retry; the request goes on
                 in the background and is never sent twice. ``None`` waits for one full attempt.
+            access_cooldown: Seconds automatic recall pauses after Membase refuses the key (403), so a
+                revoked key is not hit on every turn; the tools still try. ``None``: never pause.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
@@ -116,6 +122,8 @@ class MembaseMemoryStore:
         self._max_recall_chars = _check_recall_chars(max_recall_chars)
         self._recall_timeout = _check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _check_timeout("write_timeout", write_timeout)
+        self._access_cooldown = _check_timeout("access_cooldown", access_cooldown)
+        self._refused_until = 0.0  # monotonic time until which automatic recall is paused after a 403
         if not isinstance(capture, bool):
             raise ValueError(f"capture must be True or False, got {capture!r}")
         if extraction not in (None, False) and not capture:
@@ -210,6 +218,9 @@ class MembaseMemoryStore:
         client = self._once if self._recall_timeout is not None else self._client
         text = query.strip()[:MAX_QUERY_CHARS]
         self._counters.add("recalls")
+        if time.monotonic() < self._refused_until:
+            self._counters.add("recall_skipped")
+            raise MembaseAccessError(f"{ACCESS_SENTENCE} Automatic recall is paused for a while after that refusal.")
         try:
             answer = await self._recall.run(
                 lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
@@ -217,9 +228,16 @@ class MembaseMemoryStore:
         except MembaseRecallTimeout:
             raise
         except Exception as error:
+            if isinstance(error, membase.PermissionDeniedError) and self._access_cooldown is not None:
+                self._refused_until = time.monotonic() + self._access_cooldown
+                logger.warning(
+                    "store=<%s>, reason=<403> | automatic recall paused for %g s after Membase refused the key",
+                    self.name,
+                    self._access_cooldown,
+                )
             self._fail("recall", error)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
-        return fit_to_budget(memory_entries(answer), self._max_recall_chars)
+        return memory_entries(fit_to_budget(answer, self._max_recall_chars))
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save one note (the manager's ``add_memory`` tool and extractor write through this).

@@ -16,7 +16,7 @@ from strands import tool
 from strands.types.tools import AgentTool
 
 from ._containers import names_in_reach
-from ._formatting import memory_label, profile_text, search_text
+from ._formatting import fit_to_budget, memory_label, profile_text, search_text
 from .errors import describe_failure
 from .store import MAX_QUERY_CHARS
 
@@ -82,7 +82,7 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(store, "membase_search", error, container_named=target is not None)
-        return _ok(search_text(text, answer))
+        return _ok(search_text(text, fit_to_budget(answer, store._max_recall_chars)))
 
     return tool(name="membase_search", description=SEARCH_DESCRIPTION)(membase_search)
 
