@@ -358,6 +358,10 @@ class MembaseMemoryStore:
         with _readable_answers():
             return self._resolver.call(client, container, send)
 
+    def _container_id(self, name: str) -> str:
+        with _readable_answers():
+            return self._resolver.resolve(self._client, name)
+
     def _profile_blocking(self, topic: str | None) -> Any:
         with _readable_answers():
             return self._client.profile(q=topic)

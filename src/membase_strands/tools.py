@@ -100,6 +100,14 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
         target = None if standing_fact else (container or store._container)
+        if target is not None:
+            # Find the Memory first, so a failure here is known to have saved nothing.
+            try:
+                store._container_id(target)
+            except ValueError as error:
+                return _error(f"Nothing was saved: {error}.")
+            except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+                return _failed(store, "membase_save", error, container_named=True)
         try:
             # One attempt: a save that timed out may already be stored, so it is never resent blindly.
             store._save_blocking(store._once, content, target, standing_fact, "")
