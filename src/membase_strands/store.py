@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
+from . import _options
+from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
@@ -25,7 +24,6 @@ from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
 from .errors import (
     ACCESS_SENTENCE,
-    BadResponseError,
     MembaseAccessError,
     MembaseRecallTimeout,
     MembaseWriteTimeout,
@@ -40,19 +38,6 @@ if TYPE_CHECKING:
     from strands.types.tools import AgentTool
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BASE_URL = "https://api.app.membase.com"
-DEFAULT_SEARCH_RESULTS = 5
-MAX_SEARCH_RESULTS = 50
-MAX_QUERY_CHARS = 2000
-MIN_RECALL_CHARS = 200
-DEFAULT_RECALL_CHARS = 20_000
-TOOL_NAMES = ("search", "save", "profile")
-ROLES = ("user", "assistant")
-
-_DEFAULT_DESCRIPTION = (
-    "Long-term memory from Membase: what the user's Memories hold from earlier conversations, notes and documents."
-)
 
 
 class MembaseMemoryStore:
@@ -77,14 +62,14 @@ class MembaseMemoryStore:
         name: str = "membase",
         description: str | None = None,
         max_search_results: int | None = None,
-        max_recall_chars: int | None = DEFAULT_RECALL_CHARS,
+        max_recall_chars: int | None = _options.DEFAULT_RECALL_CHARS,
         recall_timeout: float | None = 8.0,
         write_timeout: float | None = 5.0,
         access_cooldown: float | None = 60.0,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
         capture_roles: Iterable[str] | str = ("user",),
-        tools: Iterable[str] = TOOL_NAMES,
+        tools: Iterable[str] = _options.TOOL_NAMES,
     ) -> None:
         """Create a store.
 
@@ -116,13 +101,13 @@ class MembaseMemoryStore:
         Raises:
             ValueError: An option is invalid; the message names it.
         """
-        self.name = _check_name(name)
-        self.description = description if description is not None else _describe(container)
-        self.max_search_results = _check_limit_option(max_search_results)
-        self._max_recall_chars = _check_recall_chars(max_recall_chars)
-        self._recall_timeout = _check_timeout("recall_timeout", recall_timeout)
-        self._write_timeout = _check_timeout("write_timeout", write_timeout)
-        self._access_cooldown = _check_timeout("access_cooldown", access_cooldown)
+        self.name = _options.check_name(name)
+        self.description = description if description is not None else _options.describe(container)
+        self.max_search_results = _options.check_limit_option(max_search_results)
+        self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
+        self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
+        self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
+        self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
         self._refused_until = 0.0  # monotonic time until which automatic recall is paused after a 403
         if not isinstance(capture, bool):
             raise ValueError(f"capture must be True or False, got {capture!r}")
@@ -130,16 +115,16 @@ class MembaseMemoryStore:
             raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
         self._capture = capture
         self.extraction = extraction
-        self._capture_roles = _check_roles(capture_roles)
-        self._tool_names = _check_tools(tools)
+        self._capture_roles = _options.check_roles(capture_roles)
+        self._tool_names = _options.check_tools(tools)
         if container is not None and (not isinstance(container, str) or not container.strip()):
             raise ValueError(f"container must be a Memory name or id, got {container!r}")
         self._container = container
 
-        self._client, self._owns_client = _build_client(client, api_key, base_url, local)
+        self._client, self._owns_client = build_client(client, api_key, base_url, local)
         self._local = local
         # One attempt per call: the store chooses for itself when a request may be sent again.
-        self._once = _without_retries(self._client)
+        self._once = without_retries(self._client)
         self._resolver = ContainerResolver()
         self._counters = Counters()
         self._recall = TimeBoxedRecall(self.name, self._counters, self._redact)
@@ -216,7 +201,7 @@ class MembaseMemoryStore:
             return []
         limit = self.resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
         client = self._once if self._recall_timeout is not None else self._client
-        text = query.strip()[:MAX_QUERY_CHARS]
+        text = query.strip()[: _options.MAX_QUERY_CHARS]
         self._counters.add("recalls")
         if time.monotonic() < self._refused_until:
             self._counters.add("recall_skipped")
@@ -258,7 +243,7 @@ class MembaseMemoryStore:
         self._require_capture("add")
         if not isinstance(content, str) or not content.strip():
             raise ValueError("add needs non-blank text content")
-        title, static = _write_flags(metadata)
+        title, static = _options.write_flags(metadata)
         target = None if static else self._container
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
         return await self._write(
@@ -332,11 +317,11 @@ class MembaseMemoryStore:
         if limit is None:
             return self.max_search_results
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {limit!r}")
-        return min(limit, MAX_SEARCH_RESULTS)
+            raise ValueError(f"{option} must be a whole number from 1 to {_options.MAX_SEARCH_RESULTS}, got {limit!r}")
+        return min(limit, _options.MAX_SEARCH_RESULTS)
 
     def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
-        with _readable_answers():
+        with readable_answers():
             body = self._resolver.call(client, container, lambda cid: client.search(query, container=cid, limit=limit))
         return parse_search(body)
 
@@ -355,19 +340,19 @@ class MembaseMemoryStore:
                 )
                 return None
 
-        with _readable_answers():
+        with readable_answers():
             return self._resolver.call(client, container, send)
 
     def _container_id(self, name: str) -> str:
-        with _readable_answers():
+        with readable_answers():
             return self._resolver.resolve(self._client, name)
 
     def _profile_blocking(self, topic: str | None) -> Any:
-        with _readable_answers():
+        with readable_answers():
             return self._client.profile(q=topic)
 
     def _memories_in_reach(self) -> list[Container]:
-        with _readable_answers():
+        with readable_answers():
             return parse_containers(self._once.containers.list())
 
     def _redact(self, text: str) -> str:
@@ -430,123 +415,3 @@ class MembaseMemoryStore:
             key = fingerprint("message", sequence, id(anchor), role, text)
             parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
         return parts
-
-
-@contextmanager
-def _readable_answers() -> Iterator[None]:
-    """Turn a 2xx answer that is not JSON (the SDK lets ``json.JSONDecodeError`` through) into a Membase error."""
-    try:
-        yield
-    except json.JSONDecodeError as error:
-        raise BadResponseError(f"Membase answered with a body that is not JSON ({error.msg})") from None
-
-
-def _build_client(
-    client: membase.Membase | None, api_key: str | None, base_url: str | None, local: str | os.PathLike[str] | None
-) -> tuple[membase.Membase, bool]:
-    if client is not None:
-        if api_key is not None or base_url is not None or local is not None:
-            raise ValueError("client: pass either a ready client or api_key/base_url/local, not both")
-        if not isinstance(client, membase.Membase):
-            raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
-        return client, False
-    if local is not None:
-        if api_key is not None or base_url is not None:
-            raise ValueError("local: local Membase runs on this machine and takes no api_key or base_url")
-        return membase.Membase(local=local), True
-    key = api_key if api_key is not None else os.environ.get("MEMBASE_API_KEY")
-    if key is None and os.environ.get("MEMBASE_LOCAL"):
-        return membase.Membase(), True  # the SDK's own convention: MEMBASE_LOCAL names a local store
-    if not isinstance(key, str) or not key.strip():
-        raise ValueError(
-            "api_key: no Membase API key; pass api_key=, set MEMBASE_API_KEY, or pass local=DIR for local memory"
-        )
-    url = base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL
-    return membase.Membase(api_key=key, base_url=url), True
-
-
-def _without_retries(client: membase.Membase) -> membase.Membase:
-    """A view of ``client`` that makes one attempt per call, sharing its connections.
-
-    The SDK retries timeouts, connection errors, 429 and 5xx twice for every method. A recall
-    that ran out of time must hold the in-flight guard for one attempt, not three, and a POST
-    that timed out may already be stored, so neither is retried blindly. The SDK keeps its retry
-    count in ``max_retries`` and its namespaces (``containers``, ``memories``, ...) point back at
-    their client, so the view gets namespaces of its own.
-    """
-    view = copy.copy(client)
-    view.max_retries = 0
-    for namespace in ("containers", "memories", "documents"):
-        if hasattr(client, namespace):
-            setattr(view, namespace, type(getattr(client, namespace))(view))
-    return view
-
-
-def _describe(container: str | None) -> str:
-    if container is None:
-        return _DEFAULT_DESCRIPTION
-    return f"Long-term memory from the user's Membase Memory '{container}': earlier conversations, notes and documents."
-
-
-def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name must be a non-blank string, got {name!r}")
-    return name
-
-
-def _check_limit_option(value: Any) -> int:
-    if value is None:
-        return DEFAULT_SEARCH_RESULTS
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEARCH_RESULTS:
-        raise ValueError(f"max_search_results must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
-    return value
-
-
-def _check_recall_chars(value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_RECALL_CHARS:
-        raise ValueError(
-            f"max_recall_chars must be a whole number of at least {MIN_RECALL_CHARS}, or None; got {value!r}"
-        )
-    return value
-
-
-def _check_timeout(option: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
-    return float(value)
-
-
-def _check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
-    chosen = (roles,) if isinstance(roles, str) else tuple(roles)
-    unknown = [role for role in chosen if role not in ROLES]
-    if unknown or not chosen:
-        raise ValueError(f"capture_roles must name 'user' and/or 'assistant', got {chosen!r}")
-    return tuple(dict.fromkeys(chosen))
-
-
-def _check_tools(tools: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(tools, str):
-        raise ValueError(f"tools must be a list of tool names such as ('search', 'save'), got {tools!r}")
-    chosen = tuple(tools)
-    unknown = [tool for tool in chosen if tool not in TOOL_NAMES]
-    if unknown:
-        raise ValueError(f"tools: unknown tool name(s) {unknown!r}; choose from {', '.join(TOOL_NAMES)}")
-    return tuple(dict.fromkeys(chosen))
-
-
-def _write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
-    if metadata is None:
-        return "", False
-    if not isinstance(metadata, dict):
-        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
-    title = metadata.get("title", "")
-    static = metadata.get("static", False)
-    if not isinstance(title, str):
-        raise ValueError(f"metadata['title'] must be a string, got {type(title).__name__}")
-    if not isinstance(static, bool):
-        raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
-    return title, static

@@ -17,8 +17,8 @@ from strands.types.tools import AgentTool
 
 from ._containers import names_in_reach
 from ._formatting import fit_to_budget, memory_label, profile_text, search_text
+from ._options import MAX_QUERY_CHARS
 from .errors import describe_failure
-from .store import MAX_QUERY_CHARS
 
 if TYPE_CHECKING:
     from .store import MembaseMemoryStore

@@ -1,0 +1,89 @@
+"""The store's options: their defaults, their bounds, and the checks that name a bad one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+DEFAULT_SEARCH_RESULTS = 5
+MAX_SEARCH_RESULTS = 50
+MAX_QUERY_CHARS = 2000
+MIN_RECALL_CHARS = 200
+DEFAULT_RECALL_CHARS = 20_000
+TOOL_NAMES = ("search", "save", "profile")
+ROLES = ("user", "assistant")
+
+_DEFAULT_DESCRIPTION = (
+    "Long-term memory from Membase: what the user's Memories hold from earlier conversations, notes and documents."
+)
+
+
+def describe(container: str | None) -> str:
+    if container is None:
+        return _DEFAULT_DESCRIPTION
+    return f"Long-term memory from the user's Membase Memory '{container}': earlier conversations, notes and documents."
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-blank string, got {name!r}")
+    return name
+
+
+def check_limit_option(value: Any) -> int:
+    if value is None:
+        return DEFAULT_SEARCH_RESULTS
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEARCH_RESULTS:
+        raise ValueError(f"max_search_results must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
+    return value
+
+
+def check_recall_chars(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_RECALL_CHARS:
+        raise ValueError(
+            f"max_recall_chars must be a whole number of at least {MIN_RECALL_CHARS}, or None; got {value!r}"
+        )
+    return value
+
+
+def check_timeout(option: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+def check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
+    chosen = (roles,) if isinstance(roles, str) else tuple(roles)
+    unknown = [role for role in chosen if role not in ROLES]
+    if unknown or not chosen:
+        raise ValueError(f"capture_roles must name 'user' and/or 'assistant', got {chosen!r}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def check_tools(tools: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(tools, str):
+        raise ValueError(f"tools must be a list of tool names such as ('search', 'save'), got {tools!r}")
+    chosen = tuple(tools)
+    unknown = [tool for tool in chosen if tool not in TOOL_NAMES]
+    if unknown:
+        raise ValueError(f"tools: unknown tool name(s) {unknown!r}; choose from {', '.join(TOOL_NAMES)}")
+    return tuple(dict.fromkeys(chosen))
+
+
+def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
+    if metadata is None:
+        return "", False
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
+    title = metadata.get("title", "")
+    static = metadata.get("static", False)
+    if not isinstance(title, str):
+        raise ValueError(f"metadata['title'] must be a string, got {type(title).__name__}")
+    if not isinstance(static, bool):
+        raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
+    return title, static
