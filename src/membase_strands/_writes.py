@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ._counters import Counters
@@ -37,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
+
+
+class _State(Enum):
+    NEW = "new"
+    RUNNING = "running"
+    SAVED = "saved"
 
 
 @dataclass(frozen=True)
@@ -112,16 +119,18 @@ class WriteRecord:
         while True:
             with self._lock:
                 self._evict()
-                running = [self._entries[p.key].future for p in parts if self._running(p.key)]
+                states = {part.key: self._state(part.key) for part in parts}
+                running = [self._entries[key].future for key, state in states.items() if state is _State.RUNNING]
                 if not running:
-                    todo = [p for p in parts if p.key not in self._entries]
+                    todo = [part for part in parts if states[part.key] is _State.NEW]
                     future: Future[Any] = Future()
                     for part in todo:
                         self._entries[part.key] = _Entry(future=future, anchor=part.anchor)
                     break
-            # The same thing is being saved by an earlier call: wait for it instead of sending it again.
+            # The same thing is being saved by an earlier call: wait for that request instead of sending
+            # another. If it fails, its parts count as new on the next pass and this call sends them.
             for earlier in running:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+                await self._wait(earlier, deadline, "an earlier write of the same content is still running", quiet=True)
         skipped = len(parts) - len(todo)
         if skipped:
             self._counters.add("writes_deduplicated", skipped)
@@ -134,7 +143,8 @@ class WriteRecord:
         start_daemon(lambda: send(todo), name=f"membase-write[{self._store_name}]", future=future)
         return await self._wait(future, deadline, "it goes on in the background and the manager keeps the batch")
 
-    async def _wait(self, future: Future[Any], deadline: float | None, what: str) -> Any:
+    async def _wait(self, future: Future[Any], deadline: float | None, what: str, *, quiet: bool = False) -> Any:
+        """Wait for ``future`` until ``deadline``; with ``quiet``, its failure is not raised here."""
         remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
             return await wait_for_future(future, remaining)
@@ -144,10 +154,26 @@ class WriteRecord:
                 "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s", self._store_name, what
             )
             raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
+        except Exception:
+            if not quiet:
+                raise
+            return None
 
-    def _running(self, key: Hashable) -> bool:
+    def _state(self, key: Hashable) -> _State:
+        """Whether ``key`` is new, running or saved. Called with the lock held.
+
+        Decided from the request's own future, not only from :meth:`_settle`: a future counts as
+        done before its callbacks have run, and a write that failed must never pass for saved.
+        """
         entry = self._entries.get(key)
-        return entry is not None and not entry.future.done()
+        if entry is None:
+            return _State.NEW
+        if not entry.future.done():
+            return _State.RUNNING
+        if entry.future.exception() is not None:
+            del self._entries[key]
+            return _State.NEW
+        return _State.SAVED
 
     def _settle(self, parts: list[Part], done: Future[Any]) -> None:
         failed = done.exception() is not None
@@ -161,7 +187,7 @@ class WriteRecord:
                     continue
                 if failed:
                     del self._entries[part.key]
-                else:
+                elif entry.saved_at is None:
                     entry.saved_at = now
                     self._entries.move_to_end(part.key)
 
