@@ -221,12 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
-    local = (
-        args.local or os.environ.get("MEMBASE_LOCAL") or None if not os.environ.get("MEMBASE_API_KEY") else args.local
-    )
+    # Without --api-key or --local, the store reads MEMBASE_API_KEY, or MEMBASE_LOCAL as the SDK does.
     report = run_check(
+        api_key=args.api_key,
         base_url=args.base_url,
-        local=local,
+        local=args.local,
         container=args.container,
         need_save=not args.read_only,
         need_profile=not args.no_profile,

@@ -222,6 +222,10 @@ class MembaseMemoryStore:
                 )
             self._fail("recall", error)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
+        # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
+        # could not answer is never dropped silently behind a full page of passages.
+        room = max(0, limit - len(answer.unsearched))
+        answer = SearchAnswer(passages=answer.passages[:room], unsearched=answer.unsearched)
         return memory_entries(fit_to_budget(answer, self._max_recall_chars))
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
