@@ -52,9 +52,14 @@ def memory_label(name: str) -> str:
     return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
 
 
+def sendable(text: str) -> str:
+    """``text`` that can be sent as UTF-8 JSON: an unpaired surrogate becomes ``?``."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def clean_text(text: str) -> str:
     """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
-    return text.encode("utf-8", "replace").decode("utf-8").translate(_DROP)
+    return sendable(text).translate(_DROP)
 
 
 def parse_search(body: Any) -> SearchAnswer:
@@ -161,8 +166,13 @@ def search_text(query: str, answer: SearchAnswer) -> str:
     return "\n".join(lines)
 
 
-def profile_text(body: Any, topic: str | None) -> str:
+def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
     """The ``membase_profile`` tool's answer: standing facts, recent changes and topic results.
+
+    Args:
+        body: Membase's answer to ``client.profile()``.
+        topic: The topic asked about, if any.
+        limit: The recall budget in characters; a longer answer is cut at a line, with a marker.
 
     Raises:
         BadResponseError: The answer is not a JSON object.
@@ -172,6 +182,7 @@ def profile_text(body: Any, topic: str | None) -> str:
     standing = [fact for fact in (_fact_text(item) for item in _as_list(body.get("static"))) if fact]
     recent = [fact for fact in (_fact_text(item) for item in _as_list(body.get("dynamic"))) if fact]
     topical = parse_search({"results": _as_list(body.get("results"))}).passages if topic else []
+    topical = fit_to_budget(SearchAnswer(passages=topical, unsearched=[]), limit).passages
 
     if not (standing or recent or topical):
         if topic:
@@ -181,13 +192,27 @@ def profile_text(body: Any, topic: str | None) -> str:
         return "The Membase profile is empty: no standing facts or recent changes are recorded yet."
     lines: list[str] = []
     if standing:
-        lines += ["Standing facts:", *(f"- {fact}" for fact in standing)]
+        lines += ["Standing facts:", *_bulleted(standing)]
     if recent:
-        lines += [*([""] if lines else []), "Recent changes:", *(f"- {fact}" for fact in recent)]
+        lines += [*([""] if lines else []), "Recent changes:", *_bulleted(recent)]
     if topic:
         lines += [*([""] if lines else []), f'On "{clip(topic, 120)}":']
         lines += _numbered(topical) if topical else ["Nothing in the profile matched this topic."]
-    return "\n".join(lines)
+    return _cut_at_line("\n".join(lines), limit)
+
+
+def _bulleted(facts: list[str]) -> list[str]:
+    # Continuation lines are indented, so a fact can never pass for a heading or another fact.
+    return ["- " + fact.replace("\n", "\n  ") for fact in facts]
+
+
+def _cut_at_line(text: str, limit: int | None) -> str:
+    if limit is None or len(text) <= limit:
+        return text
+    marker = "[... cut: the profile is longer than the recall budget]"
+    head = text[: max(0, limit - len(marker) - 1)]
+    head = head[: head.rfind("\n")] if "\n" in head else head
+    return f"{head}\n{marker}"
 
 
 def _numbered(passages: list[Passage]) -> list[str]:

@@ -22,13 +22,20 @@ _DEFAULT_DESCRIPTION = (
 def describe(container: str | None) -> str:
     if container is None:
         return _DEFAULT_DESCRIPTION
-    return f"Long-term memory from the user's Membase Memory '{container}': earlier conversations, notes and documents."
+    name = " ".join(container.split())[:80]
+    return f"Long-term memory from the user's Membase Memory '{name}': earlier conversations, notes and documents."
 
 
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"name must be a non-blank string, got {name!r}")
     return name
+
+
+def check_container(container: Any) -> str | None:
+    if container is not None and (not isinstance(container, str) or not container.strip()):
+        raise ValueError(f"container must be a Memory name or id, got {container!r}")
+    return container
 
 
 def check_limit_option(value: Any) -> int:

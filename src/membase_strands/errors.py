@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import traceback
 from dataclasses import dataclass
 
 import membase
@@ -75,7 +76,8 @@ def detail_of(error: BaseException) -> str:
 
 def clip(text: str, limit: int) -> str:
     """Fold ``text`` onto one line without control characters, cut to ``limit`` characters."""
-    folded = " ".join(_CONTROL.sub(" ", text).split())
+    sendable = text.encode("utf-8", "replace").decode("utf-8")  # no unpaired surrogates
+    folded = " ".join(_CONTROL.sub(" ", sendable).split())
     return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"
 
 
@@ -85,13 +87,15 @@ def redact(text: str, secret: str) -> str:
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
-    """``error`` itself, or, when its text carries ``secret``, a copy of it with the secret masked.
+    """``error`` itself, or, when it or any error chained to it carries ``secret``, a masked copy.
 
-    A server may echo what it was sent in an error message. The copy keeps the class (so callers
-    still catch what they expect) and the status, and drops the body that held the secret.
+    A server may echo what it was sent in an error message, and the SDK chains the transport's
+    error to its own. The copy keeps the class (so callers still catch what they expect) and the
+    status, and has no body, cause or traceback that could hold the secret.
     """
     text = str(error)
-    if not secret or secret not in text:
+    chain = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if not secret or secret not in chain:
         return error
     if isinstance(error, membase.MembaseError):
         try:

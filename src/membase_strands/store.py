@@ -18,7 +18,7 @@ from . import _options
 from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, parse_containers
 from ._counters import Counters
-from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
+from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search, sendable
 from ._recall import TimeBoxedRecall
 from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
@@ -102,6 +102,7 @@ class MembaseMemoryStore:
             ValueError: An option is invalid; the message names it.
         """
         self.name = _options.check_name(name)
+        self._container = _options.check_container(container)
         self.description = description if description is not None else _options.describe(container)
         self.max_search_results = _options.check_limit_option(max_search_results)
         self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
@@ -117,9 +118,6 @@ class MembaseMemoryStore:
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
-        if container is not None and (not isinstance(container, str) or not container.strip()):
-            raise ValueError(f"container must be a Memory name or id, got {container!r}")
-        self._container = container
 
         self._client, self._owns_client = build_client(client, api_key, base_url, local)
         self._local = local
@@ -326,7 +324,9 @@ class MembaseMemoryStore:
 
     def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
         with readable_answers():
-            body = self._resolver.call(client, container, lambda cid: client.search(query, container=cid, limit=limit))
+            body = self._resolver.call(
+                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
+            )
         return parse_search(body)
 
     def _save_blocking(
@@ -334,7 +334,7 @@ class MembaseMemoryStore:
     ) -> Any:
         def send(container_id: str | None) -> Any:
             try:
-                return client.memories.add(content, container=container_id, static=static, title=title)
+                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
             except json.JSONDecodeError:
                 # A 2xx means Membase took the note; only its answer is unreadable. Calling that a failure
                 # would make the manager send the note again.
@@ -353,7 +353,7 @@ class MembaseMemoryStore:
 
     def _profile_blocking(self, topic: str | None) -> Any:
         with readable_answers():
-            return self._client.profile(q=topic)
+            return self._client.profile(q=sendable(topic) if topic else None)
 
     def _memories_in_reach(self) -> list[Container]:
         with readable_answers():
@@ -389,14 +389,14 @@ class MembaseMemoryStore:
         anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
         self._counters.add(f"{action}_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
+        clean = without_secret(error, self._client.api_key or "")
         if isinstance(error, membase.PermissionDeniedError):
             logger.warning(
                 "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner",
                 self.name,
                 action,
             )
-            raise MembaseAccessError(ACCESS_SENTENCE) from error
-        clean = without_secret(error, self._client.api_key or "")
+            raise MembaseAccessError(ACCESS_SENTENCE) from clean
         if clean is error:
             raise error
         raise clean from None

@@ -37,6 +37,7 @@ SAVE_DESCRIPTION = (
     "to their profile). If several Memories are in reach and none is named, the tool lists them so you can "
     "ask the user which one."
 )
+CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
 PROFILE_DESCRIPTION = (
     "Read the user's Membase profile: standing facts about them, their recently changed facts and, with a "
     "topic, what their memory holds on it."
@@ -67,6 +68,8 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             limit: How many passages to return, 1 to 50.
         """
         store._counters.add("tool_calls.membase_search")
+        if store._closed:
+            return _error(CLOSED_SENTENCE)
         if not query.strip():
             return _error("Nothing was searched: the query was empty.")
         try:
@@ -97,6 +100,8 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
         store._counters.add("tool_calls.membase_save")
+        if store._closed:
+            return _error(CLOSED_SENTENCE)
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
         target = None if standing_fact else (container or store._container)
@@ -146,9 +151,11 @@ def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
         store._counters.add("tool_calls.membase_profile")
+        if store._closed:
+            return _error(CLOSED_SENTENCE)
         wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
         try:
-            return _ok(profile_text(store._profile_blocking(wanted), wanted))
+            return _ok(profile_text(store._profile_blocking(wanted), wanted, store._max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(store, "membase_profile", error)
 
