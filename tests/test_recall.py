@@ -210,10 +210,6 @@ async def test_a_healthy_search_within_budget_leaves_no_guard(fake, make_store):
     assert len(fake.sent("POST", "/v1/search")) == 3
 
 
-@pytest.mark.xfail(
-    reason="BUG: a late recall's failure is logged with the server's raw message, unredacted (_recall.py release)",
-    strict=True,
-)
 def test_a_late_failure_that_echoes_the_key_does_not_log_it(fake, make_store, gates, caplog):
     caplog.set_level(logging.DEBUG)
     stall = gates.new()
@@ -228,10 +224,6 @@ def test_a_late_failure_that_echoes_the_key_does_not_log_it(fake, make_store, ga
     assert not any(API_KEY in m for m in messages(caplog))
 
 
-@pytest.mark.xfail(
-    reason="BUG: search() lets non-403 Membase errors through with the server's raw text; the manager logs it",
-    strict=True,
-)
 def test_a_recall_error_that_echoes_the_key_does_not_log_it(fake, make_store, caplog):
     caplog.set_level(logging.DEBUG)
     fake.on("POST", "/v1/search", status(401, f"bad bearer {API_KEY}"))

@@ -131,6 +131,21 @@ async def test_a_blank_query_returns_nothing_without_a_request(fake, make_store)
     assert fake.sent() == []
 
 
+def test_the_managers_injection_size_is_sent_as_the_limit(fake, make_store):
+    agent, _ = make_agent(make_store(max_search_results=20), ["ok"], injection={"max_entries": 2})
+
+    agent(QUESTION)
+
+    assert [r.body["limit"] for r in fake.sent("POST", "/v1/search")] == [2]
+
+
+async def test_a_very_long_query_is_cut_before_it_is_sent(fake, make_store):
+    await make_store().search("ledger " * 1000)
+
+    (sent,) = fake.sent("POST", "/v1/search")
+    assert 0 < len(sent.body["q"]) <= 2000
+
+
 def test_the_search_memory_tool_uses_the_stores_own_limit(fake, make_store):
     fake.remember(FACT)
     store = make_store(max_search_results=12)

@@ -1,0 +1,134 @@
+"""The public API, the package metadata, and the store as the Strands MemoryManager sees it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.resources
+import inspect
+
+import pytest
+from strands.memory import MemoryManager, MemoryStore
+from strands.memory.types import _has_method, _has_write_sink
+
+import membase_strands
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout
+from tests.support.fake_membase import FakeMembase
+
+DOCUMENTED = {"MembaseMemoryStore", "MembaseAccessError", "MembaseRecallTimeout", "__version__"}
+
+
+def test_public_api_exports_the_documented_names() -> None:
+    exported = set(membase_strands.__all__)
+    assert DOCUMENTED <= exported
+    assert len(membase_strands.__all__) == len(exported)  # no name listed twice
+    assert membase_strands.MembaseMemoryStore is MembaseMemoryStore
+    assert membase_strands.MembaseAccessError is MembaseAccessError
+    assert membase_strands.MembaseRecallTimeout is MembaseRecallTimeout
+
+
+def test_every_exported_name_is_a_documented_public_object_of_this_package() -> None:
+    # Anything beyond the documented names must be a public class of membase_strands itself,
+    # never a private helper or something re-exported from strands or membase.
+    for name in set(membase_strands.__all__) - DOCUMENTED:
+        assert not name.startswith("_"), name
+        value = getattr(membase_strands, name)
+        assert inspect.isclass(value), name
+        assert value.__module__.startswith("membase_strands."), name
+        assert value.__doc__, name
+
+
+def test_star_import_gives_exactly_all() -> None:
+    namespace: dict[str, object] = {}
+    exec("from membase_strands import *", namespace)
+    assert {name for name in namespace if name != "__builtins__"} == set(membase_strands.__all__)
+    assert namespace["__version__"] == membase_strands.__version__
+
+
+def test_version_matches_the_installed_distribution() -> None:
+    assert isinstance(membase_strands.__version__, str)
+    assert membase_strands.__version__ == importlib.metadata.version("membase-strands")
+
+
+def test_the_distribution_declares_its_dependencies() -> None:
+    requires = importlib.metadata.requires("membase-strands") or []
+    names = {req.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip() for req in requires}
+    assert {"strands-agents", "unibaseio-membase"} <= names
+
+
+def test_py_typed_ships_in_the_package() -> None:
+    marker = importlib.resources.files("membase_strands").joinpath("py.typed")
+    assert marker.is_file()
+
+
+def test_the_package_has_a_docstring() -> None:
+    assert membase_strands.__doc__ and "MembaseMemoryStore" in membase_strands.__doc__
+
+
+# --- The MemoryStore protocol as the manager uses it ------------------------------------------------
+
+
+@pytest.fixture
+def store(fake: FakeMembase, make_store) -> MembaseMemoryStore:
+    return make_store()
+
+
+def test_store_has_the_protocol_attributes(store: MembaseMemoryStore) -> None:
+    attributes = {name for name in MemoryStore.__annotations__ if not name.startswith("_")}
+    assert attributes == {"name", "description", "max_search_results", "writable", "extraction"}
+    for name in attributes:
+        assert hasattr(store, name), name
+    assert store.name == "membase"
+    assert isinstance(store.description, str) and store.description
+    assert store.max_search_results == 5
+    assert store.writable is False
+    assert store.extraction is None
+
+
+def test_store_methods_match_the_protocol_signatures() -> None:
+    for method in ("search", "add", "add_messages", "initialize", "get_tools"):
+        ours = getattr(MembaseMemoryStore, method)
+        theirs = getattr(MemoryStore, method)
+        assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(theirs), method
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), method
+
+
+def test_the_manager_sees_every_method_as_implemented(store: MembaseMemoryStore) -> None:
+    for method in ("search", "add", "add_messages", "initialize", "get_tools"):
+        assert _has_method(store, method), method
+    assert _has_write_sink(store)
+
+
+def test_the_manager_accepts_a_read_only_store(store: MembaseMemoryStore) -> None:
+    manager = MemoryManager(stores=[store])
+    names = [tool.tool_name for tool in manager.tools]
+    assert names == ["search_memory", "membase_search", "membase_save", "membase_profile"]
+    [search_memory] = [tool for tool in manager.tools if tool.tool_name == "search_memory"]
+    assert store.description in search_memory.tool_spec["description"]
+
+
+def test_the_manager_refuses_its_add_tool_on_a_read_only_store(store: MembaseMemoryStore) -> None:
+    with pytest.raises(ValueError, match="no writable stores"):
+        MemoryManager(stores=[store], add_tool_config=True)
+
+
+def test_the_manager_accepts_a_capturing_store_with_extraction_and_the_add_tool(make_store) -> None:
+    store = make_store(capture=True, extraction=True)
+    assert store.writable is True
+    manager = MemoryManager(stores=[store], add_tool_config=True)
+    assert "add_memory" in [tool.tool_name for tool in manager.tools]
+
+
+def test_two_stores_with_different_names_share_one_manager(fake: FakeMembase, make_store) -> None:
+    first = make_store(name="work", tools=("search",))
+    second = make_store(name="home", tools=())
+    manager = MemoryManager(stores=[first, second])
+    assert [tool.tool_name for tool in manager.tools] == ["search_memory", "membase_search"]
+
+
+async def test_the_manager_searches_the_store(fake: FakeMembase, store: MembaseMemoryStore) -> None:
+    fake.remember("We chose Postgres for the ledger.")
+    manager = MemoryManager(stores=[store])
+    entries = await manager.search("ledger")
+    assert [(e.store_name, e.content) for e in entries] == [("membase", "[Main] We chose Postgres for the ledger.")]
+    [sent] = fake.sent("POST", "/v1/search")
+    assert sent.body["limit"] == 5
