@@ -8,7 +8,9 @@ is deliberately no tool to delete or forget anything.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import membase
@@ -67,9 +69,6 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             container: The name of one Memory to search. Omit to search every Memory in reach.
             limit: How many passages to return, 1 to 50.
         """
-        store._counters.add("tool_calls.membase_search")
-        if store._closed:
-            return _error(CLOSED_SENTENCE)
         if not query.strip():
             return _error("Nothing was searched: the query was empty.")
         try:
@@ -87,7 +86,7 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             return _failed(store, "membase_search", error, container_named=target is not None)
         return _ok(search_text(text, fit_to_budget(answer, store._max_recall_chars)))
 
-    return tool(name="membase_search", description=SEARCH_DESCRIPTION)(membase_search)
+    return _as_tool(store, membase_search, SEARCH_DESCRIPTION)
 
 
 def _save_tool(store: MembaseMemoryStore) -> AgentTool:
@@ -99,9 +98,6 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
             container: The name of the Memory to save to. Omit when only one Memory is in reach.
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
-        store._counters.add("tool_calls.membase_save")
-        if store._closed:
-            return _error(CLOSED_SENTENCE)
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
         target = None if standing_fact else (container or store._container)
@@ -140,7 +136,7 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
         where = f"the Memory '{memory_label(target)}'" if target else "Membase"
         return _ok(f"Saved to {where}.")
 
-    return tool(name="membase_save", description=SAVE_DESCRIPTION)(membase_save)
+    return _as_tool(store, membase_save, SAVE_DESCRIPTION)
 
 
 def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
@@ -150,16 +146,26 @@ def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
-        store._counters.add("tool_calls.membase_profile")
-        if store._closed:
-            return _error(CLOSED_SENTENCE)
         wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
         try:
             return _ok(profile_text(store._profile_blocking(wanted), wanted, store._max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(store, "membase_profile", error)
 
-    return tool(name="membase_profile", description=PROFILE_DESCRIPTION)(membase_profile)
+    return _as_tool(store, membase_profile, PROFILE_DESCRIPTION)
+
+
+def _as_tool(store: MembaseMemoryStore, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
+    """Make ``function`` a Strands tool that is counted, and answers plainly once the store is closed."""
+
+    @functools.wraps(function)  # keeps the signature and docstring Strands builds the tool's schema from
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        store._counters.add(f"tool_calls.{function.__name__}")
+        if store._closed:
+            return _error(CLOSED_SENTENCE)
+        return function(*args, **kwargs)
+
+    return tool(name=function.__name__, description=description)(counted)
 
 
 def _several_memories(store: MembaseMemoryStore) -> str | None:
