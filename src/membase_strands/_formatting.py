@@ -45,6 +45,8 @@ class SearchAnswer:
 
     passages: list[Passage]
     unsearched: list[Unsearched]
+    none_answered: bool = False
+    """Every Memory searched reported that it could not answer."""
 
 
 def memory_label(name: str) -> str:
@@ -96,7 +98,8 @@ def parse_search(body: Any) -> SearchAnswer:
         for row in rows
         if row.get("error")
     ]
-    return SearchAnswer(passages=passages, unsearched=unsearched)
+    none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
+    return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
@@ -142,7 +145,7 @@ def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
             cut = passage.text[:room].rstrip() + CUT_MARKER
             kept.append(Passage(memory=passage.memory, text=cut, metadata={**passage.metadata, "cut": True}))
             used = limit
-    return SearchAnswer(passages=kept, unsearched=answer.unsearched)
+    return SearchAnswer(passages=kept, unsearched=answer.unsearched, none_answered=answer.none_answered)
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:

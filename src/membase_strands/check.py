@@ -23,6 +23,7 @@ from .errors import describe_failure, redact
 from .store import MembaseMemoryStore
 
 PROBE_QUERY = "membase-strands setup check"
+_LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
 
 
 @dataclass
@@ -151,13 +152,23 @@ def _check(
     for attempt in ("first", "second"):
         started = clock()
         try:
-            store._search_blocking(store._client, PROBE_QUERY, 1, container_id)
+            answer = store._search_blocking(store._client, PROBE_QUERY, 1, container_id)
         except Exception as error:  # noqa: BLE001
             report.steps.append(Step("search", False, f"the {attempt} search failed: {_fix_for(error)}"))
             return
         timings.append(clock() - started)
     report.first_search_seconds, report.second_search_seconds = timings
     report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
+    if answer.unsearched:
+        unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
+        local_hint = (
+            " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
+        )
+        hint = "" if store._client.api_key else local_hint
+        report.steps.append(
+            Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
+        )
+        return
     report.steps.append(
         Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
     )

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import membase
@@ -223,7 +224,7 @@ class MembaseMemoryStore:
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
         # could not answer is never dropped silently behind a full page of passages.
         room = max(0, limit - len(answer.unsearched))
-        answer = SearchAnswer(passages=answer.passages[:room], unsearched=answer.unsearched)
+        answer = replace(answer, passages=answer.passages[:room])
         return memory_entries(fit_to_budget(answer, self._max_recall_chars))
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:

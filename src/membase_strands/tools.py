@@ -84,7 +84,9 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(store, "membase_search", error, container_named=target is not None)
-        return _ok(search_text(text, fit_to_budget(answer, store._max_recall_chars)))
+        reply = search_text(text, fit_to_budget(answer, store._max_recall_chars))
+        # When no Memory could answer, the search did not really happen: say so with an error status.
+        return _error(reply) if answer.none_answered else _ok(reply)
 
     return _as_tool(store, membase_search, SEARCH_DESCRIPTION)
 

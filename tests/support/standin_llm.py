@@ -9,13 +9,17 @@ deterministic and make the engine really learn and rank:
   that share words are close and unrelated texts are nearly orthogonal.
 - ``POST /v1/chat/completions``: each engine prompt is recognised by a phrase in it:
   boundary detection answers "no boundaries"; episodic memory generation echoes the user's own
-  words as the episode (with a short title); the multi-round search steering picks the candidates
-  that share words with the QUESTION and stops. A prompt it does not recognise is logged as a
-  warning, recorded in :attr:`StandInLLM.unknown_prompts` and answered ``{}``, so a test can
-  assert that none arrived.
+  words as the episode (with a short title; anyone else's words follow as ``speaker: words``);
+  the multi-round search steering picks the candidates that share words with the QUESTION and
+  stops. A prompt it does not recognise is logged as a warning, recorded in
+  :attr:`StandInLLM.unknown_prompts` and answered ``{}``, so a test can assert that none arrived.
 
-It can be made to fail (:meth:`StandInLLM.failing`: every request answers 500) or stopped and
-started again on the same port (:meth:`StandInLLM.stop` / :meth:`StandInLLM.start`).
+It can be made to fail (:meth:`StandInLLM.failing`: every request answers 500, or the status you
+give, e.g. 401) or really go down: :meth:`StandInLLM.stop` closes the port (connections are
+refused) and :meth:`StandInLLM.start` brings it back on the same port. What the engine does then
+(measured with unibaseio-membase-core 0.3.3): it retries 5xx and connection errors for minutes
+(tenacity, 8 attempts, random exponential waits up to 90 s) before it reports a container as
+unable to answer; a 401 it reports at once.
 
 Standard library only; importable without pytest::
 
@@ -103,7 +107,7 @@ class StandInLLM:
         self.port = port
         self.seen: list[Seen] = []
         self.unknown_prompts: list[str] = []
-        self._failing = False
+        self._failing: int | None = None
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -163,21 +167,27 @@ class StandInLLM:
     # --- Faults -------------------------------------------------------------------------------
 
     @property
-    def failing_now(self) -> bool:
+    def failing_status(self) -> int | None:
+        """The status every request is answered with while failing, else ``None``."""
         return self._failing
 
-    def set_failing(self, failing: bool) -> None:
-        """While failing, every request is answered 500."""
-        self._failing = failing
+    def set_failing(self, status: int | None = 500) -> None:
+        """Answer every request with ``status`` (an OpenAI-style error) until ``set_failing(None)``.
+
+        500/503 are errors the engine retries (for minutes); 401 is one it reports at once.
+        """
+        if status is not None and not 400 <= status <= 599:
+            raise ValueError(f"a failing status is 400-599, got {status!r}")
+        self._failing = status
 
     @contextlib.contextmanager
-    def failing(self) -> Iterator[StandInLLM]:
-        """Answer every request 500 inside the block."""
-        self.set_failing(True)
+    def failing(self, status: int = 500) -> Iterator[StandInLLM]:
+        """Answer every request with ``status`` inside the block."""
+        self.set_failing(status)
         try:
             yield self
         finally:
-            self.set_failing(False)
+            self.set_failing(None)
 
     # --- What it saw --------------------------------------------------------------------------
 
@@ -201,9 +211,12 @@ class StandInLLM:
 
     def answer(self, path: str, body: Any) -> tuple[int, Any]:
         """The status and JSON body for one request."""
-        if self._failing:
-            self._record(Seen(path, "failed", 500))
-            return 500, {"error": {"message": "stand-in LLM is failing on purpose", "type": "server_error"}}
+        status = self._failing
+        if status is not None:
+            self._record(Seen(path, "failed", status))
+            kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request"
+            message = f"stand-in LLM is failing on purpose ({status})"
+            return status, {"error": {"message": message, "type": kind, "code": kind}}
         if path.endswith("/embeddings"):
             return self._embeddings(path, body)
         if path.endswith("/chat/completions"):
@@ -227,6 +240,10 @@ class StandInLLM:
     def _chat(self, path: str, body: Any) -> tuple[int, Any]:
         messages = body.get("messages", []) if isinstance(body, dict) else []
         prompt = "\n".join(_message_text(m) for m in messages if isinstance(m, dict))
+        if isinstance(body, dict) and body.get("stream"):
+            self._record(Seen(path, "unknown", 400, prompt=f"(streamed) {prompt}"))
+            logger.warning("stand-in LLM: a streamed chat request; the stand-in answers whole replies only")
+            return 400, {"error": {"message": "stand-in does not stream", "type": "invalid_request_error"}}
         if BOUNDARY_PHRASE in prompt:
             kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
         elif EPISODE_PHRASE in prompt:
@@ -264,16 +281,22 @@ def _message_text(message: dict[str, Any]) -> str:
 
 
 def _episode(prompt: str) -> dict[str, str]:
-    """The episode is the user's own words: what the engine stores is exactly what was added."""
+    """The episode is the conversation's own words, so what the engine stores is exactly what was added.
+
+    The user's words come verbatim; anyone else's follow as ``speaker: words``, so a note that
+    carried the assistant's words shows them (a real model would summarise both, too).
+    """
     # The prompt's worked example also has a "content" field; the conversation comes before it.
     start = prompt.find("Conversation content:")
     end = prompt.find("Custom instructions:", start)
     section = prompt[start : end if end > start else len(prompt)] if start >= 0 else ""
-    messages = [(m["speaker"].strip().lower(), m["content"].strip()) for m in _MESSAGE_BLOCK.finditer(section)]
-    said = [text for speaker, text in messages if speaker == "user" and text]
-    said = said or [text for _, text in messages if text]
+    said = []
+    for found in _MESSAGE_BLOCK.finditer(section):
+        speaker, text = found["speaker"].strip(), found["content"].strip()
+        if text:
+            said.append(text if speaker.lower() == "user" else f"{speaker}: {text}")
     if not said:
-        logger.warning("stand-in LLM: episode prompt without recognisable user text: %r", prompt[-300:])
+        logger.warning("stand-in LLM: episode prompt without recognisable conversation: %r", prompt[-300:])
         return {"title": "Conversation", "content": ""}
     content = " ".join(said)
     title = " ".join(content.split()[:6])
@@ -303,8 +326,10 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    # HTTP/1.0: one request per connection. A kept-alive connection would be served by its handler
+    # thread even after stop(), so a stopped stand-in would not really be down.
     server: _Server
-    protocol_version = "HTTP/1.1"
+    protocol_version = "HTTP/1.0"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         logger.debug("stand-in LLM: " + format, *args)
@@ -331,3 +356,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+if __name__ == "__main__":  # run it by hand: python tests/support/standin_llm.py
+    logging.basicConfig(level=logging.INFO)
+    with StandInLLM() as standin:
+        print("Stand-in LLM running. Point the engine at it with:")
+        for key, value in standin.engine_env().items():
+            print(f"  export {key}={value}")
+        print("Ctrl-C to stop.")
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
