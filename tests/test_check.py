@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import membase
 import pytest
 from membase.requirements import local_unavailable
 
+from membase_strands import _client as membase_client
 from membase_strands import check
 from membase_strands.check import run_check
 from tests.support.fake_membase import API_KEY, FakeMembase, refuse_connection, status
@@ -229,16 +229,12 @@ def cli(fake: FakeMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("MEMBASE_API_KEY", CLI_KEY)
     world = Cli(fake)
-    original = membase.Membase
 
-    class RoutedMembase(original):  # type: ignore[misc, valid-type]
-        def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
-            base_url = kwargs.pop("base_url", None) or "https://membase.test"
-            world.base_urls.append(base_url)
-            http = httpx.Client(base_url=base_url, transport=httpx.MockTransport(world.handle))
-            super().__init__(api_key, base_url=base_url, http_client=http, **kwargs)
+    def routed_http_client(base_url: str) -> httpx.Client:
+        world.base_urls.append(base_url)
+        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(world.handle))
 
-    monkeypatch.setattr(membase, "Membase", RoutedMembase)
+    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
     yield world
 
 

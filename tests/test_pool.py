@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import membase
 import pytest
 from membase.requirements import local_unavailable
 
 import membase_strands.pool as pool_module
 from membase_strands import MembaseMemoryStore, MembaseStorePool
+from membase_strands import _client as membase_client
 from tests.conftest import make_agent
 from tests.support.fake_membase import FakeMembase, error
 from tests.support.store_helpers import QUESTION
@@ -67,19 +67,11 @@ class Users:
 def users(monkeypatch: pytest.MonkeyPatch) -> Users:
     """Route every hosted ``membase.Membase`` built from here on to the fake of the user whose key it holds."""
     routed = Users(FACTS)
-    original = membase.Membase
 
-    class RoutedMembase(original):  # type: ignore[misc, valid-type]
-        def __init__(self, api_key: str | None = None, **kwargs: Any) -> None:
-            if kwargs.get("local") is not None or "http_client" in kwargs:
-                super().__init__(api_key, **kwargs)
-                return
-            base_url = kwargs.pop("base_url", None) or "https://membase.test"
-            http = httpx.Client(base_url=base_url, transport=httpx.MockTransport(routed.handle))
-            super().__init__(api_key, base_url=base_url, http_client=http, **kwargs)
-            self._owns_http = True  # as if the SDK had built the connection pool itself
+    def routed_http_client(base_url: str) -> httpx.Client:
+        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(routed.handle))
 
-    monkeypatch.setattr(membase, "Membase", RoutedMembase)
+    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
     return routed
 
 

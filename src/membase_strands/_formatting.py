@@ -8,6 +8,8 @@ framed notice, never text that reads like a remembered fact.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ _NAME_LIMIT = 80
 _REASON_LIMIT = 200
 _BRACKETS = str.maketrans({"[": "(", "]": ")"})
 # C0 controls but newline and tab, DEL, and the C1 controls (terminal escapes such as CSI U+009B).
+_NEEDS_CLEANING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 _DROP = {c: None for c in [*range(32), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
 
 
@@ -49,6 +52,7 @@ class SearchAnswer:
     """Every Memory searched reported that it could not answer."""
 
 
+@functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
 def memory_label(name: str) -> str:
     """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
     return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
@@ -61,6 +65,8 @@ def sendable(text: str) -> str:
 
 def clean_text(text: str) -> str:
     """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
+    if not _NEEDS_CLEANING.search(text):  # the common case, on the recall hot path
+        return text
     return sendable(text).translate(_DROP)
 
 

@@ -35,7 +35,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from strands.memory import ExtractionConfig
+    from strands.memory import ExtractionConfig, MemoryStore
     from strands.types.tools import AgentTool
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,9 @@ class MembaseMemoryStore:
         """
         self.name = _options.check_name(name)
         self._container = _options.check_container(container)
-        self.description = description if description is not None else _options.describe(container)
-        self.max_search_results = _options.check_limit_option(max_search_results)
+        # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
+        self.description: str | None = description if description is not None else _options.describe(container)
+        self.max_search_results: int | None = _options.check_limit_option(max_search_results)
         self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
@@ -120,7 +121,7 @@ class MembaseMemoryStore:
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
 
-        self._client, self._owns_client = build_client(client, api_key, base_url, local)
+        self._client, self._close_client = build_client(client, api_key, base_url, local)
         self._local = local
         # One attempt per call: the store chooses for itself when a request may be sent again.
         self._once = without_retries(self._client)
@@ -134,6 +135,11 @@ class MembaseMemoryStore:
     def writable(self) -> bool:
         """Whether the manager may write to this store; the same thing as ``capture``."""
         return self._capture
+
+    @writable.setter
+    def writable(self, value: bool) -> None:
+        # The protocol declares a plain attribute; writing is decided once, by capture= and extraction=.
+        raise AttributeError("writable follows capture=; build the store with capture=True to let the manager write")
 
     def __repr__(self) -> str:
         where = (
@@ -300,8 +306,8 @@ class MembaseMemoryStore:
         if self._closed:
             return
         self._closed = True
-        if self._owns_client:
-            self._client.close()
+        if self._close_client is not None:
+            self._close_client()
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -318,7 +324,7 @@ class MembaseMemoryStore:
             ValueError: ``limit`` is not a whole number of at least 1.
         """
         if limit is None:
-            return self.max_search_results
+            return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"{option} must be a whole number from 1 to {_options.MAX_SEARCH_RESULTS}, got {limit!r}")
         return min(limit, _options.MAX_SEARCH_RESULTS)
@@ -420,3 +426,8 @@ class MembaseMemoryStore:
             key = fingerprint("message", sequence, id(anchor), role, text)
             parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
         return parts
+
+
+if TYPE_CHECKING:
+    # mypy checks here that the store satisfies the protocol the MemoryManager is typed against.
+    _as_memory_store: MemoryStore = MembaseMemoryStore()
