@@ -110,9 +110,12 @@ def run_check(
         report.steps.append(Step("configuration", False, str(error)))
         return report
     with store:
-        target = f"local Membase in {os.fspath(local)}" if local is not None else str(store._client.base_url)
-        if not store._client.api_key:
-            target = f"local Membase ({target})"
+        if local is not None:
+            target = f"local Membase in {os.fspath(local)}"
+        elif not store._client.api_key:
+            target = "local Membase (MEMBASE_LOCAL)"
+        else:
+            target = str(store._client.base_url)
         report = CheckReport(target=target)
         _check(store, report, container, need_save, need_profile, clock)
         secret = store._client.api_key or ""
@@ -175,7 +178,7 @@ def _check(
 
     try:
         store._profile_blocking(None)
-        report.steps.append(Step("profile", True, "the key may read the profile", required=need_profile))
+        report.steps.append(Step("profile", True, "the profile can be read", required=need_profile))
     except Exception as error:  # noqa: BLE001
         report.steps.append(Step("profile", False, _fix_for(error, verb="read the profile"), required=need_profile))
 
@@ -189,10 +192,10 @@ def _probe_save(store: MembaseMemoryStore, container_id: str | None, need_save: 
     except membase.PermissionDeniedError:
         return Step("save", False, f"the key may not save ({how}: it answered 403)", required=need_save)
     except membase.BadRequestError:
-        return Step("save", True, f"the key may save ({how}: it answered 400 for the empty note, not 403)")
+        return Step("save", True, f"saving is allowed ({how}: it answered 400 for the empty note, not 403)")
     except Exception as error:  # noqa: BLE001
         return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
-    return Step("save", True, f"the key may save ({how}: Membase accepted it, with nothing in it)")
+    return Step("save", True, f"saving is allowed ({how}: Membase accepted it, with nothing in it)")
 
 
 def _suggest_recall_timeout(warm_seconds: float) -> float:
