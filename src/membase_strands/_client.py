@@ -46,6 +46,10 @@ def build_client(
         raise ValueError(
             "api_key: no Membase API key; pass api_key=, set MEMBASE_API_KEY, or pass local=DIR for local memory"
         )
+    key = key.strip()  # a key read from a file or a vault often ends in a newline
+    if not key.isascii() or not key.isprintable() or " " in key:
+        # It could not go into an HTTP header, and the transport's error would quote it back.
+        raise ValueError("api_key: the Membase API key has spaces or characters a key cannot have; check its value")
     url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
     # The SDK would build an httpx.Client with an SSL context of its own: ~0.8 MiB and ~20 ms per store
     # (measured in benchmarks/). Stores share one context instead; the SDK then leaves closing to us.

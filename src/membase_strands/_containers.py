@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import membase
 
-from .errors import BadResponseError, clip
+from ._text import clip
+from .errors import BadResponseError
 
 T = TypeVar("T")
 

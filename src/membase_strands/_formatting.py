@@ -15,7 +15,8 @@ from typing import Any
 
 from strands.memory import MemoryEntry
 
-from .errors import BadResponseError, clip
+from ._text import clip, sendable
+from .errors import BadResponseError
 
 _NAME_LIMIT = 80
 _REASON_LIMIT = 200
@@ -58,11 +59,6 @@ def memory_label(name: str) -> str:
     return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
 
 
-def sendable(text: str) -> str:
-    """``text`` that can be sent as UTF-8 JSON: an unpaired surrogate becomes ``?``."""
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
 def clean_text(text: str) -> str:
     """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
     if not _NEEDS_CLEANING.search(text):  # the common case, on the recall hot path
@@ -91,8 +87,8 @@ def parse_search(body: Any) -> SearchAnswer:
     for hit in results:
         if not isinstance(hit, dict) or not isinstance(hit.get("content"), str) or not hit["content"].strip():
             continue
-        container = hit.get("container")
-        name = hit.get("container_name") or names.get(container) or container or "Membase"
+        container = hit.get("container") if isinstance(hit.get("container"), str) else None
+        name = hit.get("container_name") or (names.get(container) if container else None) or container or "Membase"
         metadata = {key: value for key, value in hit.items() if key != "content"}
         passages.append(Passage(memory=memory_label(str(name)), text=clean_text(hit["content"]), metadata=metadata))
 

@@ -11,6 +11,7 @@ MAX_SEARCH_RESULTS = 50
 MAX_QUERY_CHARS = 2000
 MIN_RECALL_CHARS = 200
 DEFAULT_RECALL_CHARS = 20_000
+WAIT_WITHOUT_BUDGET = 8.0  # how long the set-up check and close() wait when the matching option says None
 TOOL_NAMES = ("search", "save", "profile")
 ROLES = ("user", "assistant")
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from membase.client import DEFAULT_TIMEOUT
+
 from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
 from .errors import MembaseRecallTimeout, detail_of
@@ -31,25 +33,43 @@ T = TypeVar("T")
 class TimeBoxedRecall:
     """Runs blocking recall requests on daemon threads within a time budget, one late request at a time."""
 
-    def __init__(self, store_name: str, counters: Counters | None = None, redact: Callable[[str], str] = str) -> None:
+    def __init__(
+        self,
+        store_name: str,
+        counters: Counters | None = None,
+        redact: Callable[[str], str] = str,
+        *,
+        hold_limit: float = DEFAULT_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Create the time box for one store.
 
         Args:
             store_name: The store's name, for log lines and thread names.
             counters: Where to count timeouts, skips and late completions.
             redact: Masks secrets in the text of a late failure before it is logged.
+            hold_limit: The longest a late request keeps recall switched off, from its start: one
+                SDK attempt. (A recall that must first look its Memory up makes two requests.)
+            clock: The monotonic clock (a parameter so tests can move time).
         """
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
+        self._hold_limit = hold_limit
+        self._clock = clock
         self._lock = threading.Lock()
-        self._late: set[Future[object]] = set()
+        self._late: dict[Future[object], float] = {}  # late request -> when it started
 
     @property
     def waking(self) -> bool:
-        """Whether a recall that ran past its budget is still running."""
+        """Whether a recall that ran past its budget is still running, and still holds the guard."""
         with self._lock:
-            return bool(self._late)
+            return self._guard_up()
+
+    def _guard_up(self) -> bool:
+        """Called with the lock held."""
+        oldest_that_counts = self._clock() - self._hold_limit
+        return any(started > oldest_that_counts for started in self._late.values())
 
     async def run(self, request: Callable[[], T], budget: float | None) -> T:
         """Run ``request`` off the event loop and wait at most ``budget`` seconds for it.
@@ -67,14 +87,14 @@ class TimeBoxedRecall:
             Exception: Whatever ``request`` raised within the budget.
         """
         with self._lock:
-            if self._late:
+            if self._guard_up():
                 self._counters.add("recall_skipped")
                 logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
                 raise MembaseRecallTimeout(
                     "Membase recall skipped: an earlier recall that ran out of time is still running "
                     "(the memory is waking up)"
                 )
-        started = time.monotonic()
+        started = self._clock()
         future = start_daemon(request, name=f"membase-recall[{self._store_name}]")
         try:
             return await wait_for_future(future, budget)
@@ -94,13 +114,13 @@ class TimeBoxedRecall:
     def _hold_guard(self, future: Future[T], started: float) -> None:
         late: Future[object] = future  # type: ignore[assignment]
         with self._lock:
-            self._late.add(late)
+            self._late[late] = started
 
         def release(done: Future[object]) -> None:
             with self._lock:
-                self._late.discard(done)
+                self._late.pop(done, None)
             self._counters.add("recall_late_completions")
-            elapsed = time.monotonic() - started
+            elapsed = self._clock() - started
             error = done.exception()
             if error is None:
                 logger.info(

@@ -25,14 +25,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
-from .errors import MembaseWriteTimeout
+from .errors import MembaseWriteTimeout, detail_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class WriteRecord:
         self,
         store_name: str,
         counters: Counters | None = None,
+        redact: Callable[[str], str] = str,
         *,
         size: int = RECORD_SIZE,
         seconds: float = RECORD_SECONDS,
@@ -84,12 +85,14 @@ class WriteRecord:
         Args:
             store_name: The store's name, for log lines and thread names.
             counters: Where to count writes saved, deduplicated and timed out.
+            redact: Masks secrets in the text of a late failure before it is logged.
             size: How many saved writes to remember at most (oldest forgotten first).
             seconds: How long to remember a saved write.
             clock: The monotonic clock (a parameter so tests can move time).
         """
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
+        self._redact = redact
         self._size = size
         self._seconds = seconds
         self._clock = clock
@@ -149,6 +152,8 @@ class WriteRecord:
         try:
             return await wait_for_future(future, remaining)
         except asyncio.TimeoutError:
+            if not quiet:
+                future.add_done_callback(self._log_late)
             self._counters.add("write_timeouts")
             logger.warning(
                 "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s", self._store_name, what
@@ -158,6 +163,25 @@ class WriteRecord:
             if not quiet:
                 raise
             return None
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the writes still running; whether none is left."""
+        with self._lock:
+            running = {entry.future for entry in self._entries.values() if not entry.future.done()}
+        if running:
+            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
+        return not wait(running, timeout=timeout).not_done
+
+    def _log_late(self, done: Future[Any]) -> None:
+        error = done.exception()
+        if error is None:
+            logger.info("store=<%s> | a write that ran out of time finished; it is saved", self._store_name)
+        else:
+            logger.warning(
+                "store=<%s>, reason=<%s> | a write that ran out of time failed; the manager's retry sends it again",
+                self._store_name,
+                self._redact(detail_of(error)),
+            )
 
     def _state(self, key: Hashable) -> _State:
         """Whether ``key`` is new, running or saved. Called with the lock held.

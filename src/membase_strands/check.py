@@ -164,10 +164,7 @@ def _check(
     report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
-        local_hint = (
-            " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
-        )
-        hint = "" if store._client.api_key else local_hint
+        hint = "" if store._client.api_key else _LOCAL_LLM_HINT
         report.steps.append(
             Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
         )
@@ -182,7 +179,9 @@ def _check(
     except Exception as error:  # noqa: BLE001
         report.steps.append(Step("profile", False, _fix_for(error, verb="read the profile"), required=need_profile))
 
-    report.steps.append(_probe_save(store, container_id, need_save))
+    # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
+    probe_target = container_id or (containers[0].id if containers else None)
+    report.steps.append(_probe_save(store, probe_target, need_save))
 
 
 def _probe_save(store: MembaseMemoryStore, container_id: str | None, need_save: bool) -> Step:
@@ -191,7 +190,9 @@ def _probe_save(store: MembaseMemoryStore, container_id: str | None, need_save: 
         store._once.memories.add("", container=container_id)
     except membase.PermissionDeniedError:
         return Step("save", False, f"the key may not save ({how}: it answered 403)", required=need_save)
-    except membase.BadRequestError:
+    except membase.BadRequestError as error:
+        if describe_failure(error).kind == "bad_container":
+            return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
         return Step("save", True, f"saving is allowed ({how}: it answered 400 for the empty note, not 403)")
     except Exception as error:  # noqa: BLE001
         return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)

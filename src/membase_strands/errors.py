@@ -12,11 +12,12 @@ Everything else here turns an exception from the Membase SDK into a :class:`Fail
 from __future__ import annotations
 
 import json
-import re
 import traceback
 from dataclasses import dataclass
 
 import membase
+
+from ._text import clip
 
 ACCESS_SENTENCE = (
     "Membase refused this key: this Membase key was narrowed or revoked by its owner, "
@@ -24,7 +25,6 @@ ACCESS_SENTENCE = (
 )
 
 _MAX_DETAIL = 300
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 
 class MembaseAccessError(PermissionError):
@@ -74,16 +74,16 @@ def detail_of(error: BaseException) -> str:
     return clip(text or type(error).__name__, _MAX_DETAIL)
 
 
-def clip(text: str, limit: int) -> str:
-    """Fold ``text`` onto one line without control characters, cut to ``limit`` characters."""
-    sendable = text.encode("utf-8", "replace").decode("utf-8")  # no unpaired surrogates
-    folded = " ".join(_CONTROL.sub(" ", sendable).split())
-    return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"
-
-
 def redact(text: str, secret: str) -> str:
-    """``text`` with every occurrence of ``secret`` masked."""
-    return text.replace(secret, "[redacted]") if secret else text
+    """``text`` with every occurrence of ``secret`` masked, also as ``repr()`` would quote it."""
+    for form in _forms_of(secret):
+        text = text.replace(form, "[redacted]")
+    return text
+
+
+def _forms_of(secret: str) -> list[str]:
+    # Transports quote what they reject (b'Bearer ...\n'), so the escaped form is masked as well.
+    return [form for form in dict.fromkeys((secret, repr(secret)[1:-1])) if form] if secret else []
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
@@ -95,7 +95,7 @@ def without_secret(error: BaseException, secret: str) -> BaseException:
     """
     text = str(error)
     chain = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    if not secret or secret not in chain:
+    if not any(form in chain for form in _forms_of(secret)):
         return error
     if isinstance(error, membase.MembaseError):
         try:

@@ -6,8 +6,10 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -19,8 +21,9 @@ from . import _options
 from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, parse_containers
 from ._counters import Counters
-from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search, sendable
+from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
 from ._recall import TimeBoxedRecall
+from ._text import sendable
 from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
 from .errors import (
@@ -128,8 +131,11 @@ class MembaseMemoryStore:
         self._resolver = ContainerResolver()
         self._counters = Counters()
         self._recall = TimeBoxedRecall(self.name, self._counters, self._redact)
-        self._writes = WriteRecord(self.name, self._counters)
+        self._writes = WriteRecord(self.name, self._counters, self._redact)
         self._closed = False
+        self._setup_lock = threading.Lock()
+        self._setup_check: Future[list[Container]] | None = None
+        self._setup_checked = False
 
     @property
     def writable(self) -> bool:
@@ -166,11 +172,16 @@ class MembaseMemoryStore:
         if self._container is None and not self._capture:
             return
         self._check_open()
+        with self._setup_lock:
+            if self._setup_checked:
+                return  # one check per store, however many agents are built on it
+            check = self._setup_check
+            if check is None or check.done():
+                # A check still running (Membase slow to answer) is shared, never started twice.
+                check = start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]")
+                self._setup_check = check
         try:
-            containers = await wait_for_future(
-                start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]"),
-                self._recall_timeout if self._recall_timeout is not None else 8.0,
-            )
+            containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
         except (asyncio.TimeoutError, membase.MembaseError) as error:
             logger.warning(
                 "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use",
@@ -185,6 +196,7 @@ class MembaseMemoryStore:
             raise ValueError(
                 f"capture=True with several Memories in reach ({names}) needs container= naming the one to write to"
             )
+        self._setup_checked = True
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query``, within ``recall_timeout``.
@@ -218,14 +230,11 @@ class MembaseMemoryStore:
         except MembaseRecallTimeout:
             raise
         except Exception as error:
+            pause = ""
             if isinstance(error, membase.PermissionDeniedError) and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
-                logger.warning(
-                    "store=<%s>, reason=<403> | automatic recall paused for %g s after Membase refused the key",
-                    self.name,
-                    self._access_cooldown,
-                )
-            self._fail("recall", error)
+                pause = f"; automatic recall paused for {self._access_cooldown:g} s"
+            self._fail("recall", error, pause)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
         # could not answer is never dropped silently behind a full page of passages.
@@ -302,10 +311,16 @@ class MembaseMemoryStore:
     # --- Lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the client if this store built it; a client passed in is left open. Safe to call twice."""
+        """Close the client if this store built it; a client passed in is left open. Safe to call twice.
+
+        A captured write still running (one that ran out of its budget) gets up to ``write_timeout``
+        more seconds to finish first.
+        """
         if self._closed:
             return
         self._closed = True
+        # A write that ran out of time may still be on its way; closing the client under it would lose it.
+        self._writes.drain(self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
         if self._close_client is not None:
             self._close_client()
 
@@ -391,7 +406,7 @@ class MembaseMemoryStore:
         except Exception as error:
             self._fail("write", error)
 
-    def _fail(self, action: str, error: Exception) -> NoReturn:
+    def _fail(self, action: str, error: Exception, after_refusal: str = "") -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError``,
         anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
         self._counters.add(f"{action}_errors")
@@ -399,9 +414,10 @@ class MembaseMemoryStore:
         clean = without_secret(error, self._client.api_key or "")
         if isinstance(error, membase.PermissionDeniedError):
             logger.warning(
-                "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner",
+                "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s",
                 self.name,
                 action,
+                after_refusal,
             )
             raise MembaseAccessError(ACCESS_SENTENCE) from clean
         if clean is error:
