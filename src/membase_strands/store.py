@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from .errors import (
     redact,
     without_secret,
 )
+from .tools import ToolBackend, build_tools
 
 if TYPE_CHECKING:
     from strands.memory import ExtractionConfig, MemoryStore
@@ -216,7 +218,7 @@ class MembaseMemoryStore:
         self._check_open()
         if not isinstance(query, str) or not query.strip():
             return []
-        limit = self.resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
+        limit = self._resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
         client = self._once if self._recall_timeout is not None else self._client
         text = query.strip()[: _options.MAX_QUERY_CHARS]
         self._counters.add("recalls")
@@ -304,9 +306,21 @@ class MembaseMemoryStore:
 
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``."""
-        from .tools import build_tools
-
-        return build_tools(self, self._tool_names)
+        backend = ToolBackend(
+            store_name=self.name,
+            container=self._container,
+            max_recall_chars=self._max_recall_chars,
+            is_closed=lambda: self._closed,
+            count=self._counters.add,
+            redact=self._redact,
+            resolve_limit=self._resolve_limit,
+            search=functools.partial(self._search_blocking, self._client),
+            save=lambda content, container, static: self._save_blocking(self._once, content, container, static, ""),
+            container_id=self._container_id,
+            profile=self._profile_blocking,
+            memories_in_reach=self._memories_in_reach,
+        )
+        return build_tools(backend, self._tool_names)
 
     # --- Lifecycle ----------------------------------------------------------------------------
 
@@ -332,7 +346,7 @@ class MembaseMemoryStore:
 
     # --- Shared with the tools ----------------------------------------------------------------
 
-    def resolve_limit(self, limit: Any, option: str) -> int:
+    def _resolve_limit(self, limit: Any, option: str) -> int:
         """The number of passages to ask for: ``limit``, else the store's default, capped at 50.
 
         Raises:

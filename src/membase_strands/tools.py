@@ -11,19 +11,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import membase
 from strands import tool
 from strands.types.tools import AgentTool
 
-from ._containers import names_in_reach
-from ._formatting import fit_to_budget, memory_label, profile_text, search_text
+from ._containers import Container, names_in_reach
+from ._formatting import SearchAnswer, fit_to_budget, memory_label, profile_text, search_text
 from ._options import MAX_QUERY_CHARS
-from .errors import describe_failure
-
-if TYPE_CHECKING:
-    from .store import MembaseMemoryStore
+from .errors import Failure, describe_failure
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +44,44 @@ PROFILE_DESCRIPTION = (
 )
 
 
-def build_tools(store: MembaseMemoryStore, names: tuple[str, ...]) -> list[AgentTool]:
+@dataclass(frozen=True)
+class ToolBackend:
+    """What the tools need from their store: its settings, and its Membase calls as plain callables.
+
+    The store builds one in ``get_tools()``; the tools never reach into the store itself.
+    """
+
+    store_name: str
+    container: str | None
+    max_recall_chars: int | None
+    is_closed: Callable[[], bool]
+    count: Callable[[str], None]
+    redact: Callable[[str], str]
+    resolve_limit: Callable[[Any, str], int]
+    search: Callable[[str, int, str | None], SearchAnswer]
+    """Waits for the SDK's full timeout and retries, so a cold start still gets an answer."""
+    save: Callable[[str, str | None, bool], Any]
+    """One attempt: a save that timed out may already be stored, so it is never resent blindly."""
+    container_id: Callable[[str], str]
+    profile: Callable[[str | None], Any]
+    memories_in_reach: Callable[[], list[Container]]
+
+
+def build_tools(backend: ToolBackend, names: tuple[str, ...]) -> list[AgentTool]:
     """Build the chosen tools for one store.
 
     Args:
-        store: The store whose Membase the tools use.
+        backend: The store's settings and Membase calls.
         names: Which of ``"search"``, ``"save"`` and ``"profile"`` to build, in order.
 
     Returns:
         The Strands tools, ready for ``get_tools()``.
     """
     makers = {"search": _search_tool, "save": _save_tool, "profile": _profile_tool}
-    return [makers[name](store) for name in names]
+    return [makers[name](backend) for name in names]
 
 
-def _search_tool(store: MembaseMemoryStore) -> AgentTool:
+def _search_tool(backend: ToolBackend) -> AgentTool:
     def membase_search(query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
         """Search the user's Membase memory.
 
@@ -72,26 +93,25 @@ def _search_tool(store: MembaseMemoryStore) -> AgentTool:
         if not query.strip():
             return _error("Nothing was searched: the query was empty.")
         try:
-            count = store.resolve_limit(limit, "limit")
+            count = backend.resolve_limit(limit, "limit")
         except ValueError as error:
             return _error(f"Nothing was searched: {error}.")
-        target = container or store._container
+        target = container or backend.container
         text = query.strip()[:MAX_QUERY_CHARS]
         try:
-            # The tool waits for the SDK's own timeout and retries: a cold start still gets an answer.
-            answer = store._search_blocking(store._client, text, count, target)
+            answer = backend.search(text, count, target)
         except ValueError as error:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(store, "membase_search", error, container_named=target is not None)
-        reply = search_text(text, fit_to_budget(answer, store._max_recall_chars))
+            return _failed(backend, "membase_search", error, container_named=target is not None)
+        reply = search_text(text, fit_to_budget(answer, backend.max_recall_chars))
         # When no Memory could answer, the search did not really happen: say so with an error status.
         return _error(reply) if answer.none_answered else _ok(reply)
 
-    return _as_tool(store, membase_search, SEARCH_DESCRIPTION)
+    return _as_tool(backend, membase_search, SEARCH_DESCRIPTION)
 
 
-def _save_tool(store: MembaseMemoryStore) -> AgentTool:
+def _save_tool(backend: ToolBackend) -> AgentTool:
     def membase_save(content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
         """Save a note the user asked you to remember.
 
@@ -102,46 +122,44 @@ def _save_tool(store: MembaseMemoryStore) -> AgentTool:
         """
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
-        target = None if standing_fact else (container or store._container)
+        target = None if standing_fact else (container or backend.container)
         if target is not None:
             # Find the Memory first, so a failure here is known to have saved nothing.
             try:
-                store._container_id(target)
+                backend.container_id(target)
             except ValueError as error:
                 return _error(f"Nothing was saved: {error}.")
             except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-                return _failed(store, "membase_save", error, container_named=True)
+                return _failed(backend, "membase_save", error, container_named=True)
         try:
-            # One attempt: a save that timed out may already be stored, so it is never resent blindly.
-            store._save_blocking(store._once, content, target, standing_fact, "")
+            backend.save(content, target, standing_fact)
         except ValueError as error:
             return _error(f"Nothing was saved: {error}.")
         except membase.BadRequestError as error:
-            if target is None and not standing_fact:
-                several = _several_memories(store)
-                if several:
-                    return _error(
-                        f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
-                        "then call membase_save again with container set to its name."
-                    )
-            return _failed(store, "membase_save", error, container_named=target is not None)
+            several = _several_memories(backend) if target is None and not standing_fact else None
+            if several:
+                return _error(
+                    f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
+                    "then call membase_save again with container set to its name."
+                )
+            return _failed(backend, "membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
-            _failed(store, "membase_save", error)
+            _note_failure(backend, "membase_save", error)
             return _error(
                 "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
                 "after checking with membase_search that it is not already there."
             )
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(store, "membase_save", error, container_named=target is not None)
+            return _failed(backend, "membase_save", error, container_named=target is not None)
         if standing_fact:
             return _ok("Saved as a standing fact in the user's Membase profile.")
         where = f"the Memory '{memory_label(target)}'" if target else "Membase"
         return _ok(f"Saved to {where}.")
 
-    return _as_tool(store, membase_save, SAVE_DESCRIPTION)
+    return _as_tool(backend, membase_save, SAVE_DESCRIPTION)
 
 
-def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
+def _profile_tool(backend: ToolBackend) -> AgentTool:
     def membase_profile(topic: str | None = None) -> dict[str, Any]:
         """Read the user's Membase profile.
 
@@ -150,46 +168,54 @@ def _profile_tool(store: MembaseMemoryStore) -> AgentTool:
         """
         wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
         try:
-            return _ok(profile_text(store._profile_blocking(wanted), wanted, store._max_recall_chars))
+            return _ok(profile_text(backend.profile(wanted), wanted, backend.max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(store, "membase_profile", error)
+            return _failed(backend, "membase_profile", error)
 
-    return _as_tool(store, membase_profile, PROFILE_DESCRIPTION)
+    return _as_tool(backend, membase_profile, PROFILE_DESCRIPTION)
 
 
-def _as_tool(store: MembaseMemoryStore, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
+def _as_tool(backend: ToolBackend, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
     """Make ``function`` a Strands tool that is counted, and answers plainly once the store is closed."""
 
     @functools.wraps(function)  # keeps the signature and docstring Strands builds the tool's schema from
     def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        store._counters.add(f"tool_calls.{function.__name__}")
-        if store._closed:
+        backend.count(f"tool_calls.{function.__name__}")
+        if backend.is_closed():
             return _error(CLOSED_SENTENCE)
         return function(*args, **kwargs)
 
     return tool(name=function.__name__, description=description)(counted)
 
 
-def _several_memories(store: MembaseMemoryStore) -> str | None:
+def _several_memories(backend: ToolBackend) -> str | None:
     try:
-        containers = store._memories_in_reach()
+        containers = backend.memories_in_reach()
     except Exception:  # noqa: BLE001 - only a better sentence is at stake
         return None
     return names_in_reach(containers) if len(containers) > 1 else None
 
 
-def _failed(
-    store: MembaseMemoryStore, tool_name: str, error: BaseException, *, container_named: bool = False
-) -> dict[str, Any]:
+def _note_failure(
+    backend: ToolBackend, tool_name: str, error: BaseException, *, container_named: bool = False
+) -> Failure:
+    """Count and log a failed Membase call; the caller decides what the model reads."""
     failure = describe_failure(error, container_named=container_named)
-    store._counters.add(f"errors.{failure.kind}")
+    backend.count(f"errors.{failure.kind}")
     logger.warning(
         "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
-        store.name,
+        backend.store_name,
         tool_name,
         failure.kind,
     )
-    return _error(store._redact(failure.sentence))
+    return failure
+
+
+def _failed(
+    backend: ToolBackend, tool_name: str, error: BaseException, *, container_named: bool = False
+) -> dict[str, Any]:
+    failure = _note_failure(backend, tool_name, error, container_named=container_named)
+    return _error(backend.redact(failure.sentence))
 
 
 def _ok(text: str) -> dict[str, Any]:
