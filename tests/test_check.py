@@ -414,3 +414,11 @@ def test_the_module_never_prints_a_key_it_could_not_use():
     assert data["ok"] is False
     assert any("MEMBASE_BASE_URL" in step["detail"] for step in data["steps"])
     assert CLI_KEY not in done.stdout and CLI_KEY not in done.stderr
+
+
+def test_the_save_probe_names_a_memory_so_a_400_is_about_the_empty_note(fake):
+    fake.containers = [{"id": "ctr_a", "name": "A"}, {"id": "ctr_b", "name": "B"}]
+    report = run_check(client=fake.client())
+    [probe] = [r.body for r in fake.sent("POST", "/v1/memories")]
+    assert probe["container"] == "ctr_a" and probe["content"] == ""
+    assert report.ok and fake.notes == []

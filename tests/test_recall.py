@@ -353,3 +353,20 @@ def test_a_timed_out_run_does_not_hold_asyncio_run(gates):
     stall.set()
     assert wait_until(lambda: not recall.waking)
     assert asyncio.run(recall.run(Counter(), 5.0)) == "answer"
+
+
+def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
+    now = [0.0]
+    box = TimeBoxedRecall("membase", hold_limit=90.0, clock=lambda: now[0])
+    gate = threading.Event()
+    try:
+        with pytest.raises(MembaseRecallTimeout):
+            asyncio.run(box.run(lambda: gate.wait(10), 0.05))
+        assert box.waking
+        now[0] = 89.0
+        assert box.waking
+        now[0] = 91.0  # one SDK attempt later the guard lets recalls through again
+        assert not box.waking
+        assert asyncio.run(box.run(lambda: "answer", 1.0)) == "answer"
+    finally:
+        gate.set()

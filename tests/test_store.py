@@ -393,3 +393,30 @@ def test_the_store_goes_into_a_memory_manager_with_its_tools(fake, make_store):
     assert "search_memory" in names
     assert {"membase_search", "membase_save", "membase_profile"} <= set(names)
     assert not any("delete" in n or "forget" in n for n in names)
+
+
+# --- Keys read from files, and one set-up check per store ------------------------------------------
+
+
+def test_whitespace_around_the_key_is_stripped_and_a_key_with_control_characters_is_refused():
+    store = MembaseMemoryStore(api_key=f"  {API_KEY}\n", base_url="http://127.0.0.1:9")
+    assert store._client.api_key == API_KEY
+    store.close()
+    with pytest.raises(ValueError, match="api_key") as refused:
+        MembaseMemoryStore(api_key=f"{API_KEY}\x01x", base_url="http://127.0.0.1:9")
+    assert API_KEY not in str(refused.value)
+
+
+def test_the_quoted_form_of_the_key_is_masked_too():
+    from membase_strands.errors import redact
+
+    assert redact(f"Illegal header value b'Bearer {API_KEY}\\n'", f"{API_KEY}\n") == (
+        "Illegal header value b'Bearer [redacted]'"
+    )
+
+
+def test_the_memories_are_listed_once_per_store_however_many_agents_are_built(fake, make_store):
+    store = make_store(container="Main")
+    for _ in range(3):
+        make_agent(store)
+    assert len(fake.sent("GET", "/v1/containers")) == 1

@@ -19,7 +19,7 @@ import pytest
 from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContext
 from strands.types.content import Message
 
-from membase_strands import MembaseWriteTimeout, _writes
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _writes
 from membase_strands._counters import Counters
 from membase_strands._writes import Part, WriteRecord
 from tests.conftest import make_agent
@@ -711,3 +711,29 @@ async def test_without_a_context_a_failed_batch_is_sent_again(fake, make_store):
 
     assert posted(fake) == [GREEN_TEA, GREEN_TEA]
     assert held(fake) == [GREEN_TEA]
+
+
+# --- A write still running when the store closes --------------------------------------------------
+
+
+async def test_close_lets_a_late_write_finish_before_closing_the_client(fake, caplog):
+    caplog.set_level(logging.INFO)
+    fake.on(*MEMORIES, delayed(fake, 0.8))
+    store = MembaseMemoryStore(client=fake.client(), capture=True, container="Main", write_timeout=0.5)
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add("I like green tea.")
+    store.close()  # waits for the request still on its way instead of cutting it off
+    assert [note.content for note in fake.notes] == ["I like green tea."]
+    assert any("ran out of time finished" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_late_write_that_fails_says_so(fake, make_store, gates, caplog):
+    caplog.set_level(logging.INFO)
+    release = gates.new()
+    fake.on(*MEMORIES, hang(release, then=status(500)))
+    store = make_store(capture=True, container="Main", write_timeout=0.2)
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add("I like green tea.")
+    release.set()
+    wait_until(lambda: any("ran out of time failed" in r.getMessage() for r in caplog.records))
+    assert store.counters()["writes_saved"] == 0
