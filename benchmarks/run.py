@@ -365,11 +365,7 @@ def recall_overhead(plan: Plan) -> Section:
         section.figure("store_us", "store.search", store_us, "µs", floor=15, reference="1.raw_us")
         section.figure("added_us", "store adds over raw", added, "µs", floor=15)
         section.figure("none_us", "store.search, recall_timeout=None", none_us, "µs", floor=15, reference="1.raw_us")
-        met = section.target(
-            f"the store adds at most {OVERHEAD_TARGET_US:.0f} µs median per recall, thread hand-off included",
-            added <= OVERHEAD_TARGET_US,
-            f"adds {fmt(added)} µs (x{store_us / raw_us:.2f} the raw call)",
-        )
+        why = f"adds {fmt(added)} µs (x{store_us / raw_us:.2f} the raw call)"
 
         # Where the time goes: the same request, step by step, measured in the same trials.
         if decomposition_error:
@@ -413,6 +409,20 @@ def recall_overhead(plan: Plan) -> Section:
                 f"threads costs something on this 2-vCPU VM: even a reused worker adds "
                 f"{fmt(steps['worker'] - raw_us)} µs to the bare request."
             )
+        if added > OVERHEAD_TARGET_US and steps:
+            # The reason, written beside the miss: the time box itself needs the request off the event loop.
+            why += (
+                f". Left so: the recall must run off the event loop on a daemon thread (the time box), and that "
+                f"hand-off costs {fmt(steps['noop'])} µs on this 2-vCPU VM, with the SDK call "
+                f"{fmt(steps['inside_daemon'] - raw_us)} µs slower on the fresh thread; the store's own code adds "
+                f"{fmt(steps['caller'] - raw_us)} µs, and even a reused worker thread would add "
+                f"{fmt(steps['projected'] - raw_us)} µs"
+            )
+        met = section.target(
+            f"the store adds at most {OVERHEAD_TARGET_US:.0f} µs median per recall, thread hand-off included",
+            added <= OVERHEAD_TARGET_US,
+            why,
+        )
         if not met:
             profiler = cProfile.Profile()
             profiler.enable()
