@@ -21,23 +21,30 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LIFETIME_S = 900.0
-SEARCH_ANSWER = json.dumps(
-    {
-        "query": "",
-        "results": [
-            {
-                "content": f"Passage {i}: we chose Postgres for the ledger.",
-                "container": "ctr_main",
-                "container_name": "Main",
-                "score": 0.9 - i / 10,
-                "source": "episode",
-                "title": "",
-            }
-            for i in range(3)
-        ],
-        "containers": [{"id": "ctr_main", "name": "Main"}],
-    }
-).encode()
+
+
+def search_answer(query: str = "", fact: str = "we chose Postgres for the ledger.") -> bytes:
+    """A fixed, small search answer: three passages from one Memory (what a real search answers)."""
+    return json.dumps(
+        {
+            "query": query,
+            "results": [
+                {
+                    "content": f"Passage {i}: {fact}",
+                    "container": "ctr_main",
+                    "container_name": "Main",
+                    "score": 0.9 - i / 10,
+                    "source": "episode",
+                    "title": "",
+                }
+                for i in range(3)
+            ],
+            "containers": [{"id": "ctr_main", "name": "Main"}],
+        }
+    ).encode()
+
+
+SEARCH_ANSWER = search_answer()
 CONTAINERS_ANSWER = json.dumps({"containers": [{"id": "ctr_main", "name": "Main"}]}).encode()
 
 

@@ -38,6 +38,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]  # the helpers beside this file, and the t
 
 import httpx  # noqa: E402
 import membase  # noqa: E402
+from _server import search_answer  # noqa: E402
 from _support import (  # noqa: E402
     BUSY_SHARE,
     REGRESSION_LIMIT,
@@ -78,24 +79,7 @@ SDK_ATTEMPT_S = 90.0
 SDK_RETRIES = 2
 DEFAULT_WRITE_TIMEOUT: float = inspect.signature(MembaseMemoryStore).parameters["write_timeout"].default
 
-# A fixed, small search answer: three passages from one Memory (what a real search answers).
-SEARCH_BODY = json.dumps(
-    {
-        "query": QUESTION,
-        "results": [
-            {
-                "content": f"Passage {i}: {FACT}",
-                "container": "ctr_main",
-                "container_name": "Main",
-                "score": 0.9 - i / 10,
-                "source": "episode",
-                "title": "",
-            }
-            for i in range(3)
-        ],
-        "containers": [{"id": "ctr_main", "name": "Main"}],
-    }
-).encode()
+SEARCH_BODY = search_answer(QUESTION, FACT)
 
 
 @dataclass(frozen=True)

@@ -77,9 +77,6 @@ def main() -> int:
 
 
 def _session_one(open_store: Callable[[], Any], model_factory: Callable[[], Any] | None) -> bool:
-    from strands import Agent
-    from strands.memory import MemoryManager
-
     print("Session 1: a first agent is told something and saves it")
     print(f"  user:  {TELL}")
     if model_factory is None:
@@ -87,12 +84,7 @@ def _session_one(open_store: Callable[[], Any], model_factory: Callable[[], Any]
     else:
         model = model_factory()
     with open_store() as store:
-        agent = Agent(
-            model=model,
-            system_prompt=SYSTEM_PROMPT,
-            memory_manager=MemoryManager(stores=[store]),
-            callback_handler=None,
-        )
+        agent = _agent(model, store)
         answer = str(agent(TELL)).strip()
         saves = _tool_results(agent.messages, "membase_save")
     for outcome in saves:
@@ -108,20 +100,22 @@ def _session_one(open_store: Callable[[], Any], model_factory: Callable[[], Any]
     return True
 
 
-def _session_two(open_store: Callable[[], Any], model_factory: Callable[[], Any] | None) -> bool:
+def _agent(model: Any, store: Any) -> Any:
+    """A Strands agent whose MemoryManager holds just this store."""
     from strands import Agent
     from strands.memory import MemoryManager
 
+    return Agent(
+        model=model, system_prompt=SYSTEM_PROMPT, memory_manager=MemoryManager(stores=[store]), callback_handler=None
+    )
+
+
+def _session_two(open_store: Callable[[], Any], model_factory: Callable[[], Any] | None) -> bool:
     print("Session 2: later, a NEW agent with a NEW store on the same memory")
     print(f"  user:  {ASK}")
     model = _recalling_scripted() if model_factory is None else model_factory()
     with open_store() as store:
-        agent = Agent(
-            model=model,
-            system_prompt=SYSTEM_PROMPT,
-            memory_manager=MemoryManager(stores=[store]),
-            callback_handler=None,
-        )
+        agent = _agent(model, store)
         answer = str(agent(ASK)).strip()
         recalled = list(store.recalled)
     print("  recalled from Membase before the model answered:")
