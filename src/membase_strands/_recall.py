@@ -5,8 +5,9 @@ A turn should not wait for that, so :class:`TimeBoxedRecall` gives each recall a
 that runs past it raises :class:`MembaseRecallTimeout` for the manager (which skips the store for
 this turn) while its request runs on to the end in the background, waking the memory for the next
 turn. While such a late request is still running, further recalls skip at once instead of piling
-more threads and requests onto a memory that is not answering yet. Recalls that finish within
-the budget never hold the guard, so healthy concurrent recalls all run.
+more threads and requests onto a memory that is not answering yet, for at most one SDK attempt
+from the late request's start. Recalls that finish within the budget never hold the guard, so
+healthy concurrent recalls all run.
 """
 
 from __future__ import annotations
