@@ -20,6 +20,11 @@ _DEFAULT_DESCRIPTION = (
 )
 
 
+def query_text(query: str) -> str:
+    """What is sent for a query: the text without surrounding whitespace, cut to ``MAX_QUERY_CHARS``."""
+    return query.strip()[:MAX_QUERY_CHARS]
+
+
 def describe(container: str | None) -> str:
     if container is None:
         return _DEFAULT_DESCRIPTION

@@ -20,7 +20,7 @@ from strands.types.content import Message
 
 from . import _options
 from ._client import build_client, readable_answers, without_retries
-from ._containers import Container, ContainerResolver, match, parse_containers
+from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
 from ._recall import TimeBoxedRecall
@@ -194,9 +194,9 @@ class MembaseMemoryStore:
         if self._container is not None:
             self._resolver.remember(self._container, match(self._container, containers).id)
         elif len(containers) > 1:
-            names = ", ".join(f"'{c.name}'" for c in containers)
             raise ValueError(
-                f"capture=True with several Memories in reach ({names}) needs container= naming the one to write to"
+                f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
+                "naming the one to write to"
             )
         self._setup_checked = True
 
@@ -220,7 +220,7 @@ class MembaseMemoryStore:
             return []
         limit = self._resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
         client = self._once if self._recall_timeout is not None else self._client
-        text = query.strip()[: _options.MAX_QUERY_CHARS]
+        text = _options.query_text(query)
         self._counters.add("recalls")
         if time.monotonic() < self._refused_until:
             self._counters.add("recall_skipped")

@@ -20,7 +20,7 @@ from strands.types.tools import AgentTool
 
 from ._containers import Container, names_in_reach
 from ._formatting import SearchAnswer, fit_to_budget, memory_label, profile_text, search_text
-from ._options import MAX_QUERY_CHARS
+from ._options import query_text
 from .errors import Failure, describe_failure
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def _search_tool(backend: ToolBackend) -> AgentTool:
         except ValueError as error:
             return _error(f"Nothing was searched: {error}.")
         target = container or backend.container
-        text = query.strip()[:MAX_QUERY_CHARS]
+        text = query_text(query)
         try:
             answer = backend.search(text, count, target)
         except ValueError as error:
@@ -166,7 +166,7 @@ def _profile_tool(backend: ToolBackend) -> AgentTool:
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
-        wanted = topic.strip()[:MAX_QUERY_CHARS] if topic and topic.strip() else None
+        wanted = query_text(topic) if topic and topic.strip() else None
         try:
             return _ok(profile_text(backend.profile(wanted), wanted, backend.max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
