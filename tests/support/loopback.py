@@ -1,0 +1,204 @@
+"""A real HTTP server on 127.0.0.1 that answers like :class:`FakeMembase`, for faults that live in the transport.
+
+``httpx.MockTransport`` never opens a socket, so it cannot show what a dripping server, a reset
+connection, a forked process sharing a pooled socket or a cancelled request does to the store.
+:class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
+over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
+on the socket: :func:`drip`, :func:`reset`, :func:`stall` or :func:`raw_answer`.
+
+Every wait in here is bounded, the server binds to loopback only, and its threads are daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import membase
+
+from tests.support.fake_membase import API_KEY, FakeMembase
+
+RawAction = Callable[["_Handler"], None]
+"""Something done on the socket instead of the fake's answer; it owns the connection from then on."""
+
+LIMIT = 30.0  # the longest any action here holds a connection
+
+
+class LoopbackMembase:
+    """A :class:`FakeMembase` served over real sockets on 127.0.0.1."""
+
+    def __init__(self, fake: FakeMembase | None = None) -> None:
+        """Start serving on a free port; use as a context manager or call :meth:`close`."""
+        self.fake = fake if fake is not None else FakeMembase()
+        self._actions: dict[tuple[str, str], list[RawAction]] = {}
+        self._lock = threading.Lock()
+        self.connections = 0
+        self.open_connections = 0
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.owner = self
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="loopback-membase", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def client(self, **kwargs: Any) -> membase.Membase:
+        """A real ``membase.Membase`` client over a real socket to this server."""
+        return membase.Membase(api_key=API_KEY, base_url=self.url, **kwargs)
+
+    def on(self, method: str, path: str, *actions: RawAction) -> None:
+        """Replace the next answers to ``method path`` with ``actions``, one per request, in order."""
+        with self._lock:
+            self._actions.setdefault((method, path), []).extend(actions)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(LIMIT)
+
+    def __enter__(self) -> LoopbackMembase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _next_action(self, method: str, path: str) -> RawAction | None:
+        with self._lock:
+            queued = self._actions.get((method, path))
+            return queued.pop(0) if queued else None
+
+    def _count(self, opened: int) -> None:
+        with self._lock:
+            if opened > 0:
+                self.connections += 1
+            self.open_connections += opened
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: LoopbackMembase
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    timeout = LIMIT  # an idle keep-alive connection is dropped after this, so no handler thread lives forever
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.owner._count(+1)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        except OSError:
+            pass  # the action reset the connection
+        finally:
+            self.server.owner._count(-1)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        self._serve(b"")
+
+    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        length = int(self.headers.get("Content-Length") or 0)
+        self._serve(self.rfile.read(length) if length else b"")
+
+    def _serve(self, body: bytes) -> None:
+        owner = self.server.owner
+        path = self.path.split("?")[0]
+        request = httpx.Request(
+            self.command, f"http://loopback{self.path}", headers=dict(self.headers.items()), content=body
+        )
+        answer = owner.fake.handle(request)  # recorded by the fake, faults and all, before any raw action
+        action = owner._next_action(self.command, path)
+        if action is not None:
+            action(self)
+            return
+        self.write_answer(answer.status_code, answer.read(), dict(answer.headers))
+
+    def write_answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """Send one whole answer on this connection, keeping it alive."""
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            if name.lower() not in ("content-length", "connection", "transfer-encoding", "content-encoding"):
+                self.send_header(name, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+
+def raw_answer(status: int, body: bytes) -> RawAction:
+    """Answer with exactly these bytes (for example a body that is not valid UTF-8)."""
+    return lambda handler: handler.write_answer(status, body)
+
+
+def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LIMIT) -> RawAction:
+    """Announce ``body`` and send it one byte every ``every`` seconds (for at most ``limit`` seconds).
+
+    Each byte arrives well inside httpx's per-read timeout, so only a whole-call deadline ends the call.
+    """
+
+    def act(handler: _Handler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.flush()
+        deadline = time.monotonic() + limit
+        for byte in body:
+            if time.monotonic() > deadline:
+                break
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:
+                break  # the client gave up and closed the connection
+            time.sleep(every)
+        handler.close_connection = True
+
+    return act
+
+
+def reset(handler: _Handler) -> None:
+    """Close the connection with a TCP reset and no answer."""
+    handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    handler.close_connection = True
+
+
+def stall(release: threading.Event, then: RawAction | None = None, limit: float = LIMIT) -> RawAction:
+    """Hold the connection without answering until ``release`` is set (at most ``limit`` s), then ``then``.
+
+    Without ``then`` the connection is closed with no answer.
+    """
+
+    def act(handler: _Handler) -> None:
+        release.wait(limit)
+        if then is not None:
+            then(handler)
+        else:
+            handler.close_connection = True
+
+    return act
+
+
+def ok_json(body: Any) -> RawAction:
+    """Answer 200 with ``body`` as JSON."""
+    return raw_answer(200, json.dumps(body).encode())
