@@ -220,11 +220,15 @@ def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
     return failure.sentence
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m membase_strands check``: print the report; exit 0 only when everything needed works."""
+def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
+    """``membase-strands check`` (or ``python -m membase_strands check``): print the report.
+
+    Returns:
+        The exit code: 0 only when everything needed works.
+    """
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m membase_strands", description="Check a Membase setup.")
+    parser = argparse.ArgumentParser(prog=prog, description="Check a Membase setup.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="check the key (MEMBASE_API_KEY) or local directory")
     check.add_argument("--api-key", help="the key (safer: set MEMBASE_API_KEY, which stays out of shell history)")
