@@ -1,93 +1,94 @@
 """Many users, one Membase memory each, with ``MembaseStorePool``.
 
 One Membase key is one person's memory. The pool hands out each user's store, built from that
-user's own key, and keeps it (with its warm connections) for the user's next turns. Each turn
+user's own credential, and keeps it (with its warm connections) for the user's next turns. Each turn
 builds a fresh agent around ``pool.store_for(user_id)``.
 
-Give it your users' keys (in a real app they come from your own user database or vault):
+    uv run --python 3.12 examples/many_users.py
 
-    MEMBASE_USER_KEYS="alice=mb_...,bob=mb_..." uv run python examples/many_users.py
-
-The agent's model here is a stand-in that answers with the memory it was shown, so no LLM key is
-needed; in your app, pass your own model to ``Agent(model=...)``.
+With MEMBASE_USER_KEYS="alice=mb_...,bob=mb_..." it uses your users' hosted keys. Without it, it runs
+offline: each user gets local Membase in a temporary directory (Python 3.12+ and the local extra),
+seeded with one note of their own, and the engine talks to a stand-in LLM on 127.0.0.1. The agent's model
+is scripted to answer with the memory it was shown, so you can see that each user recalls only their own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
-from typing import Any
+import tempfile
+from pathlib import Path
 
+import membase
 from strands import Agent
 from strands.memory import MemoryManager
-from strands.models import Model
 
 from membase_strands import MembaseStorePool
+from membase_strands.pool import Credential
+from membase_strands.testing import ScriptedModel, StandInLLM
+
+QUESTION = "What do you remember about me?"
 
 
 def answer_turn(pool: MembaseStorePool, user_id: str, question: str) -> str:
-    """One user turn: an agent over this user's own store (and only theirs)."""
+    """One user turn: a new agent over this user's own store (and only theirs)."""
+    model = ScriptedModel([lambda sent: _memory_shown(sent) or "(nothing recalled from this user's Membase)"])
     agent = Agent(
-        model=ShowMemory(),
-        memory_manager=MemoryManager(stores=[pool.store_for(user_id)]),
+        model=model,
+        memory_manager=MemoryManager(stores=[pool.store_for(user_id)], search_tool_config=False),
         callback_handler=None,
     )
     return str(agent(question)).strip()
 
 
-def main(user_keys: str | None = None, question: str = "What do you remember about me?") -> int:
-    keys = parse_keys(os.environ.get("MEMBASE_USER_KEYS", "") if user_keys is None else user_keys)
-    if not keys:
-        print(
-            "Set MEMBASE_USER_KEYS to your users' Membase keys to run this example, for example "
-            'MEMBASE_USER_KEYS="alice=mb_...,bob=mb_..." (Membase app: Connect > Developer keys).'
-        )
-        return 0
+def main() -> int:
+    with contextlib.ExitStack() as stack:
+        credentials = _hosted_keys() or _offline_users(stack)
+        if not credentials:
+            return 1
 
-    def key_for(user_id: str) -> str:  # your vault or user database; never a shared key
-        return keys[user_id]
+        def credential_for(user_id: str) -> Credential:  # your vault or user database; never a shared key
+            return credentials[user_id]
 
-    with MembaseStorePool(key_for, max_stores=100, recall_timeout=8.0) as pool:
-        for round_number in (1, 2):  # turns from different users, interleaved; round 2 reuses each store
-            for user_id in keys:
-                print(f"--- {user_id}, turn {round_number}")
-                print(answer_turn(pool, user_id, question))
-        for user_id in keys:
-            counts = pool.store_for(user_id).counters()
-            print(f"{user_id}: {counts['recalls']} recalls, {counts['recall_hits']} with memory")
+        with MembaseStorePool(credential_for, max_stores=100, recall_timeout=30.0) as pool:
+            for round_number in (1, 2):  # turns from different users, interleaved; round 2 reuses each store
+                for user_id in credentials:
+                    print(f"--- {user_id}, turn {round_number}")
+                    print(answer_turn(pool, user_id, QUESTION))
+            for user_id in credentials:
+                counts = pool.store_for(user_id).counters()
+                print(f"{user_id}: {counts['recalls']} recalls, {counts['recall_hits']} with memory")
     return 0
 
 
-def parse_keys(text: str) -> dict[str, str]:
-    """``"alice=key1,bob=key2"`` as ``{"alice": "key1", "bob": "key2"}``."""
-    pairs = (item.split("=", 1) for item in text.split(",") if "=" in item)
-    return {user.strip(): key.strip() for user, key in pairs if user.strip() and key.strip()}
+def _hosted_keys() -> dict[str, Credential]:
+    """``MEMBASE_USER_KEYS="alice=key1,bob=key2"`` as ``{"alice": "key1", "bob": "key2"}``."""
+    pairs = (item.split("=", 1) for item in os.environ.get("MEMBASE_USER_KEYS", "").split(","))
+    return {user.strip(): key.strip() for user, key in (p for p in pairs if len(p) == 2) if user.strip() and key}
 
 
-class ShowMemory(Model):
-    """A stand-in model that answers with the ``<memory>`` block the memory manager showed it."""
+def _offline_users(stack: contextlib.ExitStack) -> dict[str, Credential]:
+    """Two users, each with local Membase in a temporary directory holding one note of their own."""
+    if sys.version_info < (3, 12):
+        print("Offline, this example needs Python 3.12+ (local Membase), or set MEMBASE_USER_KEYS.", file=sys.stderr)
+        return {}
+    llm = stack.enter_context(StandInLLM())
+    os.environ.update(llm.engine_env())  # before the engine's first call: it caches its provider
+    notes = {"alice": "Alice prefers green tea and works on the ledger.", "bob": "Bob is training for a marathon."}
+    users: dict[str, Credential] = {}
+    for user_id, note in notes.items():
+        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"membase-{user_id}-")))
+        with membase.Membase(local=directory) as client:
+            client.memories.add(note)
+        users[user_id] = directory  # a path is a local directory; a str is a hosted key
+    print(f"Offline: local Membase per user, the engine's LLM a stand-in on {llm.url}.")
+    return users
 
-    def __init__(self) -> None:
-        self.config: dict[str, Any] = {"model_id": "show-memory"}
 
-    def update_config(self, **model_config: Any) -> None:
-        self.config.update(model_config)
-
-    def get_config(self) -> Any:
-        return self.config
-
-    def structured_output(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
-
-    async def stream(self, messages: Any, *args: Any, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
-        text = "\n".join(block.get("text", "") for block in messages[-1]["content"])
-        start = text.find("<memory>")
-        reply = text[start:] if start >= 0 else "(nothing recalled from this user's Membase)"
-        yield {"messageStart": {"role": "assistant"}}
-        yield {"contentBlockDelta": {"delta": {"text": reply}}}
-        yield {"contentBlockStop": {}}
-        yield {"messageStop": {"stopReason": "end_turn"}}
+def _memory_shown(sent: str) -> str:
+    start = sent.find("<memory>")
+    return sent[start:] if start >= 0 else ""
 
 
 if __name__ == "__main__":
