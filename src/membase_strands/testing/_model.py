@@ -13,10 +13,11 @@ from strands.models import Model
 
 @dataclass
 class ToolCall:
-    """A scripted model turn that calls one tool."""
+    """A scripted model turn that calls one tool, optionally saying ``text`` first."""
 
     name: str
     input: dict[str, Any] = field(default_factory=dict)
+    text: str = ""
 
 
 Step = str | ToolCall | Callable[[str], "str | ToolCall"]
@@ -70,6 +71,10 @@ class ScriptedModel(Model):
             step = step(self.sent_text())
         yield {"messageStart": {"role": "assistant"}}
         if isinstance(step, ToolCall):
+            if step.text:
+                yield {"contentBlockStart": {"start": {}}}
+                yield {"contentBlockDelta": {"delta": {"text": step.text}}}
+                yield {"contentBlockStop": {}}
             tool_use_id = f"call-{len(self.calls)}"
             yield {"contentBlockStart": {"start": {"toolUse": {"toolUseId": tool_use_id, "name": step.name}}}}
             yield {"contentBlockDelta": {"delta": {"toolUse": {"input": json.dumps(step.input)}}}}
