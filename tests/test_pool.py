@@ -435,7 +435,7 @@ def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(users):
         release.set()
 
 
-# --- Closing ------------------------------------------------------------------------------------
+# --- Closing: every store side by side, within one write budget ---------------------------------
 
 
 def test_close_closes_every_store_and_the_pool_refuses_more():
@@ -490,6 +490,59 @@ def test_close_also_closes_the_stores_it_let_go_of_that_are_still_in_use():
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
         assert len(pool) == 1
     assert is_closed(alice) and is_closed(bob)
+
+
+def test_close_waits_for_every_users_running_writes_side_by_side(users):
+    release = threading.Event()
+    for fake in users.fakes.values():
+        fake.on("POST", "/v1/memories", hang(release, routed(fake)))
+    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=60)
+    try:
+        stores = [pool.store_for(user) for user in FACTS]
+        turns = [in_thread(make_agent(store, ["ok"])[0], QUESTION) for store in stores]
+        assert wait_until(lambda: all(fake.sent("POST", "/v1/memories") for fake in users.fakes.values()), timeout=10)
+
+        closing = in_thread(pool.close)
+
+        # Every store is closing (waiting for its own write) at the same moment, not one after another.
+        assert wait_until(lambda: all(store._closed for store in stores), timeout=10)
+        assert not closing.done()
+        release.set()
+        closing.result(timeout=10)
+        for turn in turns:
+            turn.result(timeout=10)
+        assert all(is_closed(store) for store in stores)
+        assert [store.counters()["writes_saved"] for store in stores] == [1, 1, 1]
+        assert all(any(QUESTION in note.content for note in fake.notes) for fake in users.fakes.values())
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_close_returns_within_one_write_budget_however_many_stores_wait(monkeypatch):
+    many = Users({f"user{n}": f"User {n} chose Postgres for the ledger." for n in range(8)})
+    route_users(monkeypatch, many)
+    release = threading.Event()
+    for fake in many.fakes.values():
+        fake.on("POST", "/v1/memories", hang(release, routed(fake)))
+    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=1.0)
+    try:
+        stores = [pool.store_for(user) for user in many.fakes]
+        turns = [in_thread(make_agent(store, ["ok"])[0], QUESTION) for store in stores]
+        for turn in turns:
+            turn.result(timeout=30)  # each write ran out of its 1 s and stays in flight
+        assert all(fake.sent("POST", "/v1/memories") for fake in many.fakes.values())
+
+        started = time.monotonic()
+        pool.close()
+        took = time.monotonic() - started
+
+        # One after another, 8 stores would take at least 8 s; side by side, about one budget.
+        assert took < 5.0, took
+        assert all(store._closed for store in stores)
+    finally:
+        release.set()
+    assert all(wait_until(lambda store=store: store._client._http.is_closed, timeout=10) for store in stores)
 
 
 # --- Threads ------------------------------------------------------------------------------------

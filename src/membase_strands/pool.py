@@ -19,8 +19,10 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any
 
+from . import _options
 from ._threads import start_daemon
 from .store import MembaseMemoryStore
 
@@ -124,14 +126,37 @@ class MembaseStorePool:
         return store
 
     def close(self) -> None:
-        """Close every store the pool handed out that is still alive. Safe to call twice."""
+        """Close every store the pool handed out that is still alive. Safe to call twice.
+
+        The stores close side by side, each letting its captured writes still running finish first, so
+        this returns within one ``write_timeout`` however many stores there are. A store still waiting for
+        its writes then finishes closing in the background.
+        """
         with self._lock:
             self._closed = True
             stores = [*self._stores.values(), *self._released.values()]
             self._stores.clear()
             self._released.clear()
-        for store in stores:
-            store.close()
+        if not stores:
+            return
+        # Each store's close() waits up to its write_timeout for its own writes; side by side, they all
+        # fit in one budget. Daemon threads: a close still waiting must not hold up the interpreter's exit.
+        budget = max(store._write_timeout or _options.WAIT_WITHOUT_BUDGET for store in stores)
+        closing: list[Future[None]] = [
+            start_daemon(store.close, name=f"membase-close[{store.name}]") for store in stores
+        ]
+        done, still_closing = wait(closing, timeout=budget)
+        for future in done:
+            error = future.exception()
+            if error is not None:
+                logger.warning("reason=<%s> | a store failed to close", type(error).__name__)
+        if still_closing:
+            logger.warning(
+                "stores=<%d>, reason=<writes still running after %.1f s> | pool closed; "
+                "those stores finish closing in the background",
+                len(still_closing),
+                budget,
+            )
 
     def __enter__(self) -> MembaseStorePool:
         return self
