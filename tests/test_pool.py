@@ -3,20 +3,28 @@
 Request-level tests swap ``membase.Membase`` for a subclass whose only change is its transport: each
 request goes to the fake Membase of the user whose key is in its ``Authorization`` header, so a
 request sent with the wrong user's key would reach the wrong memory and show in the model's prompt.
+The many-users test serves the same per-user fakes over real sockets (``LoopbackMembase``), so it can
+count the connections each client leaves open.
+
+The bound lets go of stores without closing them: a store is closed once nothing holds it, so the
+tests that check closing drop their references and wait for the garbage collector.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -26,9 +34,11 @@ import membase_strands.pool as pool_module
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands import _client as membase_client
 from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase, error
-from tests.support.store_helpers import QUESTION
+from tests.support.fake_membase import FakeMembase, error, hang
+from tests.support.loopback import LoopbackMembase
+from tests.support.store_helpers import QUESTION, routed, wait_until
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 FACTS = {
     "alice": "We chose Postgres for the ledger.",
@@ -63,16 +73,19 @@ class Users:
         return self.fakes[user].handle(request)
 
 
-@pytest.fixture
-def users(monkeypatch: pytest.MonkeyPatch) -> Users:
+def route_users(monkeypatch: pytest.MonkeyPatch, users: Users) -> Users:
     """Route every hosted ``membase.Membase`` built from here on to the fake of the user whose key it holds."""
-    routed = Users(FACTS)
 
     def routed_http_client(base_url: str) -> httpx.Client:
-        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(routed.handle))
+        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(users.handle))
 
     monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
-    return routed
+    return users
+
+
+@pytest.fixture
+def users(monkeypatch: pytest.MonkeyPatch) -> Users:
+    return route_users(monkeypatch, Users(FACTS))
 
 
 @pytest.fixture
@@ -84,6 +97,20 @@ def pool() -> Iterator[MembaseStorePool]:
 
 def is_closed(store: MembaseMemoryStore) -> bool:
     return store._closed and store._client._http.is_closed
+
+
+def in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Run ``fn(*args)`` on a daemon thread of its own; its outcome in a future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as failure:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(failure)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 # --- Through the real Agent ---------------------------------------------------------------------
@@ -271,41 +298,144 @@ def test_an_invalid_shared_store_option_is_reported_naming_it():
         MembaseStorePool(key_of, recall_timeout=0).store_for("alice")
 
 
-# --- The bound: least recently used goes first, and is closed ------------------------------------
+# --- The bound: the pool lets go of the least recently used, never closing it under its user ----
 
 
-def test_a_third_user_evicts_the_least_recently_used_and_closes_it():
+def collected(ref: weakref.ref[Any]) -> bool:
+    """Whether the object behind ``ref`` is gone after a full collection (a thread may still be letting go)."""
+
+    def gone() -> bool:
+        gc.collect()
+        return ref() is None
+
+    return wait_until(gone, timeout=10.0)
+
+
+def test_a_third_user_makes_the_pool_let_go_of_the_least_recently_used_without_closing_it():
     with MembaseStorePool(key_of, max_stores=2) as pool:
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
 
         carol = pool.store_for("carol")
 
-        assert len(pool) == 2
-        assert is_closed(alice)
-        assert not bob._closed and not bob._client._http.is_closed
-        assert not carol._closed and carol._client._http.is_closed is False
+        assert len(pool) == 2 and list(pool._stores) == ["bob", "carol"]
+        assert not any(store._closed or store._client._http.is_closed for store in (alice, bob, carol))
+        # Alice's store is still held (here: by this test; in an app: by her agent mid-turn), so she gets
+        # that same store back, not a second client, and now bob is the least recently used.
+        assert pool.store_for("alice") is alice
+        assert list(pool._stores) == ["carol", "alice"]
+        assert not bob._closed
+
+
+def test_a_store_let_go_of_closes_its_client_once_nothing_holds_it():
+    with MembaseStorePool(key_of, max_stores=1) as pool:
+        alice = pool.store_for("alice")
+        http, gone = alice._client._http, weakref.ref(alice)
+        pool.store_for("bob")
+        assert not http.is_closed
+
+        del alice
+
+        assert collected(gone)
+        assert wait_until(lambda: http.is_closed)
         again = pool.store_for("alice")
-        assert again is not alice and not again._closed
+        assert again._client._http is not http and not again._closed
         assert again._client.api_key == key_of("alice")
-        assert is_closed(bob)  # bob was now the least recently used
 
 
 def test_touching_a_store_keeps_it_recent():
     with MembaseStorePool(key_of, max_stores=2) as pool:
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
         assert pool.store_for("alice") is alice  # alice is now the most recent
+        bob_http, bob_gone = bob._client._http, weakref.ref(bob)
+        del bob
 
         pool.store_for("carol")
 
-        assert not alice._closed and is_closed(bob)
-        assert pool.store_for("alice") is alice
+        assert list(pool._stores) == ["alice", "carol"]
+        assert collected(bob_gone) and wait_until(lambda: bob_http.is_closed)
+        assert pool.store_for("alice") is alice and not alice._closed
 
 
-def test_a_bound_of_one_keeps_only_the_latest_user():
+def test_a_bound_of_one_keeps_only_the_latest_users_store():
     with MembaseStorePool(key_of, max_stores=1) as pool:
-        stores = [pool.store_for(user) for user in ("alice", "bob", "carol")]
-        assert len(pool) == 1
-        assert [is_closed(store) for store in stores] == [True, True, False]
+        refs, clients = [], []
+        for user in ("alice", "bob", "carol"):
+            store = pool.store_for(user)
+            refs.append(weakref.ref(store))
+            clients.append(store._client._http)
+        del store
+
+        assert len(pool) == 1 and list(pool._stores) == ["carol"]
+        assert collected(refs[0]) and collected(refs[1]) and refs[2]() is not None
+        assert wait_until(lambda: [client.is_closed for client in clients] == [True, True, False])
+
+
+def test_an_agent_keeps_its_memory_when_the_pool_lets_go_of_its_store_before_the_turn(users):
+    with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True) as pool:
+        store = pool.store_for("alice")
+        agent, model = make_agent(store, ["ok"])
+        pool.store_for("bob")  # another user's request fills the pool while alice's turn is in flight
+
+        agent(QUESTION)
+
+        assert f"[Main] {FACTS['alice']}" in (model.memory_block() or "")
+        saved = [note.content for note in users.fakes["alice"].notes]
+        assert len(saved) == 2 and QUESTION in saved[1]  # the seeded fact, then alice's captured words
+        assert store.counters()["writes_saved"] == 1
+        assert pool.store_for("alice") is store
+
+
+def test_a_write_still_running_keeps_a_store_let_go_of_open_until_it_is_saved(users):
+    release = threading.Event()
+    alice = users.fakes["alice"]
+    alice.on("POST", "/v1/memories", hang(release, routed(alice)))
+    try:
+        with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=0.5) as pool:
+            store = pool.store_for("alice")
+            http, gone = store._client._http, weakref.ref(store)
+            agent, _ = make_agent(store, ["ok"])
+            agent(QUESTION)  # the write runs out of its budget and goes on in the background
+            assert len(alice.sent("POST", "/v1/memories")) == 1
+            pool.store_for("bob")
+            del agent, store
+            gc.collect()
+
+            assert gone() is not None and not http.is_closed  # the running write still holds the store
+
+            release.set()
+            assert wait_until(lambda: any(QUESTION in note.content for note in alice.notes))
+            assert collected(gone)
+            assert wait_until(lambda: http.is_closed)
+            assert len(alice.sent("POST", "/v1/memories")) == 1
+    finally:
+        release.set()
+
+
+def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(users):
+    release = threading.Event()
+    alice = users.fakes["alice"]
+    alice.on("POST", "/v1/memories", hang(release, routed(alice)))
+    try:
+        with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=60) as pool:
+            store = pool.store_for("alice")
+            agent, _ = make_agent(store, ["ok"])
+            turn = in_thread(lambda: agent(QUESTION))  # its flush waits for the held write
+            assert wait_until(lambda: len(alice.sent("POST", "/v1/memories")) == 1, timeout=10)
+
+            # An event loop asking for bob's store must not wait (up to 60 s) for alice's write.
+            bob = in_thread(lambda: pool.store_for("bob")).result(timeout=10)
+
+            assert bob._client.api_key == key_of("bob")
+            assert not turn.done() and not store._closed
+            release.set()
+            turn.result(timeout=10)
+            assert store.counters()["writes_saved"] == 1
+            assert any(QUESTION in note.content for note in alice.notes)
+    finally:
+        release.set()
+
+
+# --- Closing: every store side by side, within one write budget ---------------------------------
 
 
 def test_close_closes_every_store_and_the_pool_refuses_more():
@@ -353,6 +483,66 @@ def test_a_store_built_while_the_pool_closes_is_closed_and_not_handed_out(built_
 
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
     assert len(built_stores) == 1 and is_closed(built_stores[0])
+
+
+def test_close_also_closes_the_stores_it_let_go_of_that_are_still_in_use():
+    with MembaseStorePool(key_of, max_stores=1) as pool:
+        alice, bob = pool.store_for("alice"), pool.store_for("bob")
+        assert len(pool) == 1
+    assert is_closed(alice) and is_closed(bob)
+
+
+def test_close_waits_for_every_users_running_writes_side_by_side(users):
+    release = threading.Event()
+    for fake in users.fakes.values():
+        fake.on("POST", "/v1/memories", hang(release, routed(fake)))
+    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=60)
+    try:
+        stores = [pool.store_for(user) for user in FACTS]
+        turns = [in_thread(make_agent(store, ["ok"])[0], QUESTION) for store in stores]
+        assert wait_until(lambda: all(fake.sent("POST", "/v1/memories") for fake in users.fakes.values()), timeout=10)
+
+        closing = in_thread(pool.close)
+
+        # Every store is closing (waiting for its own write) at the same moment, not one after another.
+        assert wait_until(lambda: all(store._closed for store in stores), timeout=10)
+        assert not closing.done()
+        release.set()
+        closing.result(timeout=10)
+        for turn in turns:
+            turn.result(timeout=10)
+        assert all(is_closed(store) for store in stores)
+        assert [store.counters()["writes_saved"] for store in stores] == [1, 1, 1]
+        assert all(any(QUESTION in note.content for note in fake.notes) for fake in users.fakes.values())
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_close_returns_within_one_write_budget_however_many_stores_wait(monkeypatch):
+    many = Users({f"user{n}": f"User {n} chose Postgres for the ledger." for n in range(8)})
+    route_users(monkeypatch, many)
+    release = threading.Event()
+    for fake in many.fakes.values():
+        fake.on("POST", "/v1/memories", hang(release, routed(fake)))
+    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=1.0)
+    try:
+        stores = [pool.store_for(user) for user in many.fakes]
+        turns = [in_thread(make_agent(store, ["ok"])[0], QUESTION) for store in stores]
+        for turn in turns:
+            turn.result(timeout=30)  # each write ran out of its 1 s and stays in flight
+        assert all(fake.sent("POST", "/v1/memories") for fake in many.fakes.values())
+
+        started = time.monotonic()
+        pool.close()
+        took = time.monotonic() - started
+
+        # One after another, 8 stores would take at least 8 s; side by side, about one budget.
+        assert took < 5.0, took
+        assert all(store._closed for store in stores)
+    finally:
+        release.set()
+    assert all(wait_until(lambda store=store: store._client._http.is_closed, timeout=10) for store in stores)
 
 
 # --- Threads ------------------------------------------------------------------------------------
@@ -429,10 +619,17 @@ def test_threads_over_a_small_bound_never_get_another_users_store(users, built_s
         seen = hammer(pool, user_ids, threads=8, calls=200)
 
         assert all(store._client.api_key == key_of(user) for user, store in seen)
-        assert len(pool) <= 5
-        kept = {id(store) for store in pool._stores.values()}
+        assert len(pool) == 5
+        # Every store handed out is still held by a thread here, so a returning user always got that
+        # same store back: one store per user, however often the pool let go of it.
+        per_user: dict[str, set[int]] = {}
+        for user, store in seen:
+            per_user.setdefault(user, set()).add(id(store))
+        assert all(len(ids) == 1 for ids in per_user.values())
+        handed_out = {id(store) for _, store in seen}
         for store in built_stores:
-            assert is_closed(store) is (id(store) not in kept)
+            # Only a store built in a race and never handed out is closed; none is closed under its user.
+            assert is_closed(store) is (id(store) not in handed_out)
 
 
 def test_two_threads_racing_for_one_new_user_get_the_same_store(built_stores):
@@ -449,6 +646,68 @@ def test_two_threads_racing_for_one_new_user_get_the_same_store(built_stores):
         assert len(built_stores) == 2
         loser = next(store for store in built_stores if store is not seen[0][1])
         assert is_closed(loser) and not seen[0][1]._closed
+
+
+# --- Many users at once, over real sockets ------------------------------------------------------
+
+
+def test_forty_users_at_once_on_a_pool_of_sixteen_all_keep_their_memory_and_writes():
+    facts = {f"user{n:02d}": f"User {n:02d} chose engine{n:02d} for the ledger." for n in range(40)}
+    many = Users(facts)
+    turns = len(facts)
+    all_asked = threading.Barrier(turns)
+    blocks: dict[str, str | None] = {}
+    clients: dict[str, httpx.Client] = {}
+    refs: dict[str, weakref.ref[MembaseMemoryStore]] = {}
+    lock = threading.Lock()
+
+    def turn(pool: MembaseStorePool, user: str) -> None:
+        store = pool.store_for(user)
+        with lock:
+            clients[user], refs[user] = store._client._http, weakref.ref(store)
+        all_asked.wait(60)  # 40 requests in flight at once: the pool has let go of 24 stores already
+        agent, model = make_agent(store, ["ok"])
+        agent(QUESTION)
+        with lock:
+            blocks[user] = model.memory_block()
+
+    with LoopbackMembase(many) as server:  # type: ignore[arg-type] - Users answers like a FakeMembase
+        pool = MembaseStorePool(
+            key_of,
+            max_stores=16,
+            base_url=server.url,
+            capture=True,
+            extraction=True,
+            recall_timeout=30,
+            write_timeout=30,
+        )
+        try:
+            running = [in_thread(turn, pool, user) for user in facts]
+            for each in running:
+                each.result(timeout=120)
+
+            # Every user's first turn was sent that user's memory, and only theirs.
+            for user, fact in facts.items():
+                block = blocks[user] or ""
+                assert f"[Main] {fact}" in block, user
+                assert sum(other in block for other in facts.values()) == 1, user
+            # Every user's captured words reached their own memory, once.
+            for user, fake in many.fakes.items():
+                assert [QUESTION in r.body["content"] for r in fake.sent("POST", "/v1/memories")] == [True], user
+
+            # The agents are gone: the stores the pool let go of are collected and their clients closed,
+            # with no connection left open beyond those of the 16 stores the pool keeps.
+            kept = set(pool._stores)
+            assert len(kept) == 16
+            let_go = [user for user in facts if user not in kept]
+            assert all(collected(refs[user]) for user in let_go)
+            assert wait_until(lambda: all(clients[user].is_closed for user in let_go))
+            assert not any(clients[user].is_closed for user in kept)
+            held = sum(len(clients[user]._transport._pool.connections) for user in kept)
+            assert wait_until(lambda: server.open_connections <= held, timeout=10), (server.open_connections, held)
+        finally:
+            pool.close()
+        assert wait_until(lambda: server.open_connections == 0, timeout=10), server.open_connections
 
 
 # --- Local directories --------------------------------------------------------------------------

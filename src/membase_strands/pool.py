@@ -3,6 +3,12 @@
 One Membase key (or local directory) is one person's memory. :class:`MembaseStorePool` hands
 out the store for a user id, built from the credential the app's own function returns for that
 user, and keeps it (and its client's warm connection pool) for that user's next turns.
+
+The bound on kept stores never breaks a turn. When the pool must make room it lets go of the
+least recently used store instead of closing it: whoever still holds that store (an agent mid-turn,
+a write still running in the background) keeps using it, and its client is closed once nothing
+does any more (when the store is garbage-collected). Until then the pool remembers it weakly, so
+the same user coming back gets that same store, never a second client.
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any
 
+from . import _options
+from ._threads import start_daemon
 from .store import MembaseMemoryStore
 
 logger = logging.getLogger(__name__)
@@ -28,8 +38,11 @@ class MembaseStorePool:
     """Hands out one :class:`MembaseMemoryStore` per user id, reusing each user's store and client.
 
     Safe to use from several threads and event loops at once. It keeps at most ``max_stores``
-    stores; when it must drop one, the least recently used goes first and is closed. A user's store
-    is only ever built from that user's own credential: there is no shared or fallback client.
+    stores for reuse; when it must make room, it lets go of the least recently used one. A store it
+    let go of is not closed under whoever still uses it: an agent mid-turn keeps its recall and its
+    captured writes, and the store's client is closed once nothing uses the store any more. A
+    user's store is only ever built from that user's own credential: there is no shared or fallback
+    client.
 
     Example:
         ```python
@@ -46,8 +59,12 @@ class MembaseStorePool:
         Args:
             credential_for: Returns a user's Membase API key (a ``str``) or local directory (a path
                 object such as ``pathlib.Path``) for a user id.
-            max_stores: How many users' stores to keep open at most. Make it larger than the number of
-                users active at the same moment: a store dropped while its agent is mid-turn is closed.
+            max_stores: How many users' stores to keep for their next turns. Past it, the least recently
+                used store is let go of: a turn still using it keeps its recall and its captured writes,
+                and its client is closed once nothing uses it. A user whose store was let go of and
+                closed gets a new one (and a new connection) on their next turn, so size it to the users
+                active within a few minutes to keep their connections warm. A smaller bound costs
+                reconnections, never a turn's memory; more users in flight than ``max_stores`` is fine.
             **store_options: Options for every user's store (``container``, ``recall_timeout``,
                 ``capture``, ``base_url``, ...). ``client``, ``api_key`` and ``local`` come from
                 ``credential_for``.
@@ -65,9 +82,12 @@ class MembaseStorePool:
         self._store_options = store_options
         self._lock = threading.Lock()
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()
+        # Stores let go of while something may still hold them, by user: alive only as long as someone uses them.
+        self._released: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
         self._closed = False
 
     def __len__(self) -> int:
+        """How many stores the pool keeps for reuse (at most ``max_stores``)."""
         with self._lock:
             return len(self._stores)
 
@@ -75,7 +95,9 @@ class MembaseStorePool:
         return f"MembaseStorePool(stores={len(self)}, max_stores={self._max_stores})"
 
     def store_for(self, user_id: str) -> MembaseMemoryStore:
-        """The store for ``user_id``: the one kept from before, or a new one from the user's credential.
+        """The store for ``user_id``: the one from before, or a new one from the user's credential.
+
+        Never waits for another user's store: making room only lets go of a store, it does not close it.
 
         Raises:
             ValueError: ``user_id`` is blank, or the credential function failed or gave nothing usable for
@@ -86,33 +108,55 @@ class MembaseStorePool:
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
         with self._lock:
             self._check_open()
-            store = self._stores.get(user_id)
+            store = self._take(user_id)
             if store is not None:
-                self._stores.move_to_end(user_id)
                 return store
         # Built outside the lock: the app's credential function may be slow (a vault, a database).
         candidate = self._build(user_id)
         with self._lock:
             closed = self._closed
-            store = candidate if closed else self._stores.setdefault(user_id, candidate)
-            if not closed:
-                self._stores.move_to_end(user_id)
-            dropped = self._over_bound() if store is candidate and not closed else []
-        if closed or store is not candidate:
-            candidate.close()  # the pool closed meanwhile, or another thread built this user's store first
-            self._check_open()
-        for old in dropped:
-            old.close()
+            # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
+            store = None if closed else self._take(user_id)
+            if store is None and not closed:
+                self._keep(user_id, candidate)
+                return candidate
+        candidate.close()  # never handed out, so nothing runs on it and this does not wait
+        if store is None:
+            raise RuntimeError("MembaseStorePool is closed")
         return store
 
     def close(self) -> None:
-        """Close every store the pool holds. Safe to call twice."""
+        """Close every store the pool handed out that is still alive. Safe to call twice.
+
+        The stores close side by side, each letting its captured writes still running finish first, so
+        this returns within one ``write_timeout`` however many stores there are. A store still waiting for
+        its writes then finishes closing in the background.
+        """
         with self._lock:
             self._closed = True
-            stores = list(self._stores.values())
+            stores = [*self._stores.values(), *self._released.values()]
             self._stores.clear()
-        for store in stores:
-            store.close()
+            self._released.clear()
+        if not stores:
+            return
+        # Each store's close() waits up to its write_timeout for its own writes; side by side, they all
+        # fit in one budget. Daemon threads: a close still waiting must not hold up the interpreter's exit.
+        budget = max(store._write_timeout or _options.WAIT_WITHOUT_BUDGET for store in stores)
+        closing: list[Future[None]] = [
+            start_daemon(store.close, name=f"membase-close[{store.name}]") for store in stores
+        ]
+        done, still_closing = wait(closing, timeout=budget)
+        for future in done:
+            error = future.exception()
+            if error is not None:
+                logger.warning("reason=<%s> | a store failed to close", type(error).__name__)
+        if still_closing:
+            logger.warning(
+                "stores=<%d>, reason=<writes still running after %.1f s> | pool closed; "
+                "those stores finish closing in the background",
+                len(still_closing),
+                budget,
+            )
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -120,28 +164,76 @@ class MembaseStorePool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _take(self, user_id: str) -> MembaseMemoryStore | None:
+        """The user's store, kept or let go of but still alive, now the most recently used. Lock held."""
+        store = self._stores.get(user_id)
+        if store is not None:
+            self._stores.move_to_end(user_id)
+            return store
+        store = self._released.pop(user_id, None)
+        if store is not None:
+            logger.debug("user=<%s> | taking back a store still in use instead of building another", user_id)
+            self._keep(user_id, store)
+        return store
+
+    def _keep(self, user_id: str, store: MembaseMemoryStore) -> None:
+        """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held."""
+        self._stores[user_id] = store
+        self._stores.move_to_end(user_id)
+        while len(self._stores) > self._max_stores:
+            old_user, old = self._stores.popitem(last=False)
+            # Not closed here: an agent may be mid-turn on it. It closes its client once nothing uses it.
+            self._released[old_user] = old
+            logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
+
     def _build(self, user_id: str) -> MembaseMemoryStore:
         try:
             credential = self._credential_for(user_id)
         except Exception as error:
             raise ValueError(f"no Membase credential for user {user_id!r}: the credential function failed") from error
         if isinstance(credential, os.PathLike):
-            return MembaseMemoryStore(local=credential, **self._store_options)
-        if not isinstance(credential, str) or not credential.strip():
+            store = MembaseMemoryStore(local=credential, **self._store_options)
+        elif not isinstance(credential, str) or not credential.strip():
             raise ValueError(
                 f"no Membase credential for user {user_id!r}: the credential function returned "
                 f"{type(credential).__name__}, not an API key or a local directory"
             )
-        return MembaseMemoryStore(api_key=credential, **self._store_options)
-
-    def _over_bound(self) -> list[MembaseMemoryStore]:
-        dropped = []
-        while len(self._stores) > self._max_stores:
-            user_id, store = self._stores.popitem(last=False)
-            logger.debug("user=<%s> | pool full; closing the least recently used store", user_id)
-            dropped.append(store)
-        return dropped
+        else:
+            store = MembaseMemoryStore(api_key=credential, **self._store_options)
+        if store._close_client is not None:
+            # A store let go of and then dropped by its last user is never closed explicitly; its sockets
+            # (or local engine) must not outlive it. Running writes and recalls hold the store, so this
+            # runs only once they are done. The callback holds the client, never the store.
+            finalizer = weakref.finalize(store, _close_unused, store._close_client, user_id)
+            finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may still run
+        return store
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("MembaseStorePool is closed")
+
+
+def _close_unused(close_client: Callable[[], None], user_id: str) -> None:
+    """Close the client of a store nothing uses any more; called when the store is garbage-collected.
+
+    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a
+    thread inside a lock): the close, which may wait on a lock or a local engine's disk, goes to a
+    daemon thread of its own.
+    """
+
+    def close() -> None:
+        try:
+            close_client()
+        except Exception as error:
+            logger.warning(
+                "user=<%s>, reason=<%s> | could not close the client of a store nothing uses",
+                user_id,
+                type(error).__name__,
+            )
+        else:
+            logger.debug("user=<%s> | closed the client of a store nothing uses any more", user_id)
+
+    try:
+        start_daemon(close, name="membase-close[unused]")
+    except RuntimeError:
+        close()  # no thread to be had (the interpreter is shutting down, or at its thread limit)
