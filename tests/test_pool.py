@@ -16,8 +16,6 @@ import asyncio
 import gc
 import importlib.util
 import os
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -742,24 +740,12 @@ def load_example():
     return module
 
 
-def test_the_example_without_keys_says_how_to_run_it_and_exits_0():
-    env = {name: value for name, value in os.environ.items() if not name.startswith("MEMBASE_")}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "many_users.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "MEMBASE_USER_KEYS" in done.stdout
-
-
-def test_the_example_gives_each_user_their_own_memory(users, capsys):
+def test_the_example_with_hosted_keys_gives_each_user_their_own_memory(users, capsys, monkeypatch):
     example = load_example()
-    user_keys = ",".join(f"{user}={key_of(user)}" for user in ("alice", "bob"))
+    monkeypatch.setenv("MEMBASE_USER_KEYS", ",".join(f"{user}={key_of(user)}" for user in ("alice", "bob")))
+    monkeypatch.setattr(example, "QUESTION", QUESTION)
 
-    assert example.main(user_keys, question=QUESTION) == 0
+    assert example.main() == 0
 
     out = capsys.readouterr().out
     assert FACTS["alice"] in out and FACTS["bob"] in out
