@@ -7,10 +7,12 @@ timeout after a shortened stand-in for one SDK attempt. Slow, so each setting ru
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any
 
+import membase
 from report import Section, fmt, spread
 from support import DEFAULT_WRITE_TIMEOUT, WRITE_THREAD, Plan, make_agent, median, mock_client, wait_for_threads
 
@@ -19,8 +21,12 @@ from membase_strands.testing import InMemoryMembase, hang
 
 NUMBER = 6
 CAPTURE_SLACK_S = 0.100
-SDK_ATTEMPT_S = 90.0
-SDK_RETRIES = 2
+_SDK_DEFAULTS = inspect.signature(membase.Membase).parameters
+SDK_ATTEMPT_S: float = _SDK_DEFAULTS["timeout"].default
+"""How long one attempt of the installed SDK waits for an answer."""
+SDK_RETRIES: int = _SDK_DEFAULTS["max_retries"].default
+"""How many more attempts the installed SDK makes after a timeout."""
+_COUNTS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
 
 
 def _turn(write_timeout: float | None, attempt_s: float, use_default: bool) -> tuple[float, int]:
@@ -47,6 +53,7 @@ def _turn(write_timeout: float | None, attempt_s: float, use_default: bool) -> t
 def run(plan: Plan) -> Section:
     """Time capturing turns with each ``write_timeout`` of the plan."""
     attempt = plan.capture[0][1]
+    one_call_min = SDK_ATTEMPT_S * (SDK_RETRIES + 1) / 60
     section = Section(
         NUMBER,
         "Capture turn with a hung Membase",
@@ -54,7 +61,7 @@ def run(plan: Plan) -> Section:
         "of the call, so the store's `add_messages` runs inside it. `POST /v1/memories` hangs; the responder "
         f"raises `httpx.ReadTimeout` after {attempt:g} s to stand for the SDK's attempt timing out. With the "
         f"real SDK an attempt times out after {SDK_ATTEMPT_S:g} s, and its own retries ({SDK_RETRIES} more) "
-        "would stretch one call to about 4.5 minutes; the store makes one attempt and never "
+        f"would stretch one call to about {one_call_min:.1f} minutes; the store makes one attempt and never "
         "retries a write itself. Slow, so each setting runs once or twice.",
         ["write_timeout", "turn wall (s)", "runs", "POST /v1/memories sent", "what ends the turn"],
     )
@@ -83,15 +90,15 @@ def run(plan: Plan) -> Section:
             )
         else:
             section.target(
-                "with write_timeout=None the turn lasts one attempt (one POST), not the SDK's three",
+                "with write_timeout=None the turn lasts one attempt (one POST), not the SDK's "
+                + _COUNTS.get(SDK_RETRIES + 1, str(SDK_RETRIES + 1)),
                 posts == 1 and max(walls) <= attempt_s + 1.0,
                 f"{posts} POST; worst {fmt(max(walls))} s against one attempt of {attempt_s:g} s "
                 f"(with the real SDK: {SDK_ATTEMPT_S:g} s)",
             )
     section.notes.append(
         "Without the write budget a hung Membase would hold this synchronous turn for a whole SDK attempt "
-        f"({SDK_ATTEMPT_S:g} s), and for about {(SDK_ATTEMPT_S * (SDK_RETRIES + 1) + 3) / 60:.1f} min had the "
-        "store let the SDK retry. With the budget, the manager keeps the batch for a retry and the request "
-        "finishes in the background."
+        f"({SDK_ATTEMPT_S:g} s), and for about {one_call_min:.1f} min had the store let the SDK retry. With the "
+        "budget, the manager keeps the batch for a retry and the request finishes in the background."
     )
     return section

@@ -40,13 +40,13 @@ def run(plan: Plan) -> Section:
         "Memory per idle store",
         f"Resident memory (VmRSS, after `gc.collect()`) of {plan.rss_count} idle stores built with `api_key` and "
         "`base_url` (no request), each trial in a fresh child process, minus the RSS before building them; "
-        f"scaled to 1,000. {plan.rss_trials} trial(s) for the store and the suggested variant, one for the bare "
-        "client; medians.",
+        f"scaled to 1,000. {plan.rss_trials} trial(s) for the store and for clients sharing one SSL context, one for "
+        "the bare client; medians.",
         ["objects", "MiB per 1,000", "KiB each", "build ms each", "per-trial MiB per 1,000"],
     )
     kinds = (
         ("store", "`MembaseMemoryStore(api_key=..., base_url=...)`", plan.rss_trials),
-        ("client", "the bare `membase.Membase` each store builds", 1),
+        ("client", "a bare `membase.Membase(api_key=..., base_url=...)`", 1),
         ("shared-ssl", "`membase.Membase` over an `httpx.Client` sharing one SSL context", plan.rss_trials),
     )
     per_kind = {}
@@ -60,17 +60,20 @@ def run(plan: Plan) -> Section:
     store_mib, store_ms = per_kind["store"]
     section.figure("store_mib_per_1000", "RSS per 1,000 idle stores", store_mib, "MiB", floor=2)
     section.figure("store_build_ms", "build time per store", store_ms, "ms", floor=1)
+    client_mib, client_ms = per_kind["client"]
     shared_mib, shared_ms = per_kind["shared-ssl"]
     section.notes.append(
-        f"Nearly all of an idle store is its SDK client's `httpx.Client`, whose default `verify=True` builds a "
-        f"new `ssl.SSLContext` and loads the CA bundle ({fmt(per_kind['client'][0])} MiB per 1,000 bare clients). "
-        f"Sharing one SSL context across clients brings 1,000 idle clients to {fmt(shared_mib)} MiB and "
-        f"{fmt(shared_ms)} ms each to build, against {fmt(store_mib)} MiB and {fmt(store_ms)} ms."
+        f"A bare `membase.Membase` builds its own `httpx.Client`, whose default `verify=True` makes a new "
+        f"`ssl.SSLContext` and loads the CA bundle: {fmt(client_mib)} MiB per 1,000 idle clients and "
+        f"{fmt(client_ms)} ms each to build. Sharing one SSL context brings 1,000 idle clients to "
+        f"{fmt(shared_mib)} MiB and {fmt(shared_ms)} ms each; 1,000 idle stores take {fmt(store_mib)} MiB and "
+        f"{fmt(store_ms)} ms each."
     )
     pool_default = inspect.signature(MembaseStorePool).parameters["max_stores"].default
     if isinstance(pool_default, int):
         section.notes.append(
             f"`MembaseStorePool` keeps up to `max_stores={pool_default}` stores by default: about "
-            f"{fmt(store_mib * pool_default / 1000)} MiB once it is full, nearly all of it SSL contexts."
+            f"{fmt(store_mib * pool_default / 1000)} MiB of idle stores once it is full, against "
+            f"{fmt(client_mib * pool_default / 1000)} MiB for as many bare SDK clients."
         )
     return section

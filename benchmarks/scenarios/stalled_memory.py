@@ -173,8 +173,11 @@ def run(plan: Plan) -> Section:
         f"max {int(max(col('threads_during')))} during; {int(max(col('threads_after')))} after "
         f"(baseline {int(max(col('threads_before')))})",
     )
-    section.notes.append(
-        "A stalled turn is usually cheaper than a healthy one (a negative 'added'): the in-flight guard skips "
-        "the recall without a request or a thread, and nothing is injected."
-    )
+    added = median(col("added_ms"))
+    guard = "the in-flight guard skips the recall without a request or a thread, and nothing is injected"
+    if added < 0:
+        note = f"Here a stalled turn was {fmt(-added)} ms cheaper than a healthy one (the median 'added'): {guard}."
+    else:
+        note = f"Here a stalled turn took {fmt(added)} ms more than a healthy one (the median 'added'), though {guard}."
+    section.notes.append(note)
     return section
