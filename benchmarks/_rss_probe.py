@@ -2,10 +2,11 @@
 
     python benchmarks/_rss_probe.py KIND COUNT
 
-KIND is ``store`` (``MembaseMemoryStore(api_key=..., base_url=...)``), ``client`` (the bare
-``membase.Membase`` each store builds) or ``shared-ssl`` (a ``membase.Membase`` over an
-``httpx.Client`` that shares one SSL context: what the store could build instead). Prints one json
-line: RSS before and after (KiB, after ``gc.collect()``) and the build time.
+KIND is ``store`` (``MembaseMemoryStore(api_key=..., base_url=...)``), ``client`` (a bare
+``membase.Membase(api_key=..., base_url=...)``, which builds its own ``httpx.Client``) or
+``shared-ssl`` (a ``membase.Membase`` over an ``httpx.Client`` that shares one SSL context). Prints
+one json line: RSS before and after (KiB, after ``gc.collect()``) and the build time. The section
+that runs it is ``scenarios/idle_memory.py``.
 """
 
 from __future__ import annotations

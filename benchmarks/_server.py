@@ -1,4 +1,5 @@
-"""A loopback stand-in for the Membase REST routes the store uses, for the many-users benchmark.
+"""A loopback stand-in for the Membase REST routes the store uses, for the many-users benchmark
+(``scenarios/many_users.py``), which also takes its fixed search answer from here.
 
 Run as its own process so its threads and CPU time stay out of the client's figures::
 

@@ -1,21 +1,22 @@
-"""Shared pieces of the benchmark run: statistics, the machine, figures, targets and the report.
+"""The report: each section's tables, targets and figures, the machine it ran on, and RESULTS.md.
 
-Each section of ``run.py`` returns a :class:`Section`: a table for RESULTS.md, the targets it checks
-and the figures that the next run compares against (stored in a fenced json block at the end of
-RESULTS.md).
+Each scenario fills a :class:`Section`: a table, the targets it checks (met or missed, with the
+reason) and the figures that the next run compares against. :func:`render` writes RESULTS.md from
+them: the machine (measured, never assumed), the command, a targets summary, one part per section
+and, at the end, a fenced json block of figures that :func:`previous_figures` reads back next time.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -24,32 +25,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 FIGURES_MARKER = "<!-- figures: machine-readable, read by the next run -->"
-REGRESSION_LIMIT = 1.20  # a figure may grow by at most 20 % without a reason
-BUSY_SHARE = 0.10  # other processes using this share of the CPU make a section's timings unreliable
 PACKAGES = ("membase-strands", "strands-agents", "unibaseio-membase", "httpx", "httpcore")
 
 
-# --- Statistics ---------------------------------------------------------------------------------
-
-
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0-1) by nearest rank; enough for small samples."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return float(ordered[index])
-
-
-def spread(values: Sequence[float]) -> str:
-    """``min-max`` of per-trial figures, for the tables."""
-    if not values:
-        return "n/a"
-    return f"{fmt(min(values))}-{fmt(max(values))}"
+# --- Numbers in tables --------------------------------------------------------------------------
 
 
 def fmt(value: float, digits: int = 3) -> str:
@@ -63,6 +42,13 @@ def fmt(value: float, digits: int = 3) -> str:
         return f"{value:,.0f}"
     decimals = digits - 1 - int(f"{magnitude:e}".split("e")[1])
     return f"{value:.{max(0, decimals)}f}"
+
+
+def spread(values: Sequence[float]) -> str:
+    """``min-max`` of per-trial figures, for the tables."""
+    if not values:
+        return "n/a"
+    return f"{fmt(min(values))}-{fmt(max(values))}"
 
 
 # --- Figures, targets, sections -----------------------------------------------------------------
@@ -87,6 +73,7 @@ class Figure:
     reference: str | None = None
 
     def as_json(self) -> dict[str, Any]:
+        """The figure as stored in the json block."""
         out: dict[str, Any] = {"label": self.label, "value": self.value, "unit": self.unit, "better": self.better}
         if self.floor:
             out["floor"] = self.floor
@@ -105,6 +92,7 @@ class Target:
 
     @property
     def mark(self) -> str:
+        """``met`` or a bold ``missed``."""
         return "met" if self.met else "**missed**"
 
 
@@ -125,18 +113,22 @@ class Section:
     others: float = 0.0  # share of the machine's CPU other processes used while this section ran
 
     def row(self, *cells: object) -> None:
+        """Add a table row (missing cells are left empty)."""
         texts = [str(c) for c in cells]
         self.rows.append(texts + [""] * (len(self.headers) - len(texts)))
 
     def figure(self, key: str, label: str, value: float, unit: str, **options: Any) -> float:
+        """Record a figure under ``<section number>.<key>``; returns ``value``."""
         self.figures.append(Figure(f"{self.number}.{key}", label, value, unit, **options))
         return value
 
     def target(self, text: str, met: bool, detail: str) -> bool:
+        """Record a target and whether it was met; returns ``met``."""
         self.targets.append(Target(text, met, detail))
         return met
 
     def markdown(self) -> str:
+        """The section as it appears in RESULTS.md."""
         lines = [f"## {self.number}. {self.title}", "", self.setup, ""]
         if self.headers:
             lines.append("| " + " | ".join(self.headers) + " |")
@@ -159,6 +151,7 @@ class Section:
         return "\n".join(lines)
 
     def console(self) -> str:
+        """The section as the run prints it."""
         out = [f"== {self.number}. {self.title} ({self.seconds:.1f} s, other processes {self.others * 100:.0f} % CPU)"]
         widths = [max(len(h), *(len(r[i]) for r in self.rows)) for i, h in enumerate(self.headers)] if self.rows else []
         if self.headers:
@@ -173,67 +166,35 @@ class Section:
         return "\n".join(out)
 
 
-# --- Timing helpers -----------------------------------------------------------------------------
-
-
-def time_calls_us(call: Callable[[], object], count: int) -> list[float]:
-    """Per-call wall times of ``count`` synchronous calls, in microseconds."""
-    from time import perf_counter_ns
-
-    times = []
-    for _ in range(count):
-        started = perf_counter_ns()
-        call()
-        times.append((perf_counter_ns() - started) / 1000)
-    return times
-
-
-# --- Other load on the machine ------------------------------------------------------------------
-
-
-@dataclass
-class CpuSample:
-    wall: float
-    machine_busy: float  # CPU-seconds all processes spent, from /proc/stat
-    own: float  # CPU-seconds this process and its waited-for children spent
-
-
-def cpu_sample() -> CpuSample:
-    import time
-
-    busy = float("nan")
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-        ticks = [int(v) for v in fields]
-        # user nice system idle iowait irq softirq steal ...: busy is everything but idle and iowait
-        busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
-    times = os.times()
-    return CpuSample(time.perf_counter(), busy, times.user + times.system + times.children_user + times.children_system)
-
-
-def others_share(start: CpuSample, end: CpuSample) -> float:
-    """The share (0-1) of the machine's CPU that other processes used between two samples."""
-    cores = os.cpu_count() or 1
-    wall = end.wall - start.wall
-    others = (end.machine_busy - start.machine_busy) - (end.own - start.own)
-    return max(0.0, others / (wall * cores)) if wall > 0 else 0.0
-
-
 # --- The machine --------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, str]:
-    """CPU model, cores, RAM, OS, Python, package versions, date and commit."""
-    cpu = platform.processor() or "unknown"
+@functools.cache
+def _cpuinfo() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return ""
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 0
+
+
+def _virtual() -> bool:
+    return "hypervisor" in _cpuinfo()
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, RAM, OS, Python, package versions, date and commit, as measured now."""
+    cpu = platform.processor() or "unknown"
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
     ram = "unknown"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -242,25 +203,15 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 0
     versions = []
     for name in PACKAGES:
         try:
             versions.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{name} (not installed)")
-    virtual = ""
-    try:
-        if "hypervisor" in Path("/proc/cpuinfo").read_text():
-            virtual = " (virtual machine)"
-    except OSError:
-        pass
     return {
-        "CPU": f"{cpu}{virtual}",
-        "Cores": f"{os.cpu_count()} logical, {usable} usable by this process",
+        "CPU": f"{cpu}{' (virtual machine)' if _virtual() else ''}",
+        "Cores": f"{os.cpu_count()} logical, {_usable_cpus()} usable by this process",
         "RAM": ram,
         "OS": f"{platform.system()} {platform.release()} ({platform.machine()})",
         "Python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
@@ -268,6 +219,12 @@ def machine() -> dict[str, str]:
         "Date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "Commit": _commit(),
     }
+
+
+def this_machine() -> str:
+    """The machine the run is on, for prose: ``"this 2-CPU virtual machine"``, measured."""
+    cpus = _usable_cpus()
+    return f"this {cpus}-CPU {'virtual machine' if _virtual() else 'machine'}"
 
 
 def _commit() -> str:
@@ -288,7 +245,65 @@ def _commit() -> str:
     return f"{head}{' with uncommitted changes' if dirty else ''}"
 
 
-# --- Comparison with the previous RESULTS.md ----------------------------------------------------
+# --- RESULTS.md ---------------------------------------------------------------------------------
+
+
+def render(
+    sections: Sequence[Section],
+    info: dict[str, str],
+    command: str,
+    total_s: float,
+    mode: str,
+    cpu_shares: dict[str, float],
+) -> str:
+    """RESULTS.md for this run.
+
+    Args:
+        sections: Every section, in the order run, the comparison with the previous run last.
+        info: The machine, from :func:`machine` (plus the run's other load).
+        command: The command that produced the run.
+        total_s: How long the run took.
+        mode: ``"full"`` or ``"quick"``.
+        cpu_shares: Section number -> the share of the CPU other processes used while it ran.
+    """
+    figures = [f for s in sections for f in s.figures]
+    lines = [
+        "# membase-strands benchmarks",
+        "",
+        f"Produced by `{command}` ({mode} mode) in {total_s:.0f} s. What each figure means and how to run it: "
+        "[README.md](README.md). Regenerate rather than edit: the next run reads the json block at the end.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "| --- | --- |",
+        *(f"| {key} | {value} |" for key, value in info.items()),
+        "",
+        "## Targets",
+        "",
+        "| section | target | result | why |",
+        "| --- | --- | --- | --- |",
+    ]
+    for section in sections:
+        lines += [f"| {section.number} | {t.text} | {t.mark} | {t.detail} |" for t in section.targets]
+    lines.append("")
+    for section in sections:
+        lines.append(section.markdown())
+    block_info = {
+        "date": info["Date"],
+        "mode": mode,
+        "command": command,
+        "commit": info["Commit"],
+        "others_cpu_share": {number: round(share, 3) for number, share in cpu_shares.items()},
+    }
+    lines.append(figures_block(figures, block_info))
+    return "\n".join(lines)
+
+
+def figures_block(figures: Sequence[Figure], info: dict[str, Any]) -> str:
+    """The json block at the end of RESULTS.md: the run's info and every figure by key."""
+    body = {**info, "figures": {f.key: f.as_json() for f in figures}}
+    return f"{FIGURES_MARKER}\n\n```json\n{json.dumps(body, indent=1, ensure_ascii=False)}\n```\n"
 
 
 def previous_figures(path: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -307,70 +322,3 @@ def previous_figures(path: Path = RESULTS) -> tuple[dict[str, dict[str, Any]], d
         return {}, {}
     figures = block.get("figures") if isinstance(block, dict) else None
     return (figures if isinstance(figures, dict) else {}), {k: v for k, v in block.items() if k != "figures"}
-
-
-@dataclass
-class Change:
-    key: str
-    label: str
-    unit: str
-    before: float
-    after: float
-    regressed: bool
-    reason: str
-
-    @property
-    def ratio(self) -> float:
-        return self.after / self.before if self.before else float("inf") if self.after else 1.0
-
-
-def compare(
-    figures: Sequence[Figure],
-    before: dict[str, dict[str, Any]],
-    reasons: dict[str, str],
-    busy: dict[str, float] | None = None,
-) -> tuple[list[Change], list[str]]:
-    """Each figure against the previous run: regressed when it grew more than 20 % past its noise floor.
-
-    A regression gets a reason when one is known: one given with ``--reason KEY=TEXT``, the
-    figure's machine reference moved by the same factor, or other processes took a noticeable share
-    of the CPU while its section ran (``busy``: section number -> share). Returns the changes and the keys that
-    were in the previous run but not in this one.
-    """
-    now = {f.key: f for f in figures}
-    changes = []
-    for figure in figures:
-        old = before.get(figure.key)
-        if not isinstance(old, dict) or not isinstance(old.get("value"), (int, float)):
-            continue
-        was = float(old["value"])
-        grew = _worse(figure, was, figure.value)
-        reason = reasons.get(figure.key, "")
-        if grew and not reason and figure.reference:
-            ref_now, ref_old = now.get(figure.reference), before.get(figure.reference, {}).get("value")
-            if ref_now is not None and isinstance(ref_old, (int, float)) and ref_old > 0 and was > 0:
-                own = (figure.value / was) / (ref_now.value / ref_old)
-                if own <= REGRESSION_LIMIT:
-                    reason = (
-                        f"the machine reference {figure.reference} moved by x{ref_now.value / ref_old:.2f}; "
-                        f"relative to it this figure moved x{own:.2f}"
-                    )
-        if grew and not reason and figure.better == "info":
-            reason = "reference figure (measures the machine or the SDK, not this library)"
-        load = (busy or {}).get(figure.key.split(".")[0], 0.0)
-        if grew and not reason and load >= BUSY_SHARE:
-            reason = f"other processes used {load * 100:.0f} % of the machine's CPU during this section"
-        changes.append(Change(figure.key, figure.label, figure.unit, was, figure.value, grew, reason))
-    missing = [key for key in before if key not in now]
-    return changes, missing
-
-
-def _worse(figure: Figure, before: float, after: float) -> bool:
-    if figure.better == "higher":
-        return after * REGRESSION_LIMIT < before and (before - after) > figure.floor
-    return after > before * REGRESSION_LIMIT and (after - before) > figure.floor
-
-
-def figures_block(figures: Sequence[Figure], info: dict[str, Any]) -> str:
-    body = {**info, "figures": {f.key: f.as_json() for f in figures}}
-    return f"{FIGURES_MARKER}\n\n```json\n{json.dumps(body, indent=1, ensure_ascii=False)}\n```\n"
