@@ -1,4 +1,5 @@
-"""Recall that earns its tokens: passages best first, each text once, a relevance floor.
+"""Recall that earns its tokens: passages best first, each text once, a relevance floor, and the set-up
+check's score range.
 
 Seen where the model reads them (the ``<memory>`` block and the ``membase_search`` tool result), through
 a real Agent and the real Membase client over the fake Membase.
@@ -9,14 +10,16 @@ from __future__ import annotations
 import html
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from membase_strands import MembaseMemoryStore
+from membase_strands import MembaseMemoryStore, check
+from membase_strands import _client as membase_client
 from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase
+from tests.support.fake_membase import API_KEY, FakeMembase
 from tests.support.scripted_model import ScriptedModel, ToolCall
 
 QUESTION = "Which database runs the billing ledger?"
@@ -323,3 +326,59 @@ def test_min_score_accepts_any_finite_number(value, make_store):
 def test_min_score_must_be_a_finite_number(value, fake):
     with pytest.raises(ValueError, match="min_score"):
         MembaseMemoryStore(client=fake.client(), min_score=value)
+
+
+# --- The set-up check reports the scores it saw ------------------------------------------------
+
+
+def test_the_check_reports_the_score_range_of_its_probe_searches(fake):
+    answer_with(fake, *INTERLEAVED)
+
+    report = check.run_check(client=fake.client())
+
+    assert report.ok
+    assert report.scores == [0.033, 0.030, 0.017, 0.016]
+    assert report.score_range == (0.016, 0.033)
+    assert 'passage scores for "membase-strands setup check": 0.016 to 0.033 (4 passages)' in report.to_text()
+    assert "min_score" in report.to_text()
+    assert report.to_dict()["score_range"] == (0.016, 0.033)
+    searches = fake.sent("POST", "/v1/search")
+    assert [request.body["limit"] for request in searches] == [check.PROBE_LIMIT] * 2
+
+
+def test_the_check_says_when_no_passage_carried_a_score(fake):
+    report = check.run_check(client=fake.client())  # an empty memory: nothing matches
+
+    assert report.ok
+    assert report.score_range is None
+    assert 'passage scores for "membase-strands setup check": none' in report.to_text()
+    assert "--query" in report.to_text()
+
+
+@pytest.fixture
+def cli_fake(fake: FakeMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeMembase]:
+    """``python -m membase_strands check`` with ``MEMBASE_API_KEY`` set and every client routed to the fake."""
+    for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("MEMBASE_API_KEY", API_KEY)
+    monkeypatch.setattr(
+        membase_client,
+        "new_http_client",
+        lambda base_url: httpx.Client(base_url=base_url, transport=httpx.MockTransport(fake.handle)),
+    )
+    yield fake
+
+
+def test_the_check_cli_asks_the_query_given_and_prints_its_scores(cli_fake, capsys):
+    cli_fake.remember(LEDGER)
+    cli_fake.remember(CELLO)
+
+    code = check.main(["check", "--query", "billing ledger Postgres", "--json"])
+
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert code == 0
+    assert [request.body["q"] for request in cli_fake.sent("POST", "/v1/search")] == ["billing ledger Postgres"] * 2
+    assert data["probe_query"] == "billing ledger Postgres"
+    assert data["scores"] == [3.0] and data["score_range"] == [3.0, 3.0]
+    assert API_KEY not in out
