@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -208,6 +209,27 @@ def test_a_duplicate_counts_once_against_the_recall_budget(fake, make_store):
     shown, _ = recall(make_store(max_recall_chars=cap))
 
     assert shown == folded
+
+
+def test_a_folded_passage_longer_than_the_budget_is_cut_with_both_labels_inside_it(fake, make_store):
+    long = "The billing ledger history, in detail: " + "one more line of history. " * 20
+    answer_with(fake, hit(long, "ctr_work", 0.04), hit(long, "ctr_home", 0.03))
+
+    shown, _ = recall(make_store(max_recall_chars=200))
+
+    [only] = shown
+    assert only.startswith("[Work] [Home] The billing ledger history")
+    assert only.endswith("[... cut: this passage is longer than the recall budget]")
+    assert len(only) <= 200
+
+
+def test_folding_and_the_floor_are_logged_at_debug(fake, make_store, caplog):
+    caplog.set_level(logging.DEBUG, logger="membase_strands")
+    answer_with(fake, hit(LEDGER, "ctr_work", 0.04), hit(LEDGER, "ctr_home", 0.03), hit(PARTY, "ctr_garden", 0.01))
+
+    recall(make_store(min_score=0.02))
+
+    assert "store=<membase>, folded=<1>, below_floor=<1> | passages left out of recall" in caplog.messages
 
 
 def test_the_search_tool_shows_a_duplicate_once_naming_both(fake, make_store):

@@ -371,12 +371,22 @@ class MembaseMemoryStore:
         return min(limit, _options.MAX_SEARCH_RESULTS)
 
     def _arrange(self, answer: SearchAnswer) -> SearchAnswer:
-        """Recall's passages best first, each text once, none below ``min_score``; counts what was left out."""
+        """Recall's passages best first, each text once, none below ``min_score``; counts what was left out.
+
+        (``benchmarks/recall_quality`` overrides this to measure the store as it was without it.)
+        """
         arranged = arrange(answer, self._min_score)
         if arranged.folded:
             self._counters.add("recall_passages_folded", arranged.folded)
         if arranged.below_floor:
             self._counters.add("recall_passages_below_floor", arranged.below_floor)
+        if arranged.folded or arranged.below_floor:
+            logger.debug(
+                "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall",
+                self.name,
+                arranged.folded,
+                arranged.below_floor,
+            )
         return arranged
 
     def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
