@@ -140,8 +140,8 @@ def arrange(answer: SearchAnswer, min_score: float | None = None) -> SearchAnswe
 
     - Order: when every passage carries a score, they are sorted best first across Memories (ties keep
       Membase's order); when any lacks one, Membase's order stands, as scores cannot be compared then.
-    - Duplicates: passages with the same text once whitespace is normalised are shown once, as the
-      best-scored copy, naming every Memory that returned it.
+    - Duplicates: passages with the same text once whitespace is normalised are shown once, where the
+      text first appears (the best-scored copy once ordered), naming every Memory that returned it.
     - Floor: with ``min_score``, a passage whose (best) score is below it is left out. A passage
       without a score is kept: there is nothing to hold against the floor.
 
@@ -235,8 +235,7 @@ def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer: numbered passages, what the relevance floor left out, and a
-    "Not searched" list."""
+    """The ``membase_search`` tool's answer: numbered passages, what the floor left out, "Not searched"."""
     shown = clip(query, 120)
     lines: list[str] = []
     weaker = ""
