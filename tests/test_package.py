@@ -14,7 +14,7 @@ import membase_strands
 from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout
 from tests.support.fake_membase import FakeMembase
 
-DOCUMENTED = {"MembaseMemoryStore", "MembaseAccessError", "MembaseRecallTimeout", "__version__"}
+DOCUMENTED = {"MembaseMemoryStore", "MembaseAccessError", "MembaseRecallTimeout", "__version__", "injection_config"}
 
 
 def test_public_api_exports_the_documented_names() -> None:
@@ -24,6 +24,8 @@ def test_public_api_exports_the_documented_names() -> None:
     assert membase_strands.MembaseMemoryStore is MembaseMemoryStore
     assert membase_strands.MembaseAccessError is MembaseAccessError
     assert membase_strands.MembaseRecallTimeout is MembaseRecallTimeout
+    assert membase_strands.injection_config.__module__ == "membase_strands.injection"
+    assert membase_strands.injection_config.__doc__
 
 
 def test_every_exported_name_is_a_documented_public_object_of_this_package() -> None:

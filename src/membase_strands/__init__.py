@@ -3,11 +3,13 @@
 ``MembaseMemoryStore`` implements the ``strands.memory.MemoryStore`` protocol: put it into
 ``MemoryManager(stores=[...])`` and the agent recalls from Membase before each user turn, with
 a time box so a slow memory never holds the turn, and gets the ``membase_search``,
-``membase_save`` and ``membase_profile`` tools.
+``membase_save`` and ``membase_profile`` tools. ``injection_config()`` gives the manager a memory
+block that tells the model recalled passages are data, not instructions.
 """
 
 from ._version import __version__
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
+from .injection import injection_config
 from .pool import MembaseStorePool
 from .store import MembaseMemoryStore
 
@@ -18,4 +20,5 @@ __all__ = [
     "MembaseStorePool",
     "MembaseWriteTimeout",
     "__version__",
+    "injection_config",
 ]

@@ -4,13 +4,18 @@ Everything that comes from Membase (Memory names, passages, a server's error tex
 data. Names are folded onto one line and cannot close the brackets that frame them; passages
 lose control characters and unpaired surrogates; a Memory that could not answer becomes a clearly
 framed notice, never text that reads like a remembered fact.
+
+Before anything is cut to the entry limit or the recall budget, :func:`arrange` puts the passages
+best first across Memories, shows a passage that several Memories returned once, and drops those
+scored below the store's relevance floor.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strands.memory import MemoryEntry
@@ -33,6 +38,26 @@ class Passage:
     memory: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    also_in: tuple[str, ...] = ()
+    """Other Memories that returned the same text (see :func:`arrange`)."""
+
+    @property
+    def memories(self) -> tuple[str, ...]:
+        """Every Memory this passage came from, the one it scored best in first."""
+        return (self.memory, *self.also_in)
+
+    @property
+    def label(self) -> str:
+        """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
+        return "".join(f"[{memory}] " for memory in self.memories)
+
+    @property
+    def score(self) -> float | None:
+        """Membase's score for the passage, or ``None`` when it has no usable one."""
+        value = self.metadata.get("score")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value)
 
 
 @dataclass(frozen=True)
@@ -51,6 +76,12 @@ class SearchAnswer:
     unsearched: list[Unsearched]
     none_answered: bool = False
     """Every Memory searched reported that it could not answer."""
+    floor: float | None = None
+    """The relevance floor :func:`arrange` applied, if any."""
+    below_floor: int = 0
+    """How many passages :func:`arrange` left out for scoring below ``floor``."""
+    folded: int = 0
+    """How many copies of passages shown once :func:`arrange` left out."""
 
 
 @functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
@@ -104,10 +135,63 @@ def parse_search(body: Any) -> SearchAnswer:
     return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
 
 
+def arrange(answer: SearchAnswer, min_score: float | None = None) -> SearchAnswer:
+    """The passages as the model should see them: best first, each text once, none below the floor.
+
+    - Order: when every passage carries a score, they are sorted best first across Memories (ties keep
+      Membase's order); when any lacks one, Membase's order stands, as scores cannot be compared then.
+    - Duplicates: passages with the same text once whitespace is normalised are shown once, where the
+      text first appears (the best-scored copy once ordered), naming every Memory that returned it.
+    - Floor: with ``min_score``, a passage whose (best) score is below it is left out. A passage
+      without a score is kept: there is nothing to hold against the floor.
+
+    Args:
+        answer: The parsed search answer, in Membase's order.
+        min_score: The relevance floor, or ``None`` to keep every passage.
+
+    Returns:
+        The answer with its passages arranged, and counts of what was folded and left out.
+    """
+    passages = answer.passages
+    if passages and all(p.score is not None for p in passages):
+        passages = sorted(passages, key=lambda p: -(p.score or 0.0))  # sorted() is stable: ties keep their order
+    shown = _fold(passages)
+    kept = shown if min_score is None else [p for p in shown if p.score is None or p.score >= min_score]
+    return replace(
+        answer,
+        passages=kept,
+        floor=min_score,
+        below_floor=len(shown) - len(kept),
+        folded=len(passages) - len(shown),
+    )
+
+
+def _fold(passages: list[Passage]) -> list[Passage]:
+    """One passage per text (whitespace normalised), the first copy kept, naming every Memory that returned it."""
+    firsts: dict[str, int] = {}
+    shown: list[Passage] = []
+    for passage in passages:
+        key = " ".join(passage.text.split())
+        at = firsts.get(key)
+        if at is None:
+            firsts[key] = len(shown)
+            shown.append(passage)
+        elif passage.memory not in shown[at].memories:
+            shown[at] = replace(shown[at], also_in=(*shown[at].also_in, passage.memory))
+    return shown
+
+
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
-    """The entries the manager injects: ``[Memory] passage``, then a notice per Memory that could not answer."""
+    """The entries the manager injects: ``[Memory] passage``, then a notice per Memory that could not answer.
+
+    A passage from several Memories starts with each of their names (``[Work] [Home] ...``) and its
+    metadata lists them under ``memories``.
+    """
     entries = [
-        MemoryEntry(content=f"[{p.memory}] {p.text}", metadata={"memory": p.memory, **p.metadata})
+        MemoryEntry(
+            content=f"{p.label}{p.text}",
+            metadata={"memory": p.memory, **p.metadata, **({"memories": list(p.memories)} if p.also_in else {})},
+        )
         for p in answer.passages
     ]
     entries += [
@@ -138,26 +222,37 @@ def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
     kept: list[Passage] = []
     used = 0
     for passage in answer.passages:
-        size = len(passage.memory) + 3 + len(passage.text)
+        size = len(passage.label) + len(passage.text)
         if used + size <= limit:
             kept.append(passage)
             used += size
         elif not kept:
-            room = max(0, limit - len(passage.memory) - 3 - len(CUT_MARKER))
+            room = max(0, limit - len(passage.label) - len(CUT_MARKER))
             cut = passage.text[:room].rstrip() + CUT_MARKER
-            kept.append(Passage(memory=passage.memory, text=cut, metadata={**passage.metadata, "cut": True}))
+            kept.append(replace(passage, text=cut, metadata={**passage.metadata, "cut": True}))
             used = limit
-    return SearchAnswer(passages=kept, unsearched=answer.unsearched, none_answered=answer.none_answered)
+    return replace(answer, passages=kept)
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer: numbered passages and a "Not searched" list."""
+    """The ``membase_search`` tool's answer: numbered passages, what the floor left out, "Not searched"."""
     shown = clip(query, 120)
     lines: list[str] = []
+    weaker = ""
+    if answer.below_floor:
+        count = answer.below_floor
+        weaker = (
+            f"{count} weaker passage{'s' if count != 1 else ''} scored below the relevance floor "
+            f"(min_score={answer.floor:g}) and {'are' if count != 1 else 'is'} not shown"
+        )
     if answer.passages:
         count = len(answer.passages)
         lines.append(f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":')
         lines += _numbered(answer.passages)
+        if weaker:
+            lines += ["", f"({weaker}.)"]
+    elif weaker:
+        lines.append(f'Nothing matched "{shown}" above the relevance floor: {weaker}.')
     elif answer.unsearched:
         lines.append(f'Nothing matched "{shown}" in the Memories that answered.')
     else:
@@ -221,7 +316,7 @@ def _cut_at_line(text: str, limit: int | None) -> str:
 
 
 def _numbered(passages: list[Passage]) -> list[str]:
-    return [f"{i}. [{p.memory}] " + p.text.replace("\n", "\n   ") for i, p in enumerate(passages, start=1)]
+    return [f"{i}. {p.label}" + p.text.replace("\n", "\n   ") for i, p in enumerate(passages, start=1)]
 
 
 def _as_list(value: Any) -> list[Any]:

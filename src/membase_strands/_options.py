@@ -62,6 +62,14 @@ def check_recall_chars(value: Any) -> int | None:
     return value
 
 
+def check_min_score(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"min_score must be a finite number (a score Membase gives passages) or None, got {value!r}")
+    return float(value)
+
+
 def check_timeout(option: str, value: Any) -> float | None:
     if value is None:
         return None

@@ -19,10 +19,13 @@ from typing import Any
 import membase
 
 from ._containers import match
+from ._options import query_text
+from ._text import clip
 from .errors import describe_failure, redact
 from .store import MembaseMemoryStore
 
 PROBE_QUERY = "membase-strands setup check"
+PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
 _LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
 
 
@@ -47,6 +50,9 @@ class CheckReport:
         first_search_seconds: The first search's time (a cold memory wakes up here).
         second_search_seconds: The second search's time (the memory is awake).
         suggested_recall_timeout: A ``recall_timeout`` that covers a warm search with room to spare.
+        probe_query: What the probe searches asked.
+        scores: The scores Membase gave the passages of the (second) probe search, highest first, to
+            choose ``min_score`` from.
     """
 
     target: str
@@ -55,6 +61,13 @@ class CheckReport:
     first_search_seconds: float | None = None
     second_search_seconds: float | None = None
     suggested_recall_timeout: float | None = None
+    probe_query: str = PROBE_QUERY
+    scores: list[float] = field(default_factory=list)
+
+    @property
+    def score_range(self) -> tuple[float, float] | None:
+        """The lowest and highest score the probe searches saw, or ``None`` when no passage carried one."""
+        return (min(self.scores), max(self.scores)) if self.scores else None
 
     @property
     def ok(self) -> bool:
@@ -63,7 +76,7 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, for ``--json``."""
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "score_range": self.score_range, "ok": self.ok}
 
     def to_text(self) -> str:
         """The report for people."""
@@ -73,6 +86,18 @@ class CheckReport:
             lines.append(f"  [{mark:>4}] {step.name}: {step.detail}")
         if self.suggested_recall_timeout is not None:
             lines.append(f"  suggested recall_timeout: {self.suggested_recall_timeout:g} s")
+        if self.score_range is not None:
+            low, high = self.score_range
+            count = len(self.scores)
+            lines.append(
+                f'  passage scores for "{clip(self.probe_query, 60)}": {low:.4g} to {high:.4g} '
+                f"({count} passage{'s' if count != 1 else ''}); min_score leaves out passages scored below it"
+            )
+        elif any(step.name == "search" and step.ok for step in self.steps):
+            lines.append(
+                f'  passage scores for "{clip(self.probe_query, 60)}": none (no scored passage matched; '
+                "try --query with a question your Memories can answer)"
+            )
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
 
@@ -86,6 +111,7 @@ def run_check(
     container: str | None = None,
     need_save: bool = True,
     need_profile: bool = True,
+    query: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CheckReport:
     """Check a Membase key (or local directory) the way the store will use it.
@@ -98,6 +124,8 @@ def run_check(
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
         need_profile: Whether reading the profile must be allowed for the check to pass.
+        query: What the probe searches ask; a question your Memories can answer shows the scores of real
+            matches, to choose ``min_score`` from. Defaults to a fixed probe text.
         clock: The clock for timings (a parameter so tests can control it).
 
     Returns:
@@ -116,11 +144,12 @@ def run_check(
             target = "local Membase (MEMBASE_LOCAL)"
         else:
             target = str(store._client.base_url)
-        report = CheckReport(target=target)
+        report = CheckReport(target=target, probe_query=query_text(query or "") or PROBE_QUERY)
         _check(store, report, container, need_save, need_profile, clock)
         secret = store._client.api_key or ""
         for step in report.steps:
             step.detail = redact(step.detail, secret)
+        report.probe_query = redact(report.probe_query, secret)
     return report
 
 
@@ -155,12 +184,14 @@ def _check(
     for attempt in ("first", "second"):
         started = clock()
         try:
-            answer = store._search_blocking(store._client, PROBE_QUERY, 1, container_id)
+            answer = store._search_blocking(store._client, report.probe_query, PROBE_LIMIT, container_id)
         except Exception as error:  # noqa: BLE001
             report.steps.append(Step("search", False, f"the {attempt} search failed: {_fix_for(error)}"))
             return
         timings.append(clock() - started)
     report.first_search_seconds, report.second_search_seconds = timings
+    # The same query twice: the second (warm) answer's scores stand for both.
+    report.scores = sorted((score for score in (p.score for p in answer.passages) if score is not None), reverse=True)
     report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
@@ -237,6 +268,9 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--container", help="the Memory the store will be pinned to")
     check.add_argument("--read-only", action="store_true", help="the key need not save")
     check.add_argument("--no-profile", action="store_true", help="the key need not read the profile")
+    check.add_argument(
+        "--query", help="what the probe searches ask (a question your Memories can answer shows real scores)"
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
@@ -248,6 +282,7 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
         container=args.container,
         need_save=not args.read_only,
         need_profile=not args.no_profile,
+        query=args.query,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
     return 0 if report.ok else 1

@@ -22,7 +22,7 @@ from . import _options
 from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
-from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
+from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries, parse_search
 from ._recall import TimeBoxedRecall
 from ._text import sendable
 from ._threads import start_daemon, wait_for_future
@@ -69,6 +69,7 @@ class MembaseMemoryStore:
         description: str | None = None,
         max_search_results: int | None = None,
         max_recall_chars: int | None = _options.DEFAULT_RECALL_CHARS,
+        min_score: float | None = None,
         recall_timeout: float | None = 8.0,
         write_timeout: float | None = 5.0,
         access_cooldown: float | None = 60.0,
@@ -92,6 +93,10 @@ class MembaseMemoryStore:
             max_recall_chars: A cap on the passage text one search returns to the model, in characters
                 (default 20,000, about 5,000 tokens): whole passages, best first; a passage that alone
                 exceeds it is cut with a visible marker. ``None``: no cap.
+            min_score: A relevance floor: passages Membase scored below it are left out of recall and
+                ``membase_search`` (which says how many). ``None`` (the default) keeps every passage.
+                Scores depend on the Membase deployment; ``python -m membase_strands check`` shows
+                the range it sees.
             recall_timeout: Seconds the automatic recall may take before the turn goes on without
                 memory; ``None`` waits as long as the SDK does.
             write_timeout: Seconds a captured write (``add``, ``add_messages``) may hold the caller
@@ -113,6 +118,7 @@ class MembaseMemoryStore:
         self.description: str | None = description if description is not None else _options.describe(container)
         self.max_search_results: int | None = _options.check_limit_option(max_search_results)
         self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
+        self._min_score = _options.check_min_score(min_score)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
         self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
@@ -208,7 +214,9 @@ class MembaseMemoryStore:
             options: ``max_search_results`` (1-50; more is capped at 50).
 
         Returns:
-            One entry per passage, ``[Memory name] text``, then one notice per Memory that could not answer.
+            One entry per passage, ``[Memory name] text``, best first (when Membase scored them), a text
+            several Memories returned shown once, none scored below ``min_score``; then one notice per
+            Memory that could not answer.
 
         Raises:
             MembaseRecallTimeout: The budget ran out, or a late recall is still running.
@@ -237,6 +245,7 @@ class MembaseMemoryStore:
                 self._refused_until = time.monotonic() + self._access_cooldown
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
             self._fail("recall", error, pause)
+        answer = self._arrange(answer)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
         # could not answer is never dropped silently behind a full page of passages.
@@ -299,7 +308,9 @@ class MembaseMemoryStore:
         Always present: ``recalls`` and their outcomes (``recall_hits``, ``recall_empty``,
         ``recall_timeouts``, ``recall_skipped``, ``recall_errors``), ``recall_late_completions``,
         ``writes_saved``, ``writes_deduplicated``, ``write_timeouts`` and ``write_errors``. Present once
-        they happen: ``errors.<kind>`` for each kind of Membase failure and ``tool_calls.<tool>``.
+        they happen: ``errors.<kind>`` for each kind of Membase failure, ``tool_calls.<tool>``, and the
+        passages recall left out: ``recall_passages_folded`` (copies of a text several Memories returned)
+        and ``recall_passages_below_floor`` (scored below ``min_score``).
         Cheap and safe to call from any thread.
         """
         return self._counters.snapshot()
@@ -310,6 +321,7 @@ class MembaseMemoryStore:
             store_name=self.name,
             container=self._container,
             max_recall_chars=self._max_recall_chars,
+            min_score=self._min_score,
             is_closed=lambda: self._closed,
             count=self._counters.add,
             redact=self._redact,
@@ -357,6 +369,25 @@ class MembaseMemoryStore:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"{option} must be a whole number from 1 to {_options.MAX_SEARCH_RESULTS}, got {limit!r}")
         return min(limit, _options.MAX_SEARCH_RESULTS)
+
+    def _arrange(self, answer: SearchAnswer) -> SearchAnswer:
+        """Recall's passages best first, each text once, none below ``min_score``; counts what was left out.
+
+        (``benchmarks/recall_quality`` overrides this to measure the store as it was without it.)
+        """
+        arranged = arrange(answer, self._min_score)
+        if arranged.folded:
+            self._counters.add("recall_passages_folded", arranged.folded)
+        if arranged.below_floor:
+            self._counters.add("recall_passages_below_floor", arranged.below_floor)
+        if arranged.folded or arranged.below_floor:
+            logger.debug(
+                "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall",
+                self.name,
+                arranged.folded,
+                arranged.below_floor,
+            )
+        return arranged
 
     def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
         with readable_answers():

@@ -19,7 +19,7 @@ from strands import tool
 from strands.types.tools import AgentTool
 
 from ._containers import Container, names_in_reach
-from ._formatting import SearchAnswer, fit_to_budget, memory_label, profile_text, search_text
+from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_label, profile_text, search_text
 from ._options import query_text
 from .errors import Failure, describe_failure
 
@@ -27,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 SEARCH_DESCRIPTION = (
     "Search the user's Membase memory: their Memories of earlier conversations, notes and documents. "
-    "Use it when the answer may depend on something the user said or saved before. Results name the "
-    "Memory each passage came from; Memories listed under 'Not searched' could not answer, so a missing "
-    "result from them is not evidence that the fact is unknown."
+    "Use it when the answer may depend on something the user said or saved before. Results come best first "
+    "and name the Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not "
+    "answer, so a missing result from them is not evidence that the fact is unknown."
 )
 SAVE_DESCRIPTION = (
     "Save a note to the user's Membase memory. Only save when the user asked you to remember something, "
@@ -65,6 +65,8 @@ class ToolBackend:
     container_id: Callable[[str], str]
     profile: Callable[[str | None], Any]
     memories_in_reach: Callable[[], list[Container]]
+    min_score: float | None = None
+    """The relevance floor: passages scored below it are left out (the tool says how many)."""
 
 
 def build_tools(backend: ToolBackend, names: tuple[str, ...]) -> list[AgentTool]:
@@ -104,7 +106,7 @@ def _search_tool(backend: ToolBackend) -> AgentTool:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(backend, "membase_search", error, container_named=target is not None)
-        reply = search_text(text, fit_to_budget(answer, backend.max_recall_chars))
+        reply = search_text(text, fit_to_budget(arrange(answer, backend.min_score), backend.max_recall_chars))
         # When no Memory could answer, the search did not really happen: say so with an error status.
         return _error(reply) if answer.none_answered else _ok(reply)
 
