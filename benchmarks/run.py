@@ -99,9 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         f"== done in {total:.1f} s; {len(missed)} target(s) missed" + "".join(f"\n  {n}: {t.text}" for n, t in missed)
     )
     if write:
-        RESULTS.write_text(render(sections, info, command, total, mode, busy), encoding="utf-8")
+        report = render(sections, info, command, total, mode, busy)
+        RESULTS.write_text(report + _other_reports(), encoding="utf-8")
         print(f"wrote {RESULTS.relative_to(ROOT)}")
     return 0
+
+
+def _other_reports() -> str:
+    """Sections other benchmarks wrote into RESULTS.md between their own markers (the recall-quality one)."""
+    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else ""
+    start = old.find("<!-- recall-quality: start")
+    end = old.find("<!-- recall-quality: end -->")
+    return "\n" + old[start : end + len("<!-- recall-quality: end -->")] + "\n" if 0 <= start < end else ""
 
 
 if __name__ == "__main__":
