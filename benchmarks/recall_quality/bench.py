@@ -35,9 +35,8 @@ from strands import Agent
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, injection_config
+from membase_strands.testing import ScriptedModel, StandInLLM
 from tests.support.local_engine import ServedEngine, engine_unavailable
-from tests.support.scripted_model import ScriptedModel
-from tests.support.standin_llm import StandInLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("dataset.json")
