@@ -1,4 +1,4 @@
-"""Captured writes: time-boxed, and never sent twice for the same thing.
+"""Captured writes: time-boxed, never sent twice for the same thing, and every outcome on record.
 
 The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any
 newer messages), and on the extractor path every fact of a batch goes through ``add`` again when
@@ -7,7 +7,13 @@ store keeps a record of its writes by identity:
 
 - saved: a retry does not send it again and reports success;
 - still running: a retry waits for that request (within the budget) instead of sending another;
-- failed: it is forgotten, so the retry sends it.
+- failed, or never started (no thread could be started): it is forgotten, so the retry sends it.
+
+The thread that ran a request records its outcome before anyone waiting for it wakes. When the
+caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when
+its client disconnects), that thread also logs and counts the outcome, a failure under
+``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
+every write it waited for is in the logs and the counters.
 
 A message's identity is its sequence number in the manager's batch, the message object itself
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
@@ -27,23 +33,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
-from .errors import MembaseWriteTimeout, detail_of
+from .errors import MembaseWriteTimeout, describe_failure, detail_of
 
 logger = logging.getLogger(__name__)
 
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
-
-
-class _State(Enum):
-    NEW = "new"
-    RUNNING = "running"
-    SAVED = "saved"
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,36 @@ def fingerprint(*fields: object) -> str:
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
+@dataclass(frozen=True)
+class _Late:
+    """Why nobody waits for a request any more, in the words of the log line that reports its outcome."""
+
+    which: str
+    after_failure: str
+
+
+_RAN_OUT = _Late("that ran out of time", "the manager's retry sends it again")
+_CANCELLED = _Late("whose caller was cancelled", "it is not saved")
+
+
+class _Request:
+    """One request this record started: its parts while it runs, then its outcome."""
+
+    __slots__ = ("abandoned", "done", "error", "future", "parts", "result")
+
+    def __init__(self, parts: list[Part]) -> None:
+        # Settled by the thread only after the outcome is recorded (see WriteRecord._finish).
+        self.future: Future[Any] = Future()
+        self.parts: list[Part] | None = parts
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned: _Late | None = None  # set when its caller stopped waiting: the thread reports the outcome
+
+
 @dataclass
 class _Entry:
-    future: Future[Any]
+    request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
     anchor: object
     saved_at: float | None = None
 
@@ -84,7 +110,7 @@ class WriteRecord:
 
         Args:
             store_name: The store's name, for log lines and thread names.
-            counters: Where to count writes saved, deduplicated and timed out.
+            counters: Where to count writes saved, deduplicated, timed out, cancelled and failed late.
             redact: Masks secrets in the text of a late failure before it is logged.
             size: How many saved writes to remember at most (oldest forgotten first).
             seconds: How long to remember a saved write.
@@ -116,107 +142,185 @@ class WriteRecord:
 
         Raises:
             MembaseWriteTimeout: The budget ran out; the request goes on in the background.
-            Exception: Whatever ``send`` raised; those parts are forgotten so a retry sends them.
+            asyncio.CancelledError: The caller was cancelled; the request goes on in the background
+                and its outcome is logged and counted when it ends.
+            Exception: Whatever ``send`` raised, or the error that kept its thread from starting;
+                those parts are forgotten so a retry sends them.
         """
         deadline = None if budget is None else self._clock() + budget
         while True:
             with self._lock:
                 self._evict()
-                states = {part.key: self._state(part.key) for part in parts}
-                running = [self._entries[key].future for key, state in states.items() if state is _State.RUNNING]
+                running = self._running(parts)
                 if not running:
-                    todo = [part for part in parts if states[part.key] is _State.NEW]
-                    future: Future[Any] = Future()
+                    saved = [part.key for part in parts if part.key in self._entries]
+                    todo = [part for part in parts if part.key not in self._entries]
+                    request = _Request(todo) if todo else None
                     for part in todo:
-                        self._entries[part.key] = _Entry(future=future, anchor=part.anchor)
+                        self._entries[part.key] = _Entry(request, part.anchor)
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
             for earlier in running:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running", quiet=True)
-        skipped = len(parts) - len(todo)
-        if skipped:
-            self._counters.add("writes_deduplicated", skipped)
+                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+        if saved:
+            self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
-                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, skipped
+                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
-        if not todo:
+        if request is None:
             return None
-        future.add_done_callback(lambda done: self._settle(todo, done))
-        start_daemon(lambda: send(todo), name=f"membase-write[{self._store_name}]", future=future)
-        return await self._wait(future, deadline, "it goes on in the background and the manager keeps the batch")
-
-    async def _wait(self, future: Future[Any], deadline: float | None, what: str, *, quiet: bool = False) -> Any:
-        """Wait for ``future`` until ``deadline``; with ``quiet``, its failure is not raised here."""
-        remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await wait_for_future(future, remaining)
-        except asyncio.TimeoutError:
-            if not quiet:
-                future.add_done_callback(self._log_late)
-            self._counters.add("write_timeouts")
+            start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
+        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
+            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
             logger.warning(
-                "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s", self._store_name, what
-            )
-            raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
-        except Exception:
-            if not quiet:
-                raise
-            return None
-
-    def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the writes still running; whether none is left."""
-        with self._lock:
-            running = {entry.future for entry in self._entries.values() if not entry.future.done()}
-        if running:
-            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
-        return not wait(running, timeout=timeout).not_done
-
-    def _log_late(self, done: Future[Any]) -> None:
-        error = done.exception()
-        if error is None:
-            logger.info("store=<%s> | a write that ran out of time finished; it is saved", self._store_name)
-        else:
-            logger.warning(
-                "store=<%s>, reason=<%s> | a write that ran out of time failed; the manager's retry sends it again",
+                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
                 self._store_name,
                 self._redact(detail_of(error)),
             )
+            self._finish(request, None, error)
+            raise
+        what = "it goes on in the background and the manager keeps the batch"
+        return await self._wait(request, deadline, what, own=True)
 
-    def _state(self, key: Hashable) -> _State:
-        """Whether ``key`` is new, running or saved. Called with the lock held.
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the writes still running; whether none is left.
 
-        Decided from the request's own future, not only from :meth:`_settle`: a future counts as
-        done before its callbacks have run, and a write that failed must never pass for saved.
+        Each write waited for has its outcome recorded, logged and counted by the time this returns.
         """
-        entry = self._entries.get(key)
-        if entry is None:
-            return _State.NEW
-        if not entry.future.done():
-            return _State.RUNNING
-        if entry.future.exception() is not None:
-            del self._entries[key]
-            return _State.NEW
-        return _State.SAVED
-
-    def _settle(self, parts: list[Part], done: Future[Any]) -> None:
-        failed = done.exception() is not None
-        if not failed:
-            self._counters.add("writes_saved", len(parts))
-        now = self._clock()
         with self._lock:
-            for part in parts:
-                entry = self._entries.get(part.key)
-                if entry is None or entry.future is not done:
-                    continue
-                if failed:
-                    del self._entries[part.key]
-                elif entry.saved_at is None:
-                    entry.saved_at = now
-                    self._entries.move_to_end(part.key)
+            running = {entry.request.future for entry in self._entries.values() if entry.request is not None}
+        if not running:
+            return True
+        logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
+        left = len(wait(running, timeout=timeout).not_done)
+        if left:
+            logger.warning(
+                "store=<%s>, writes=<%d> | writes still running after %g s; their outcome is logged when they end",
+                self._store_name,
+                left,
+                timeout,
+            )
+        return not left
+
+    # --- Waiting --------------------------------------------------------------------------------
+
+    async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
+        """Wait for ``request`` until ``deadline``.
+
+        With ``own`` this caller started it: its failure is raised here, and if this caller stops
+        waiting the request's thread reports the outcome. Otherwise its failure is not raised here.
+        """
+        remaining = None if deadline is None else max(0.0, deadline - self._clock())
+        try:
+            return await wait_for_future(request.future, remaining)
+        except asyncio.TimeoutError:
+            if not own or self._abandon(request, _RAN_OUT):
+                self._counters.add("write_timeouts")
+                logger.warning(
+                    "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s",
+                    self._store_name,
+                    what,
+                )
+                raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
+            # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
+        except asyncio.CancelledError:
+            self._counters.add("write_cancellations")
+            logger.info(
+                "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; "
+                "it goes on in the background",
+                self._store_name,
+            )
+            if own and not self._abandon(request, _CANCELLED) and request.error is not None:
+                self._report_late(_CANCELLED, request.error)  # it failed just before: nobody else reports it
+            raise
+        except Exception:
+            if own:
+                raise
+            return None
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _abandon(self, request: _Request, why: _Late) -> bool:
+        """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        with self._lock:
+            if request.done:
+                return False
+            request.abandoned = why
+            return True
+
+    # --- The request's thread -------------------------------------------------------------------
+
+    def _run(self, request: _Request, send: Callable[[list[Part]], Any]) -> None:
+        try:
+            result = send(list(request.parts or ()))
+        except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
+            self._finish(request, None, error)
+        else:
+            self._finish(request, result, None)
+
+    def _finish(self, request: _Request, result: Any, error: BaseException | None) -> None:
+        """Record the outcome, report it if nobody waits for it any more, then settle the future."""
+        try:
+            with self._lock:
+                parts = request.parts or []
+                request.parts = None
+                request.done = True
+                request.result, request.error = result, error
+                abandoned = request.abandoned
+                now = self._clock()
+                for part in parts:
+                    entry = self._entries.get(part.key)
+                    if entry is None or entry.request is not request:
+                        continue
+                    if error is not None:
+                        del self._entries[part.key]
+                    else:
+                        entry.request = None
+                        entry.saved_at = now
+                        self._entries.move_to_end(part.key)
+            if error is None:
+                self._counters.add("writes_saved", len(parts))
+            if abandoned is not None:
+                self._report_late(abandoned, error)
+        finally:
+            if error is None:
+                request.future.set_result(result)
+            else:
+                request.future.set_exception(error)
+
+    def _report_late(self, why: _Late, error: BaseException | None) -> None:
+        if error is None:
+            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why.which)
+            return
+        self._counters.add("write_errors")
+        self._counters.add(f"errors.{describe_failure(error).kind}")
+        logger.warning(
+            "store=<%s>, reason=<%s> | a write %s failed; %s",
+            self._store_name,
+            self._redact(detail_of(error)),
+            why.which,
+            why.after_failure,
+        )
+
+    # --- The record -----------------------------------------------------------------------------
+
+    def _running(self, parts: Sequence[Part]) -> list[_Request]:
+        """The requests still running for any of ``parts``. Called with the lock held."""
+        running: dict[int, _Request] = {}
+        for part in parts:
+            entry = self._entries.get(part.key)
+            if entry is not None and entry.request is not None:
+                running[id(entry.request)] = entry.request
+        return list(running.values())
 
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest saved ones past the size bound."""
+        """Forget saved writes past their time, then the oldest saved ones past the size bound.
+
+        Called with the lock held. Writes still running are never forgotten.
+        """
         cutoff = self._clock() - self._seconds
         saved = [key for key, entry in self._entries.items() if entry.saved_at is not None]
         excess = len(self._entries) - self._size

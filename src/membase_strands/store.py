@@ -328,7 +328,7 @@ class MembaseMemoryStore:
         """Close the client if this store built it; a client passed in is left open. Safe to call twice.
 
         A captured write still running (one that ran out of its budget) gets up to ``write_timeout``
-        more seconds to finish first.
+        more seconds to finish first; when it does, its outcome is logged and counted before this returns.
         """
         if self._closed:
             return
