@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -967,3 +968,106 @@ async def test_record_forgets_the_parts_of_a_write_whose_thread_cannot_start(no_
 
     assert await record.write([part("a")], send, 1.0) == "saved"
     assert send.sent() == ["a"]
+
+
+# --- 15. Memory: a saved write keeps its identity, and the text it keeps alive is bounded ---------------
+
+BIG = 100 * 1024
+
+
+def big_text(turn: int) -> str:
+    """About 100 KB of words, a new string on every call."""
+    return f"turn {turn}: " + "w" * BIG
+
+
+async def test_the_record_keeps_its_byte_bound_of_words_alive_not_every_saved_message(fake, make_store):
+    store = capturing(make_store)
+
+    async def one_turn(turn: int) -> None:  # a new agent run: new message objects, sequence numbers from 0
+        await store.add_messages([user(big_text(turn)), assistant("Noted.")], batch_context([0, 1]))
+
+    def forget_what_the_fake_holds() -> None:
+        fake.notes.clear()
+        fake.requests.clear()
+        gc.collect()
+
+    await one_turn(-1)  # warm up connections and caches before measuring
+    forget_what_the_fake_holds()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for turn in range(100):  # 10 MB of words
+            await one_turn(turn)
+        forget_what_the_fake_holds()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+    assert store.counters()["writes_saved"] == 101
+    assert grown < 2 * 1024 * 1024, f"the store kept {grown / 2**20:.1f} MiB alive"  # its 1 MiB bound, and room
+    assert _writes.RECORD_BYTES - BIG < store._writes.retained_bytes <= _writes.RECORD_BYTES
+
+
+def test_a_batch_saved_late_is_not_sent_again_even_after_the_byte_bound_forgot_newer_words(fake, make_store, gates):
+    gate = gates.new()
+    fake.on(*MEMORIES, hang(gate, then=routed(fake)))
+    store = capturing(make_store)
+    agent, _ = make_agent(store, ["Noted.", "Noted too."])
+    agent(GREEN_TEA)  # ran out of time: the manager keeps the batch for a retry
+    gate.set()
+    assert wait_until(lambda: store.counters()["writes_saved"] == 1)
+
+    # Meanwhile other conversations on the same store save more words than the record keeps alive.
+    others, _ = make_agent(store, ["Noted."] * 15)
+    for turn in range(15):
+        others(big_text(turn))
+    assert store._writes.retained_bytes <= _writes.RECORD_BYTES
+
+    agent(LISBON)  # the manager retries the old batch with the new turn
+
+    assert occurrences(posted(fake), GREEN_TEA) == 1
+    assert posted(fake)[-1] == LISBON
+    assert occurrences(held(fake), GREEN_TEA) == 1
+
+
+def sized(text: str, size: int) -> Part:
+    """A message part whose anchor keeps ``size`` bytes alive."""
+    return Part(key=("message", text), text=text, anchor=object(), anchor_bytes=size)
+
+
+async def save_late(record: WriteRecord, saved: Part) -> None:
+    """Save ``saved`` after its caller ran out of time (so the caller was told it failed, and a retry is expected)."""
+    gate = threading.Event()
+    try:
+        with pytest.raises(MembaseWriteTimeout):
+            await record.write([saved], Sender(gate=gate), 0.05)
+    finally:
+        gate.set()
+    assert record.drain(5.0)
+
+
+async def test_record_byte_bound_forgets_confirmed_words_before_a_late_save():
+    record = WriteRecord("t", max_bytes=250, clock=Clock())
+    send = Sender()
+    await save_late(record, sized("late", 100))
+
+    for text in "abc":
+        await record.write([sized(text, 100)], send, 1.0)
+
+    assert record.retained_bytes == 200  # "late" (the oldest, but a retry is expected) and "c", the newest
+    assert await record.write([sized("late", 100), sized("c", 100)], send, 1.0) is None
+    assert await record.write([sized("a", 100)], send, 1.0) == "saved"
+    assert send.sent() == ["a", "b", "c", "a"]
+
+
+async def test_record_keeps_the_newest_late_save_even_above_the_byte_bound():
+    record = WriteRecord("t", max_bytes=250, clock=Clock())
+    send = Sender()
+    await save_late(record, sized("huge", 400))
+    assert record.retained_bytes == 400
+
+    await record.write([sized("x", 100)], send, 1.0)
+
+    assert record.retained_bytes == 400  # "x" went: only the late save is over the bound, and it stays
+    assert await record.write([sized("huge", 400)], send, 1.0) is None  # the manager's retry sends nothing
+    assert send.sent() == ["x"]

@@ -19,7 +19,11 @@ A message's identity is its sequence number in the manager's batch, the message 
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
 brings new ones; the record keeps a reference to the block, so its ``id`` cannot be reused while
 the record stands), and a hash of its text. A fact's identity is a hash of its text and target.
-The record is bounded in size and in time.
+
+The record is bounded in entries, in time, and in the bytes of text its anchors keep alive: a
+saved write keeps its identity but not Membase's answer or the words it sent, and past the bounds
+the oldest saved writes are forgotten, those a retry is still expected for (their caller was told
+they failed) last, and the newest of those never by a bound.
 """
 
 from __future__ import annotations
@@ -43,15 +47,21 @@ logger = logging.getLogger(__name__)
 
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
+RECORD_BYTES = 1024 * 1024
+"""The most message text (in bytes of ``str`` objects) that saved writes' anchors keep alive, per record."""
 
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an object to keep alive while it is recorded."""
+    """One thing to write: its identity, its text, and an object to keep alive while it is recorded.
+
+    ``anchor_bytes`` is how much memory the anchor keeps alive (the text it holds), for the byte bound.
+    """
 
     key: Hashable
     text: str
     anchor: object = None
+    anchor_bytes: int = 0
 
 
 def fingerprint(*fields: object) -> str:
@@ -90,7 +100,10 @@ class _Request:
 class _Entry:
     request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
     anchor: object
+    anchor_bytes: int
     saved_at: float | None = None
+    save: int = 0  # which save, in order; the parts of one request share it
+    retry_expected: bool = False  # saved after its caller was told it failed, and no retry has come yet
 
 
 class WriteRecord:
@@ -104,6 +117,7 @@ class WriteRecord:
         *,
         size: int = RECORD_SIZE,
         seconds: float = RECORD_SECONDS,
+        max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create an empty record.
@@ -114,6 +128,7 @@ class WriteRecord:
             redact: Masks secrets in the text of a late failure before it is logged.
             size: How many saved writes to remember at most (oldest forgotten first).
             seconds: How long to remember a saved write.
+            max_bytes: How much text the anchors of saved writes may keep alive (oldest forgotten first).
             clock: The monotonic clock (a parameter so tests can move time).
         """
         self._store_name = store_name
@@ -121,13 +136,21 @@ class WriteRecord:
         self._redact = redact
         self._size = size
         self._seconds = seconds
+        self._max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._saves = 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    @property
+    def retained_bytes(self) -> int:
+        """The bytes of text the record keeps alive through the anchors of the writes it remembers."""
+        with self._lock:
+            return sum(entry.anchor_bytes for entry in self._entries.values())
 
     async def write(self, parts: Sequence[Part], send: Callable[[list[Part]], Any], budget: float | None) -> Any:
         """Send the parts not saved yet as one request, waiting at most ``budget`` seconds in all.
@@ -148,27 +171,31 @@ class WriteRecord:
                 those parts are forgotten so a retry sends them.
         """
         deadline = None if budget is None else self._clock() + budget
+        saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
         while True:
             with self._lock:
                 self._evict()
-                running = self._running(parts)
+                running = self._running([part for part in parts if part.key not in saved_for_us])
                 if not running:
-                    saved = [part.key for part in parts if part.key in self._entries]
-                    todo = [part for part in parts if part.key not in self._entries]
+                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._entries]
+                    todo = [part for part in parts if part.key not in saved_for_us and part.key not in self._entries]
                     request = _Request(todo) if todo else None
                     for part in todo:
-                        self._entries[part.key] = _Entry(request, part.anchor)
+                        self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
-            for earlier in running:
+            for earlier, keys in running:
                 await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+                if earlier.error is None:
+                    saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
                 "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
         if request is None:
+            self._retried(saved)
             return None
         try:
             start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
@@ -182,7 +209,9 @@ class WriteRecord:
             self._finish(request, None, error)
             raise
         what = "it goes on in the background and the manager keeps the batch"
-        return await self._wait(request, deadline, what, own=True)
+        result = await self._wait(request, deadline, what, own=True)
+        self._retried(saved)
+        return result
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the writes still running; whether none is left.
@@ -270,6 +299,7 @@ class WriteRecord:
                 request.done = True
                 request.result, request.error = result, error
                 abandoned = request.abandoned
+                self._saves += 1
                 now = self._clock()
                 for part in parts:
                     entry = self._entries.get(part.key)
@@ -280,7 +310,10 @@ class WriteRecord:
                     else:
                         entry.request = None
                         entry.saved_at = now
+                        entry.save = self._saves
+                        entry.retry_expected = abandoned is not None
                         self._entries.move_to_end(part.key)
+                self._evict()
             if error is None:
                 self._counters.add("writes_saved", len(parts))
             if abandoned is not None:
@@ -307,25 +340,47 @@ class WriteRecord:
 
     # --- The record -----------------------------------------------------------------------------
 
-    def _running(self, parts: Sequence[Part]) -> list[_Request]:
-        """The requests still running for any of ``parts``. Called with the lock held."""
-        running: dict[int, _Request] = {}
+    def _running(self, parts: Sequence[Part]) -> list[tuple[_Request, list[Hashable]]]:
+        """The requests still running for any of ``parts``, each with those parts' keys. Called with the lock held."""
+        running: dict[int, tuple[_Request, list[Hashable]]] = {}
         for part in parts:
             entry = self._entries.get(part.key)
             if entry is not None and entry.request is not None:
-                running[id(entry.request)] = entry.request
+                running.setdefault(id(entry.request), (entry.request, []))[1].append(part.key)
         return list(running.values())
 
-    def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest saved ones past the size bound.
+    def _retried(self, keys: list[Hashable]) -> None:
+        """A retry got success for these saved writes: none is expected any more."""
+        if keys:
+            with self._lock:
+                for key in keys:
+                    entry = self._entries.get(key)
+                    if entry is not None:
+                        entry.retry_expected = False
 
-        Called with the lock held. Writes still running are never forgotten.
+    def _evict(self) -> None:
+        """Forget saved writes past their time, then the oldest past the size and byte bounds.
+
+        Called with the lock held, before each write and after each save, so the bounds hold at rest.
+        Writes still running are never forgotten. Among saved ones, those a retry is still expected for
+        go last, and the newest of them stays whatever the bounds: the manager's retry of a batch whose
+        write ran out of time is the duplicate this record exists to stop.
         """
         cutoff = self._clock() - self._seconds
-        saved = [key for key, entry in self._entries.items() if entry.saved_at is not None]
-        excess = len(self._entries) - self._size
-        for key in saved:
-            entry = self._entries[key]
-            if excess > 0 or (entry.saved_at is not None and entry.saved_at < cutoff):
+        for key, entry in list(self._entries.items()):
+            if entry.saved_at is not None and entry.saved_at < cutoff:
                 del self._entries[key]
-                excess -= 1
+        saved = [(key, entry) for key, entry in self._entries.items() if entry.saved_at is not None]
+        excess = len(saved) - self._size
+        excess_bytes = sum(entry.anchor_bytes for _, entry in saved) - self._max_bytes
+        if excess <= 0 and excess_bytes <= 0:
+            return
+        newest_expected = max((entry.save for _, entry in saved if entry.retry_expected), default=None)
+        for key, entry in sorted(saved, key=lambda item: item[1].retry_expected):  # stable: oldest first
+            if excess <= 0 and excess_bytes <= 0:
+                break
+            if entry.retry_expected and entry.save == newest_expected:
+                continue
+            del self._entries[key]
+            excess -= 1
+            excess_bytes -= entry.anchor_bytes

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -454,7 +455,8 @@ class MembaseMemoryStore:
             # new agent run; the record holds it, so its id stays unique while the record stands.
             anchor = blocks[0]
             key = fingerprint("message", sequence, id(anchor), role, text)
-            parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
+            line = f"{role}: {text}" if prefix else text
+            parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
         return parts
 
 
