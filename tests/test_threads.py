@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 
@@ -65,8 +66,6 @@ def test_start_daemon_carries_the_callers_context_variables():
 
 
 def test_start_daemon_can_settle_a_future_the_caller_made():
-    from concurrent.futures import Future
-
     shared: Future[str] = Future()
     returned = start_daemon(lambda: "settled", name="membase-test[given]", future=shared)
 
@@ -185,3 +184,22 @@ async def test_waiting_does_not_block_the_event_loop():
         ticker.cancel()
 
     assert ticks >= 5
+
+
+def test_a_thread_that_cannot_start_raises_and_settles_the_future_so_nobody_waits_forever(monkeypatch):
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name == "membase-test[refused]":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    shared: Future[str] = Future()
+
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        start_daemon(lambda: "never", name="membase-test[refused]", future=shared)
+
+    assert shared.done()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        shared.result(timeout=0)

@@ -6,11 +6,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import gc
+import json
 import logging
 import threading
 import time
+import tracemalloc
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +26,7 @@ from membase_strands._counters import Counters
 from membase_strands._writes import Part, WriteRecord
 from tests.conftest import make_agent
 from tests.support.fake_membase import hang, status
+from tests.support.loopback import LoopbackMembase, arrived, raw_answer, stall
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
@@ -77,6 +80,16 @@ def timed(fn, *args):
 
 def writes_settled() -> bool:
     return not membase_threads(WRITE_THREAD)
+
+
+async def until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` without blocking the event loop until it holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -214,7 +227,11 @@ def test_a_write_that_fails_late_is_sent_again_by_the_retry_once(fake, make_stor
     gate.set()
     assert wait_until(writes_settled)
     assert fake.notes == []
-    assert store.counters()["writes_saved"] == 0
+    counters = store.counters()
+    assert counters["writes_saved"] == 0
+    # The late failure is counted by the thread that saw it, before that thread ends.
+    assert counters["write_errors"] == 1
+    assert counters["errors.timeout" if then is None else "errors.server_error"] == 1
 
     agent(LISBON)
 
@@ -517,6 +534,7 @@ class Sender:
         self.gate = gate
         self.fail = fail
         self.pause = pause
+        self.arrived = threading.Event()  # set once a request is on its way
         self._lock = threading.Lock()
 
     def __call__(self, parts: list[Part]) -> str:
@@ -524,6 +542,7 @@ class Sender:
             self.requests.append([part.text for part in parts])
             failing = self.fail > 0
             self.fail -= 1
+        self.arrived.set()
         if self.gate is not None:
             self.gate.wait(5.0)
         if self.pause:
@@ -651,16 +670,30 @@ async def test_the_store_sends_identical_facts_of_one_batch_once(fake, make_stor
 
 
 class _SlowCallbacksFuture(concurrent.futures.Future):
-    """Widens a real window: a future is done (``done()`` is True) before its done-callbacks, among them
-    ``WriteRecord._settle``, have run. A retry arriving in that window must not take a failed write for saved."""
+    """Widens a real window: a future is done (``done()`` is True, ``concurrent.futures.wait`` returns) before its
+    done-callbacks have run. Nothing the record relies on may happen in that window."""
+
+    made: list[concurrent.futures.Future] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        type(self).made.append(self)
 
     def _invoke_callbacks(self) -> None:
         time.sleep(0.3)
         super()._invoke_callbacks()
 
 
-async def test_record_never_reports_a_failed_write_saved_before_it_has_settled(monkeypatch):
+@pytest.fixture
+def slow_callbacks(monkeypatch) -> list[concurrent.futures.Future]:
+    """Make the write record's futures run their done-callbacks late; yields the futures it makes."""
+    made: list[concurrent.futures.Future] = []
+    monkeypatch.setattr(_SlowCallbacksFuture, "made", made)
     monkeypatch.setattr(_writes, "Future", _SlowCallbacksFuture)
+    return made
+
+
+async def test_record_never_reports_a_failed_write_saved_before_it_has_settled(slow_callbacks):
     gate = threading.Event()
     record = WriteRecord("t", clock=Clock())
     failing = Sender(gate=gate, fail=1)
@@ -671,14 +704,14 @@ async def test_record_never_reports_a_failed_write_saved_before_it_has_settled(m
     finally:
         gate.set()
     # The request has failed (its future is done) and its callbacks are about to run.
-    assert wait_until(lambda: failing.requests and record._entries[("fact", "a")].future.done(), timeout=2.0)
+    assert wait_until(lambda: bool(slow_callbacks) and slow_callbacks[0].done(), timeout=2.0)
 
     answer = await record.write([part("a")], send, 1.0)
 
     assert send.sent() == ["a"], f"nothing sent; the write reported {answer!r} as if saved"
     assert answer == "saved"
-    await asyncio.sleep(0.4)  # the failed request's late callbacks must not undo the new entry
-    assert await record.write([part("a")], send, 1.0) is None
+    assert wait_until(lambda: not membase_threads(WRITE_THREAD))
+    assert await record.write([part("a")], send, 1.0) is None  # the failed request's end did not undo the new entry
     assert send.sent() == ["a"]
 
 
@@ -727,13 +760,314 @@ async def test_close_lets_a_late_write_finish_before_closing_the_client(fake, ca
     assert any("ran out of time finished" in r.getMessage() for r in caplog.records)
 
 
-async def test_a_late_write_that_fails_says_so(fake, make_store, gates, caplog):
+@pytest.mark.parametrize(
+    ("then", "kind"), [(status(500), "server_error"), (None, "timeout")], ids=["500", "read-timeout"]
+)
+async def test_a_late_write_that_fails_says_so_and_is_counted(fake, gates, caplog, then, kind):
     caplog.set_level(logging.INFO)
     release = gates.new()
-    fake.on(*MEMORIES, hang(release, then=status(500)))
-    store = make_store(capture=True, container="Main", write_timeout=0.2)
+    fake.on(*MEMORIES, hang(release, then=then))
+    store = MembaseMemoryStore(client=fake.client(), capture=True, container="Main", write_timeout=0.5)
     with pytest.raises(MembaseWriteTimeout):
         await store.add("I like green tea.")
     release.set()
-    wait_until(lambda: any("ran out of time failed" in r.getMessage() for r in caplog.records))
-    assert store.counters()["writes_saved"] == 0
+    store.close()
+
+    assert any("ran out of time failed" in r.getMessage() for r in caplog.records)
+    counters = store.counters()
+    assert counters["writes_saved"] == 0
+    assert counters["write_timeouts"] == 1
+    assert counters["write_errors"] == 1
+    assert counters[f"errors.{kind}"] == 1
+
+
+# --- 12. close() returns once every write it waited for is on record ---------------------------------
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["saved", "500"])
+async def test_close_returns_only_after_a_late_writes_outcome_is_logged_and_counted(
+    fake, gates, caplog, slow_callbacks, fails
+):
+    """The writing thread records the outcome before it settles the future ``close()`` waits on. The future's
+    done-callbacks run late here (``slow_callbacks``), so nothing that counts may rely on them."""
+    caplog.set_level(logging.INFO)
+    release = gates.new()
+    fake.on(*MEMORIES, hang(release, then=status(500, "internal") if fails else routed(fake)))
+    store = MembaseMemoryStore(client=fake.client(), capture=True, container="Main", write_timeout=0.5)
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add(GREEN_TEA)
+    release.set()
+
+    store.close()
+
+    logged = [r.getMessage() for r in caplog.records]
+    counters = store.counters()
+    if fails:
+        assert any("a write that ran out of time failed; the manager's retry sends it again" in m for m in logged)
+        assert (counters["write_errors"], counters["errors.server_error"], counters["writes_saved"]) == (1, 1, 0)
+        assert held(fake) == []
+    else:
+        assert any("a write that ran out of time finished; it is saved" in m for m in logged)
+        assert (counters["writes_saved"], counters["write_errors"]) == (1, 0)
+        assert held(fake) == [GREEN_TEA]
+
+
+# --- 13. A caller that was cancelled: the write goes on, and its outcome is still logged and counted ------
+
+ERROR_500 = json.dumps(
+    {"error": {"code": "internal", "message": "internal", "details": None, "retryable": False, "trace_id": ""}}
+).encode()
+
+
+async def test_a_cancelled_turns_write_that_later_fails_is_logged_and_counted(caplog):
+    """A web server cancels a request's task when its client disconnects; here that lands while the turn's
+    memory flush waits for a POST /v1/memories that Membase holds, then answers 500."""
+    caplog.set_level(logging.INFO)
+    in_flight, release = threading.Event(), threading.Event()
+    with LoopbackMembase() as server:
+        server.fake.on(*MEMORIES, status(500, "internal"))  # what the fake records: the note is not kept
+        server.on(*MEMORIES, arrived(in_flight, stall(release, then=raw_answer(500, ERROR_500))))
+        client = server.client()
+        store = MembaseMemoryStore(client=client, capture=True, container="Main", extraction=True, write_timeout=10.0)
+        try:
+            agent, model = make_agent(store, ["Noted."])
+
+            async def handle_request() -> None:  # what a web handler does for one chat request
+                await agent.invoke_async(GREEN_TEA)
+                await agent.memory_manager.flush()
+
+            task = asyncio.create_task(handle_request())
+            assert await until(in_flight.is_set, timeout=10.0)
+            task.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert store.counters()["write_errors"] == 0  # nothing known yet: Membase has not answered
+            release.set()
+            store.close()  # returns once the write's outcome is on record
+        finally:
+            release.set()
+            store.close()
+            client.close()
+
+    assert len(model.calls) == 1  # the turn itself ran before the flush was cancelled
+    assert posted(server.fake) == [GREEN_TEA]
+    counters = store.counters()
+    assert counters["write_cancellations"] == 1
+    assert counters["write_errors"] == 1
+    assert counters["errors.server_error"] == 1
+    assert counters["writes_saved"] == 0
+    assert any("a write whose caller was cancelled failed; it is not saved" in m for m in warnings(caplog))
+
+
+async def test_record_reports_and_forgets_a_failed_write_whose_caller_was_cancelled(caplog):
+    caplog.set_level(logging.INFO)
+    gate = threading.Event()
+    counters = Counters()
+    record = WriteRecord("t", counters, clock=Clock())
+    failing = Sender(gate=gate, fail=1)
+    send = Sender()
+    try:
+        task = asyncio.create_task(record.write([part("a")], failing, None))
+        assert await until(failing.arrived.is_set)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        gate.set()
+    assert record.drain(5.0)
+
+    snapshot = counters.snapshot()
+    assert (snapshot["write_cancellations"], snapshot["write_errors"], snapshot["errors.error"]) == (1, 1, 1)
+    assert snapshot["writes_saved"] == 0
+    assert any("a write whose caller was cancelled failed" in m for m in warnings(caplog))
+    # Forgotten: the next attempt sends it.
+    assert await record.write([part("a")], send, 1.0) == "saved"
+    assert send.sent() == ["a"]
+
+
+async def test_record_counts_every_cancelled_wait_and_a_write_saved_after_it_is_not_sent_again(caplog):
+    caplog.set_level(logging.INFO)
+    gate = threading.Event()
+    counters = Counters()
+    record = WriteRecord("t", counters, clock=Clock())
+    stuck = Sender(gate=gate)
+    send = Sender()
+    try:
+        first = asyncio.create_task(record.write([part("a")], stuck, None))
+        assert await until(stuck.arrived.is_set)
+        second = asyncio.create_task(record.write([part("a")], send, None))  # a retry: waits for the first
+        await asyncio.sleep(0)  # let it reach its wait
+        for task in (second, first):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        gate.set()
+    assert record.drain(5.0)
+
+    snapshot = counters.snapshot()
+    assert snapshot["write_cancellations"] == 2
+    assert (snapshot["writes_saved"], snapshot["write_errors"]) == (1, 0)
+    assert any("a write whose caller was cancelled finished; it is saved" in r.getMessage() for r in caplog.records)
+    assert await record.write([part("a")], send, 1.0) is None
+    assert stuck.sent() == ["a"]
+    assert send.sent() == []
+
+
+# --- 14. A thread that cannot start: the write fails cleanly and the retry sends it ----------------------
+
+
+@pytest.fixture
+def no_thread_for_one_write(monkeypatch) -> list[str]:
+    """The next membase write thread fails to start, as when the process is out of threads."""
+    refused: list[str] = []
+    start = threading.Thread.start
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith(WRITE_THREAD) and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    return refused
+
+
+def test_a_write_whose_thread_cannot_start_fails_and_the_managers_retry_sends_it(
+    fake, make_store, no_thread_for_one_write, caplog
+):
+    store = capturing(make_store)
+    agent, _ = make_agent(store, ["Noted.", "Noted too."])
+
+    agent(GREEN_TEA)
+
+    assert no_thread_for_one_write  # the write's thread was refused
+    assert posted(fake) == []
+    assert any("could not start the write" in m for m in warnings(caplog))
+    assert any("memory extraction failed" in m for m in warnings(caplog))  # the manager keeps the batch
+    counters = store.counters()
+    assert (counters["write_errors"], counters["errors.error"], counters["write_timeouts"]) == (1, 1, 0)
+
+    _, elapsed = timed(agent, LISBON)
+
+    assert elapsed < BUDGET + SLACK  # the retry did not wait for a write that never started
+    assert posted(fake) == [f"{GREEN_TEA}\n{LISBON}"]
+    assert held(fake) == [f"{GREEN_TEA}\n{LISBON}"]
+    counters = store.counters()
+    assert (counters["writes_saved"], counters["write_timeouts"]) == (2, 0)
+
+
+async def test_record_forgets_the_parts_of_a_write_whose_thread_cannot_start(no_thread_for_one_write):
+    record = WriteRecord("t", clock=Clock())
+    send = Sender()
+
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await record.write([part("a")], send, 1.0)
+    assert len(record) == 0
+    assert record.drain(0.0)  # nothing left running
+
+    assert await record.write([part("a")], send, 1.0) == "saved"
+    assert send.sent() == ["a"]
+
+
+# --- 15. Memory: a saved write keeps its identity, and the text it keeps alive is bounded ---------------
+
+BIG = 100 * 1024
+
+
+def big_text(turn: int) -> str:
+    """About 100 KB of words, a new string on every call."""
+    return f"turn {turn}: " + "w" * BIG
+
+
+async def test_the_record_keeps_its_byte_bound_of_words_alive_not_every_saved_message(fake, make_store):
+    store = capturing(make_store)
+
+    async def one_turn(turn: int) -> None:  # a new agent run: new message objects, sequence numbers from 0
+        await store.add_messages([user(big_text(turn)), assistant("Noted.")], batch_context([0, 1]))
+
+    def forget_what_the_fake_holds() -> None:
+        fake.notes.clear()
+        fake.requests.clear()
+        gc.collect()
+
+    await one_turn(-1)  # warm up connections and caches before measuring
+    forget_what_the_fake_holds()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for turn in range(100):  # 10 MB of words
+            await one_turn(turn)
+        forget_what_the_fake_holds()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+    assert store.counters()["writes_saved"] == 101
+    assert grown < 2 * 1024 * 1024, f"the store kept {grown / 2**20:.1f} MiB alive"  # its 1 MiB bound, and room
+    assert _writes.RECORD_BYTES - BIG < store._writes.retained_bytes <= _writes.RECORD_BYTES
+
+
+def test_a_batch_saved_late_is_not_sent_again_even_after_the_byte_bound_forgot_newer_words(fake, make_store, gates):
+    gate = gates.new()
+    fake.on(*MEMORIES, hang(gate, then=routed(fake)))
+    store = capturing(make_store)
+    agent, _ = make_agent(store, ["Noted.", "Noted too."])
+    agent(GREEN_TEA)  # ran out of time: the manager keeps the batch for a retry
+    gate.set()
+    assert wait_until(lambda: store.counters()["writes_saved"] == 1)
+
+    # Meanwhile other conversations on the same store save more words than the record keeps alive.
+    others, _ = make_agent(store, ["Noted."] * 15)
+    for turn in range(15):
+        others(big_text(turn))
+    assert store._writes.retained_bytes <= _writes.RECORD_BYTES
+
+    agent(LISBON)  # the manager retries the old batch with the new turn
+
+    assert occurrences(posted(fake), GREEN_TEA) == 1
+    assert posted(fake)[-1] == LISBON
+    assert occurrences(held(fake), GREEN_TEA) == 1
+
+
+def sized(text: str, size: int) -> Part:
+    """A message part whose anchor keeps ``size`` bytes alive."""
+    return Part(key=("message", text), text=text, anchor=object(), anchor_bytes=size)
+
+
+async def save_late(record: WriteRecord, saved: Part) -> None:
+    """Save ``saved`` after its caller ran out of time (so the caller was told it failed, and a retry is expected)."""
+    gate = threading.Event()
+    try:
+        with pytest.raises(MembaseWriteTimeout):
+            await record.write([saved], Sender(gate=gate), 0.05)
+    finally:
+        gate.set()
+    assert record.drain(5.0)
+
+
+async def test_record_byte_bound_forgets_confirmed_words_before_a_late_save():
+    record = WriteRecord("t", max_bytes=250, clock=Clock())
+    send = Sender()
+    await save_late(record, sized("late", 100))
+
+    for text in "abc":
+        await record.write([sized(text, 100)], send, 1.0)
+
+    assert record.retained_bytes == 200  # "late" (the oldest, but a retry is expected) and "c", the newest
+    assert await record.write([sized("late", 100), sized("c", 100)], send, 1.0) is None
+    assert await record.write([sized("a", 100)], send, 1.0) == "saved"
+    assert send.sent() == ["a", "b", "c", "a"]
+
+
+async def test_record_keeps_the_newest_late_save_even_above_the_byte_bound():
+    record = WriteRecord("t", max_bytes=250, clock=Clock())
+    send = Sender()
+    await save_late(record, sized("huge", 400))
+    assert record.retained_bytes == 400
+
+    await record.write([sized("x", 100)], send, 1.0)
+
+    assert record.retained_bytes == 400  # "x" went: only the late save is over the bound, and it stays
+    assert await record.write([sized("huge", 400)], send, 1.0) is None  # the manager's retry sends nothing
+    assert send.sent() == ["x"]

@@ -10,10 +10,11 @@ on. Nothing here is bound to one event loop, since every synchronous agent call 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -24,6 +25,10 @@ def start_daemon(fn: Callable[[], T], *, name: str, future: Future[T] | None = N
 
     The caller's context variables (for example the current tracing span) go with the call.
     Pass ``future`` to settle a future the caller already made (and shared) instead of a new one.
+
+    Raises:
+        RuntimeError: No thread could be started ("can't start new thread"); the future is then
+            settled with that error, so whoever shares it stops waiting.
     """
     future = future if future is not None else Future()
     context = contextvars.copy_context()
@@ -38,7 +43,13 @@ def start_daemon(fn: Callable[[], T], *, name: str, future: Future[T] | None = N
         else:
             future.set_result(result)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except BaseException as error:
+        # No thread, so nothing would ever settle the future: settle it with the reason, so nobody waits forever.
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(error)
+        raise
     return future
 
 

@@ -1,4 +1,4 @@
-"""Captured writes: time-boxed, and never sent twice for the same thing.
+"""Captured writes: time-boxed, never sent twice for the same thing, and every outcome on record.
 
 The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any
 newer messages), and on the extractor path every fact of a batch goes through ``add`` again when
@@ -7,13 +7,23 @@ store keeps a record of its writes by identity:
 
 - saved: a retry does not send it again and reports success;
 - still running: a retry waits for that request (within the budget) instead of sending another;
-- failed: it is forgotten, so the retry sends it.
+- failed, or never started (no thread could be started): it is forgotten, so the retry sends it.
+
+The thread that ran a request records its outcome before anyone waiting for it wakes. When the
+caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when
+its client disconnects), that thread also logs and counts the outcome, a failure under
+``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
+every write it waited for is in the logs and the counters.
 
 A message's identity is its sequence number in the manager's batch, the message object itself
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
 brings new ones; the record keeps a reference to the block, so its ``id`` cannot be reused while
 the record stands), and a hash of its text. A fact's identity is a hash of its text and target.
-The record is bounded in size and in time.
+
+The record is bounded in entries, in time, and in the bytes of text its anchors keep alive: a
+saved write keeps its identity but not Membase's answer or the words it sent, and past the bounds
+the oldest saved writes are forgotten, those a retry is still expected for (their caller was told
+they failed) last, and the newest of those never by a bound.
 """
 
 from __future__ import annotations
@@ -27,32 +37,31 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
-from .errors import MembaseWriteTimeout, detail_of
+from .errors import MembaseWriteTimeout, describe_failure, detail_of
 
 logger = logging.getLogger(__name__)
 
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
-
-
-class _State(Enum):
-    NEW = "new"
-    RUNNING = "running"
-    SAVED = "saved"
+RECORD_BYTES = 1024 * 1024
+"""The most message text (in bytes of ``str`` objects) that saved writes' anchors keep alive, per record."""
 
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an object to keep alive while it is recorded."""
+    """One thing to write: its identity, its text, and an object to keep alive while it is recorded.
+
+    ``anchor_bytes`` is how much memory the anchor keeps alive (the text it holds), for the byte bound.
+    """
 
     key: Hashable
     text: str
     anchor: object = None
+    anchor_bytes: int = 0
 
 
 def fingerprint(*fields: object) -> str:
@@ -60,11 +69,41 @@ def fingerprint(*fields: object) -> str:
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
+@dataclass(frozen=True)
+class _Late:
+    """Why nobody waits for a request any more, in the words of the log line that reports its outcome."""
+
+    which: str
+    after_failure: str
+
+
+_RAN_OUT = _Late("that ran out of time", "the manager's retry sends it again")
+_CANCELLED = _Late("whose caller was cancelled", "it is not saved")
+
+
+class _Request:
+    """One request this record started: its parts while it runs, then its outcome."""
+
+    __slots__ = ("abandoned", "done", "error", "future", "parts", "result")
+
+    def __init__(self, parts: list[Part]) -> None:
+        # Settled by the thread only after the outcome is recorded (see WriteRecord._finish).
+        self.future: Future[Any] = Future()
+        self.parts: list[Part] | None = parts
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.abandoned: _Late | None = None  # set when its caller stopped waiting: the thread reports the outcome
+
+
 @dataclass
 class _Entry:
-    future: Future[Any]
+    request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
     anchor: object
+    anchor_bytes: int
     saved_at: float | None = None
+    save: int = 0  # which save, in order; the parts of one request share it
+    retry_expected: bool = False  # saved after its caller was told it failed, and no retry has come yet
 
 
 class WriteRecord:
@@ -78,16 +117,18 @@ class WriteRecord:
         *,
         size: int = RECORD_SIZE,
         seconds: float = RECORD_SECONDS,
+        max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create an empty record.
 
         Args:
             store_name: The store's name, for log lines and thread names.
-            counters: Where to count writes saved, deduplicated and timed out.
+            counters: Where to count writes saved, deduplicated, timed out, cancelled and failed late.
             redact: Masks secrets in the text of a late failure before it is logged.
             size: How many saved writes to remember at most (oldest forgotten first).
             seconds: How long to remember a saved write.
+            max_bytes: How much text the anchors of saved writes may keep alive (oldest forgotten first).
             clock: The monotonic clock (a parameter so tests can move time).
         """
         self._store_name = store_name
@@ -95,13 +136,21 @@ class WriteRecord:
         self._redact = redact
         self._size = size
         self._seconds = seconds
+        self._max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._saves = 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    @property
+    def retained_bytes(self) -> int:
+        """The bytes of text the record keeps alive through the anchors of the writes it remembers."""
+        with self._lock:
+            return sum(entry.anchor_bytes for entry in self._entries.values())
 
     async def write(self, parts: Sequence[Part], send: Callable[[list[Part]], Any], budget: float | None) -> Any:
         """Send the parts not saved yet as one request, waiting at most ``budget`` seconds in all.
@@ -116,112 +165,222 @@ class WriteRecord:
 
         Raises:
             MembaseWriteTimeout: The budget ran out; the request goes on in the background.
-            Exception: Whatever ``send`` raised; those parts are forgotten so a retry sends them.
+            asyncio.CancelledError: The caller was cancelled; the request goes on in the background
+                and its outcome is logged and counted when it ends.
+            Exception: Whatever ``send`` raised, or the error that kept its thread from starting;
+                those parts are forgotten so a retry sends them.
         """
         deadline = None if budget is None else self._clock() + budget
+        saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
         while True:
             with self._lock:
                 self._evict()
-                states = {part.key: self._state(part.key) for part in parts}
-                running = [self._entries[key].future for key, state in states.items() if state is _State.RUNNING]
+                running = self._running([part for part in parts if part.key not in saved_for_us])
                 if not running:
-                    todo = [part for part in parts if states[part.key] is _State.NEW]
-                    future: Future[Any] = Future()
+                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._entries]
+                    todo = [part for part in parts if part.key not in saved_for_us and part.key not in self._entries]
+                    request = _Request(todo) if todo else None
                     for part in todo:
-                        self._entries[part.key] = _Entry(future=future, anchor=part.anchor)
+                        self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
-            for earlier in running:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running", quiet=True)
-        skipped = len(parts) - len(todo)
-        if skipped:
-            self._counters.add("writes_deduplicated", skipped)
+            for earlier, keys in running:
+                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+                if earlier.error is None:
+                    saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
+        if saved:
+            self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
-                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, skipped
+                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
-        if not todo:
+        if request is None:
+            self._retried(saved)
             return None
-        future.add_done_callback(lambda done: self._settle(todo, done))
-        start_daemon(lambda: send(todo), name=f"membase-write[{self._store_name}]", future=future)
-        return await self._wait(future, deadline, "it goes on in the background and the manager keeps the batch")
-
-    async def _wait(self, future: Future[Any], deadline: float | None, what: str, *, quiet: bool = False) -> Any:
-        """Wait for ``future`` until ``deadline``; with ``quiet``, its failure is not raised here."""
-        remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await wait_for_future(future, remaining)
-        except asyncio.TimeoutError:
-            if not quiet:
-                future.add_done_callback(self._log_late)
-            self._counters.add("write_timeouts")
+            start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
+        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
+            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
             logger.warning(
-                "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s", self._store_name, what
-            )
-            raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
-        except Exception:
-            if not quiet:
-                raise
-            return None
-
-    def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the writes still running; whether none is left."""
-        with self._lock:
-            running = {entry.future for entry in self._entries.values() if not entry.future.done()}
-        if running:
-            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
-        return not wait(running, timeout=timeout).not_done
-
-    def _log_late(self, done: Future[Any]) -> None:
-        error = done.exception()
-        if error is None:
-            logger.info("store=<%s> | a write that ran out of time finished; it is saved", self._store_name)
-        else:
-            logger.warning(
-                "store=<%s>, reason=<%s> | a write that ran out of time failed; the manager's retry sends it again",
+                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
                 self._store_name,
                 self._redact(detail_of(error)),
             )
+            self._finish(request, None, error)
+            raise
+        what = "it goes on in the background and the manager keeps the batch"
+        result = await self._wait(request, deadline, what, own=True)
+        self._retried(saved)
+        return result
 
-    def _state(self, key: Hashable) -> _State:
-        """Whether ``key`` is new, running or saved. Called with the lock held.
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the writes still running; whether none is left.
 
-        Decided from the request's own future, not only from :meth:`_settle`: a future counts as
-        done before its callbacks have run, and a write that failed must never pass for saved.
+        Each write waited for has its outcome recorded, logged and counted by the time this returns.
         """
-        entry = self._entries.get(key)
-        if entry is None:
-            return _State.NEW
-        if not entry.future.done():
-            return _State.RUNNING
-        if entry.future.exception() is not None:
-            del self._entries[key]
-            return _State.NEW
-        return _State.SAVED
-
-    def _settle(self, parts: list[Part], done: Future[Any]) -> None:
-        failed = done.exception() is not None
-        if not failed:
-            self._counters.add("writes_saved", len(parts))
-        now = self._clock()
         with self._lock:
-            for part in parts:
-                entry = self._entries.get(part.key)
-                if entry is None or entry.future is not done:
-                    continue
-                if failed:
-                    del self._entries[part.key]
-                elif entry.saved_at is None:
-                    entry.saved_at = now
-                    self._entries.move_to_end(part.key)
+            running = {entry.request.future for entry in self._entries.values() if entry.request is not None}
+        if not running:
+            return True
+        logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
+        left = len(wait(running, timeout=timeout).not_done)
+        if left:
+            logger.warning(
+                "store=<%s>, writes=<%d> | writes still running after %g s; their outcome is logged when they end",
+                self._store_name,
+                left,
+                timeout,
+            )
+        return not left
+
+    # --- Waiting --------------------------------------------------------------------------------
+
+    async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
+        """Wait for ``request`` until ``deadline``.
+
+        With ``own`` this caller started it: its failure is raised here, and if this caller stops
+        waiting the request's thread reports the outcome. Otherwise its failure is not raised here.
+        """
+        remaining = None if deadline is None else max(0.0, deadline - self._clock())
+        try:
+            return await wait_for_future(request.future, remaining)
+        except asyncio.TimeoutError:
+            if not own or self._abandon(request, _RAN_OUT):
+                self._counters.add("write_timeouts")
+                logger.warning(
+                    "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s",
+                    self._store_name,
+                    what,
+                )
+                raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
+            # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
+        except asyncio.CancelledError:
+            self._counters.add("write_cancellations")
+            logger.info(
+                "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; "
+                "it goes on in the background",
+                self._store_name,
+            )
+            if own and not self._abandon(request, _CANCELLED) and request.error is not None:
+                self._report_late(_CANCELLED, request.error)  # it failed just before: nobody else reports it
+            raise
+        except Exception:
+            if own:
+                raise
+            return None
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _abandon(self, request: _Request, why: _Late) -> bool:
+        """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        with self._lock:
+            if request.done:
+                return False
+            request.abandoned = why
+            return True
+
+    # --- The request's thread -------------------------------------------------------------------
+
+    def _run(self, request: _Request, send: Callable[[list[Part]], Any]) -> None:
+        try:
+            result = send(list(request.parts or ()))
+        except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
+            self._finish(request, None, error)
+        else:
+            self._finish(request, result, None)
+
+    def _finish(self, request: _Request, result: Any, error: BaseException | None) -> None:
+        """Record the outcome, report it if nobody waits for it any more, then settle the future."""
+        try:
+            with self._lock:
+                parts = request.parts or []
+                request.parts = None
+                request.done = True
+                request.result, request.error = result, error
+                abandoned = request.abandoned
+                self._saves += 1
+                now = self._clock()
+                for part in parts:
+                    entry = self._entries.get(part.key)
+                    if entry is None or entry.request is not request:
+                        continue
+                    if error is not None:
+                        del self._entries[part.key]
+                    else:
+                        entry.request = None
+                        entry.saved_at = now
+                        entry.save = self._saves
+                        entry.retry_expected = abandoned is not None
+                        self._entries.move_to_end(part.key)
+                self._evict()
+            if error is None:
+                self._counters.add("writes_saved", len(parts))
+            if abandoned is not None:
+                self._report_late(abandoned, error)
+        finally:
+            if error is None:
+                request.future.set_result(result)
+            else:
+                request.future.set_exception(error)
+
+    def _report_late(self, why: _Late, error: BaseException | None) -> None:
+        if error is None:
+            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why.which)
+            return
+        self._counters.add("write_errors")
+        self._counters.add(f"errors.{describe_failure(error).kind}")
+        logger.warning(
+            "store=<%s>, reason=<%s> | a write %s failed; %s",
+            self._store_name,
+            self._redact(detail_of(error)),
+            why.which,
+            why.after_failure,
+        )
+
+    # --- The record -----------------------------------------------------------------------------
+
+    def _running(self, parts: Sequence[Part]) -> list[tuple[_Request, list[Hashable]]]:
+        """The requests still running for any of ``parts``, each with those parts' keys. Called with the lock held."""
+        running: dict[int, tuple[_Request, list[Hashable]]] = {}
+        for part in parts:
+            entry = self._entries.get(part.key)
+            if entry is not None and entry.request is not None:
+                running.setdefault(id(entry.request), (entry.request, []))[1].append(part.key)
+        return list(running.values())
+
+    def _retried(self, keys: list[Hashable]) -> None:
+        """A retry got success for these saved writes: none is expected any more."""
+        if keys:
+            with self._lock:
+                for key in keys:
+                    entry = self._entries.get(key)
+                    if entry is not None:
+                        entry.retry_expected = False
 
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest saved ones past the size bound."""
+        """Forget saved writes past their time, then the oldest past the size and byte bounds.
+
+        Called with the lock held, before each write and after each save, so the bounds hold at rest.
+        Writes still running are never forgotten. Among saved ones, those a retry is still expected for
+        go last, and the newest of them stays whatever the bounds: the manager's retry of a batch whose
+        write ran out of time is the duplicate this record exists to stop.
+        """
         cutoff = self._clock() - self._seconds
-        saved = [key for key, entry in self._entries.items() if entry.saved_at is not None]
-        excess = len(self._entries) - self._size
-        for key in saved:
-            entry = self._entries[key]
-            if excess > 0 or (entry.saved_at is not None and entry.saved_at < cutoff):
+        for key, entry in list(self._entries.items()):
+            if entry.saved_at is not None and entry.saved_at < cutoff:
                 del self._entries[key]
-                excess -= 1
+        saved = [(key, entry) for key, entry in self._entries.items() if entry.saved_at is not None]
+        excess = len(saved) - self._size
+        excess_bytes = sum(entry.anchor_bytes for _, entry in saved) - self._max_bytes
+        if excess <= 0 and excess_bytes <= 0:
+            return
+        newest_expected = max((entry.save for _, entry in saved if entry.retry_expected), default=None)
+        for key, entry in sorted(saved, key=lambda item: item[1].retry_expected):  # stable: oldest first
+            if excess <= 0 and excess_bytes <= 0:
+                break
+            if entry.retry_expected and entry.save == newest_expected:
+                continue
+            del self._entries[key]
+            excess -= 1
+            excess_bytes -= entry.anchor_bytes

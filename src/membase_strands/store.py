@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -340,7 +341,7 @@ class MembaseMemoryStore:
         """Close the client if this store built it; a client passed in is left open. Safe to call twice.
 
         A captured write still running (one that ran out of its budget) gets up to ``write_timeout``
-        more seconds to finish first.
+        more seconds to finish first; when it does, its outcome is logged and counted before this returns.
         """
         if self._closed:
             return
@@ -485,7 +486,8 @@ class MembaseMemoryStore:
             # new agent run; the record holds it, so its id stays unique while the record stands.
             anchor = blocks[0]
             key = fingerprint("message", sequence, id(anchor), role, text)
-            parts.append(Part(key=key, text=f"{role}: {text}" if prefix else text, anchor=anchor))
+            line = f"{role}: {text}" if prefix else text
+            parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
         return parts
 
 

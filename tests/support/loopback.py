@@ -4,7 +4,8 @@
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
 :class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
 over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`reset`, :func:`stall` or :func:`raw_answer`.
+on the socket: :func:`drip`, :func:`reset`, :func:`stall` or :func:`raw_answer` (and :func:`arrived`,
+which signals that a request is in before doing another action).
 
 Every wait in here is bounded, the server binds to loopback only, and its threads are daemons.
 """
@@ -202,3 +203,16 @@ def stall(release: threading.Event, then: RawAction | None = None, limit: float 
 def ok_json(body: Any) -> RawAction:
     """Answer 200 with ``body`` as JSON."""
     return raw_answer(200, json.dumps(body).encode())
+
+
+def arrived(event: threading.Event, then: RawAction) -> RawAction:
+    """Set ``event`` once the request is in (the fake has recorded it), then do ``then``.
+
+    Lets a test wait for the moment a request is on the wire instead of sleeping.
+    """
+
+    def act(handler: _Handler) -> None:
+        event.set()
+        then(handler)
+
+    return act
