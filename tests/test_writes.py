@@ -749,13 +749,15 @@ async def test_without_a_context_a_failed_batch_is_sent_again(fake, make_store):
 # --- A write still running when the store closes --------------------------------------------------
 
 
-async def test_close_lets_a_late_write_finish_before_closing_the_client(fake, caplog):
+async def test_close_lets_a_late_write_finish_before_closing_the_client(fake, gates, caplog):
     caplog.set_level(logging.INFO)
-    fake.on(*MEMORIES, delayed(fake, 0.8))
+    release = gates.new()
+    fake.on(*MEMORIES, hang(release, then=fake.answer))
     store = MembaseMemoryStore(client=fake.client(), capture=True, container="Main", write_timeout=0.5)
     with pytest.raises(MembaseWriteTimeout):
         await store.add("I like green tea.")
-    store.close()  # waits for the request still on its way instead of cutting it off
+    release.set()  # the request is still on its way when close() starts: close waits for it instead of cutting it off
+    store.close()
     assert [note.content for note in fake.notes] == ["I like green tea."]
     assert any("ran out of time finished" in r.getMessage() for r in caplog.records)
 
