@@ -370,3 +370,50 @@ def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
         assert asyncio.run(box.run(lambda: "answer", 1.0)) == "answer"
     finally:
         gate.set()
+
+
+# --- Agents built during an outage ---------------------------------------------------------------
+
+
+def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make_store, gates, caplog):
+    caplog.set_level(logging.DEBUG)
+    fake.remember(FACT)
+    budget = 1.5
+    outage = gates.new()
+    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
+    store = make_store(container="Main", recall_timeout=budget)
+
+    # The first agent waits the budget for the check, then is built without it.
+    make_agent(store)
+    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
+
+    # While that check is still late, more agents are built at once: five together take less than one budget.
+    started = time.monotonic()
+    for _ in range(5):
+        make_agent(store)
+    assert time.monotonic() - started < budget
+    assert len([m for m in messages(caplog) if "set-up check is still running" in m]) == 5
+    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
+    assert len(fake.sent("GET", "/v1/containers")) == 1
+
+    # The check ends: the next agent uses its answer, with no request of its own, and so does first use.
+    outage.set()
+    assert wait_until(lambda: not membase_threads("membase-check["))
+    agent, model = make_agent(store, ["Postgres."])
+    agent(QUESTION)
+    assert len(fake.sent("GET", "/v1/containers")) == 1
+    assert [r.body["container"] for r in fake.sent("POST", "/v1/search")] == ["ctr_main"]
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+
+
+def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(fake, make_store, gates):
+    outage = gates.new()
+    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
+    store = make_store(container="Projects", recall_timeout=0.3)
+    make_agent(store)  # built without the check: Membase did not answer in time
+
+    outage.set()
+    assert wait_until(lambda: not membase_threads("membase-check["))
+    with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
+        make_agent(store)
+    assert len(fake.sent("GET", "/v1/containers")) == 1

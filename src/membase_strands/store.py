@@ -137,6 +137,7 @@ class MembaseMemoryStore:
         self._closed = False
         self._setup_lock = threading.Lock()
         self._setup_check: Future[list[Container]] | None = None
+        self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
 
     @property
@@ -166,7 +167,9 @@ class MembaseMemoryStore:
         With a pinned ``container`` (or capture on) the Memories in reach are listed once, within
         the recall budget. An unknown or ambiguous Memory name, or capture with several Memories in
         reach and none pinned, raises here so the mistake shows when the agent is built. If
-        Membase does not answer, the check is left for the first real call.
+        Membase does not answer, the check is left for the first real call. While that late check
+        is still running, agents built on this store do not wait for it again; the first one built
+        after it ends uses its answer.
 
         Raises:
             ValueError: The configuration cannot work with the Memories this key reaches.
@@ -178,26 +181,53 @@ class MembaseMemoryStore:
             if self._setup_checked:
                 return  # one check per store, however many agents are built on it
             check = self._setup_check
-            if check is None or check.done():
-                # A check still running (Membase slow to answer) is shared, never started twice.
+            if check is not None and check is self._setup_check_late and not check.done():
+                # An agent already waited the whole budget for this check during this outage; building an
+                # agent per request must not cost every request that wait again.
+                logger.debug(
+                    "store=<%s>, reason=<Membase did not answer in time> | set-up check is still running; "
+                    "not waiting for it again, checking at first use",
+                    self.name,
+                )
+                return
+            if check is None or (check.done() and check.exception() is not None):
+                # A check still running (Membase slow to answer) is shared, never started twice; one that
+                # ended late with an answer is used below; one that failed tells nothing, so ask again.
                 check = start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]")
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
-        except (asyncio.TimeoutError, membase.MembaseError) as error:
+        except asyncio.TimeoutError:
+            with self._setup_lock:
+                first = self._setup_check_late is not check
+                self._setup_check_late = check
+            if first:  # agents built together during one outage warn once
+                logger.warning(
+                    "store=<%s>, reason=<no answer in time> | could not list the Memories in reach; "
+                    "checking again at first use",
+                    self.name,
+                )
+            return
+        except membase.MembaseError as error:
             logger.warning(
                 "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use",
                 self.name,
-                self._redact(detail_of(error) if isinstance(error, membase.MembaseError) else "no answer in time"),
+                self._redact(detail_of(error)),
             )
             return
-        if self._container is not None:
-            self._resolver.remember(self._container, match(self._container, containers).id)
-        elif len(containers) > 1:
-            raise ValueError(
-                f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
-                "naming the one to write to"
-            )
+        try:
+            if self._container is not None:
+                self._resolver.remember(self._container, match(self._container, containers).id)
+            elif len(containers) > 1:
+                raise ValueError(
+                    f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
+                    "naming the one to write to"
+                )
+        except ValueError:
+            with self._setup_lock:
+                if self._setup_check is check:
+                    self._setup_check = None  # the next agent lists the Memories again: they may have changed
+            raise
         self._setup_checked = True
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
