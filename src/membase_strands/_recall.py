@@ -2,12 +2,16 @@
 
 The first search after a quiet spell can take up to a minute while the account's memory wakes.
 A turn should not wait for that, so :class:`TimeBoxedRecall` gives each recall a budget. A recall
-that runs past it raises :class:`MembaseRecallTimeout` for the manager (which skips the store for
-this turn) while its request runs on to the end in the background, waking the memory for the next
-turn. While such a late request is still running, further recalls skip at once instead of piling
-more threads and requests onto a memory that is not answering yet, for at most one SDK attempt
-from the late request's start. Recalls that finish within the budget never hold the guard, so
-healthy concurrent recalls all run.
+that runs past it raises :class:`MembaseRecallTimeout` for the manager (which logs it once and skips
+the store for this turn) while its request runs on to the end in the background, waking the memory
+for the next turn.
+
+While such a late request is still running, further recalls skip at once with
+:class:`RecallSkipped` instead of piling more threads and requests onto a memory that is not
+answering yet, for at most one SDK attempt from the late request's start. A skip is not a failure:
+the store turns it into "no memory this turn" and logs it at DEBUG only, so a long stall does not
+write a warning per turn. Recalls that finish within the budget never hold the guard, so healthy
+concurrent recalls all run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from .errors import MembaseRecallTimeout, detail_of
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RecallSkipped(Exception):
+    """A late recall still holds the guard, so this one sent nothing. Not a failure: there is no memory this turn."""
 
 
 class TimeBoxedRecall:
@@ -83,15 +91,15 @@ class TimeBoxedRecall:
             What ``request`` returned.
 
         Raises:
-            MembaseRecallTimeout: The budget ran out (the request goes on in the background), or a
-                late request is still running, in which case nothing is sent.
+            RecallSkipped: A late request is still running; nothing was sent.
+            MembaseRecallTimeout: The budget ran out; the request goes on in the background.
             Exception: Whatever ``request`` raised within the budget.
         """
         with self._lock:
             if self._guard_up():
                 self._counters.add("recall_skipped")
                 logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
-                raise MembaseRecallTimeout(
+                raise RecallSkipped(
                     "Membase recall skipped: an earlier recall that ran out of time is still running "
                     "(the memory is waking up)"
                 )
@@ -102,7 +110,8 @@ class TimeBoxedRecall:
         except asyncio.TimeoutError:
             self._counters.add("recall_timeouts")
             self._hold_guard(future, started)
-            logger.warning(
+            # INFO, not WARNING: the manager logs the exception below as a warning, once is enough.
+            logger.info(
                 "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
                 "the turn goes on without memory and the request finishes in the background",
                 self._store_name,

@@ -23,7 +23,7 @@ from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
-from ._recall import TimeBoxedRecall
+from ._recall import RecallSkipped, TimeBoxedRecall
 from ._text import sendable
 from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
@@ -233,16 +233,22 @@ class MembaseMemoryStore:
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query``, within ``recall_timeout``.
 
+        A recall skipped because an earlier one is still running late (the memory is waking) or
+        because recall is paused after a 403 is not a failure: it returns ``[]`` without a request
+        and logs at DEBUG, so a long outage costs one warning, not one per turn.
+
         Args:
             query: What to recall; a blank query returns ``[]`` without a request.
             options: ``max_search_results`` (1-50; more is capped at 50).
 
         Returns:
-            One entry per passage, ``[Memory name] text``, then one notice per Memory that could not answer.
+            One entry per passage, ``[Memory name] text``, then one notice per Memory that could not
+            answer; ``[]`` for a skipped recall.
 
         Raises:
-            MembaseRecallTimeout: The budget ran out, or a late recall is still running.
-            MembaseAccessError: Membase refused the key (403).
+            MembaseRecallTimeout: The budget ran out (the request goes on in the background).
+            MembaseAccessError: Membase refused the key (403); automatic recall then pauses for
+                ``access_cooldown`` seconds.
             ValueError: ``max_search_results`` is not a positive whole number.
         """
         self._check_open()
@@ -254,11 +260,14 @@ class MembaseMemoryStore:
         self._counters.add("recalls")
         if time.monotonic() < self._refused_until:
             self._counters.add("recall_skipped")
-            raise MembaseAccessError(f"{ACCESS_SENTENCE} Automatic recall is paused for a while after that refusal.")
+            logger.debug("store=<%s>, reason=<key refused (403)> | recall skipped while recall is paused", self.name)
+            return []
         try:
             answer = await self._recall.run(
                 lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
             )
+        except RecallSkipped:
+            return []  # counted and logged at DEBUG by the guard
         except MembaseRecallTimeout:
             raise
         except Exception as error:
@@ -266,7 +275,8 @@ class MembaseMemoryStore:
             if isinstance(error, membase.PermissionDeniedError) and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-            self._fail("recall", error, pause)
+            # The manager logs the raised error as a warning; the store's own line would be a second one.
+            self._fail("recall", error, pause, level=logging.INFO)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
         # could not answer is never dropped silently behind a full page of passages.
@@ -450,14 +460,17 @@ class MembaseMemoryStore:
         except Exception as error:
             self._fail("write", error)
 
-    def _fail(self, action: str, error: Exception, after_refusal: str = "") -> NoReturn:
+    def _fail(
+        self, action: str, error: Exception, after_refusal: str = "", *, level: int = logging.WARNING
+    ) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError``,
         anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
         self._counters.add(f"{action}_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
         clean = without_secret(error, self._client.api_key or "")
         if isinstance(error, membase.PermissionDeniedError):
-            logger.warning(
+            logger.log(
+                level,
                 "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s",
                 self.name,
                 action,
