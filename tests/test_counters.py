@@ -20,6 +20,7 @@ STANDARD = (
     "recall_empty",
     "recall_timeouts",
     "recall_skipped",
+    "recall_cancelled",
     "recall_late_completions",
     "recall_errors",
     "writes_saved",

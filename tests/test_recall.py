@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
+from strands import Agent
+from strands.memory import MemoryManager
 
-from membase_strands import MembaseRecallTimeout
+from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
 from membase_strands._recall import RecallSkipped, TimeBoxedRecall
 from tests.conftest import make_agent
 from tests.support.fake_membase import API_KEY, hang, status
+from tests.support.loopback import LoopbackMembase, ok_json, stall
+from tests.support.scripted_model import ScriptedModel
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
@@ -373,6 +379,106 @@ def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
         assert asyncio.run(box.run(lambda: "answer", 1.0)) == "answer"
     finally:
         gate.set()
+
+
+# --- The faults a web server brings -------------------------------------------------------------
+
+TURNS = 10
+PASSAGE = {"content": FACT, "container": "ctr_main", "container_name": "Main", "score": 1.0}
+SEARCH_ANSWER = {"results": [PASSAGE], "containers": [{"id": "ctr_main", "name": "Main"}]}
+
+
+@pytest.fixture
+def loopback() -> Iterator[LoopbackMembase]:
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        yield server
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """``wait_until`` for a coroutine: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+class WaitingModel(ScriptedModel):
+    """A model that records what it was sent, then takes its time, like a real one mid-answer."""
+
+    async def stream(
+        self, messages: Any, tool_specs: Any = None, system_prompt: Any = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append({"messages": copy.deepcopy(messages), "tool_names": [], "system_prompt": system_prompt})
+        await asyncio.sleep(30)  # the turn is cancelled long before
+        yield {"messageStart": {"role": "assistant"}}
+
+
+async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_thread(loopback, caplog):
+    """A web server cancels a request's task when its client disconnects; ten of them must not leave ten requests."""
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", *[stall(release, then=ok_json(SEARCH_ANSWER)) for _ in range(TURNS)])
+    store = MembaseMemoryStore(client=loopback.client(), recall_timeout=20.0)
+    searches = lambda: loopback.fake.sent("POST", "/v1/search")  # noqa: E731
+    try:
+        for turn in range(TURNS):
+            # One agent per request, as a web app builds them.
+            model = WaitingModel()
+            agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
+            task = asyncio.create_task(agent.invoke_async(QUESTION))
+            # The client goes away while this turn waits: on Membase, or (recall skipped) on the model.
+            assert await until(lambda: len(searches()) > turn or bool(model.calls) or task.done())  # noqa: B023
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        assert len(searches()) == 1, "each cancelled turn left its own request running"
+        assert len(membase_threads(RECALL_THREAD)) == 1
+        counters = store.counters()
+        assert (counters["recalls"], counters["recall_cancelled"], counters["recall_skipped"]) == (TURNS, 1, TURNS - 1)
+        assert counters["recall_errors"] == counters["recall_timeouts"] == 0
+
+        # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
+        release.set()
+        assert await until(lambda: store.counters()["recall_late_completions"] == 1)
+        assert await until(lambda: not store._recall.waking and not membase_threads(RECALL_THREAD))
+        assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
+        agent, model = make_agent(store, ["Postgres."])
+        await agent.invoke_async(QUESTION)
+        assert len(searches()) == 2
+        assert f"[Main] {FACT}" in (model.memory_block() or "")
+    finally:
+        release.set()
+        store.close()
+
+
+async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_request_runs(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(client=loopback.client(), recall_timeout=None)
+    try:
+        task = asyncio.create_task(store.search(QUESTION))
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        assert store._recall.waking
+        assert await store.search("another question about the ledger") == []
+        assert len(loopback.fake.sent("POST", "/v1/search")) == 1
+        assert any("recall cancelled" in m for m in messages(caplog, logging.INFO))
+        assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+        release.set()
+        assert await until(lambda: not store._recall.waking)
+        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
+    finally:
+        release.set()
+        store.close()
 
 
 # --- Agents built during an outage ---------------------------------------------------------------

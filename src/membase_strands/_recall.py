@@ -4,7 +4,8 @@ The first search after a quiet spell can take up to a minute while the account's
 A turn should not wait for that, so :class:`TimeBoxedRecall` gives each recall a budget. A recall
 that runs past it raises :class:`MembaseRecallTimeout` for the manager (which logs it once and skips
 the store for this turn) while its request runs on to the end in the background, waking the memory
-for the next turn.
+for the next turn. A recall whose task is cancelled (a web server does that when its client
+disconnects) leaves its request running the same way, and lets the ``CancelledError`` through.
 
 While such a late request is still running, further recalls skip at once with
 :class:`RecallSkipped` instead of piling more threads and requests onto a memory that is not
@@ -93,6 +94,8 @@ class TimeBoxedRecall:
         Raises:
             RecallSkipped: A late request is still running; nothing was sent.
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
+            asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
+                background and holds the guard like a late one.
             Exception: Whatever ``request`` raised within the budget.
         """
         with self._lock:
@@ -120,6 +123,18 @@ class TimeBoxedRecall:
             raise MembaseRecallTimeout(
                 f"Membase recall ran out of time after {budget:g} s; it goes on in the background"
             ) from None
+        except asyncio.CancelledError:
+            self._counters.add("recall_cancelled")
+            if not future.done():
+                # Nobody waits for this request any more, but it still runs: the next recalls must not
+                # add theirs to it, exactly as after a timeout.
+                self._hold_guard(future, started)
+                logger.info(
+                    "store=<%s>, reason=<cancelled> | recall cancelled while its request was running; "
+                    "the request finishes in the background",
+                    self._store_name,
+                )
+            raise
 
     def _hold_guard(self, future: Future[T], started: float) -> None:
         late: Future[object] = future  # type: ignore[assignment]

@@ -250,6 +250,8 @@ class MembaseMemoryStore:
             MembaseAccessError: Membase refused the key (403); automatic recall then pauses for
                 ``access_cooldown`` seconds.
             ValueError: ``max_search_results`` is not a positive whole number.
+            asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
+                background, and the next recalls skip while it runs.
         """
         self._check_open()
         if not isinstance(query, str) or not query.strip():
@@ -337,9 +339,10 @@ class MembaseMemoryStore:
         """A snapshot of what this store has done since it was built, for logs or metrics.
 
         Always present: ``recalls`` and their outcomes (``recall_hits``, ``recall_empty``,
-        ``recall_timeouts``, ``recall_skipped``, ``recall_errors``), ``recall_late_completions``,
-        ``writes_saved``, ``writes_deduplicated``, ``write_timeouts`` and ``write_errors``. Present once
-        they happen: ``errors.<kind>`` for each kind of Membase failure and ``tool_calls.<tool>``.
+        ``recall_timeouts``, ``recall_skipped``, ``recall_cancelled``, ``recall_errors``),
+        ``recall_late_completions``, ``writes_saved``, ``writes_deduplicated``, ``write_timeouts`` and
+        ``write_errors``. Present once they happen: ``errors.<kind>`` for each kind of Membase failure
+        and ``tool_calls.<tool>``.
         Cheap and safe to call from any thread.
         """
         return self._counters.snapshot()
