@@ -582,3 +582,57 @@ def test_a_hundred_turns_of_one_403_pause_warn_at_most_three_times(fake, make_st
     counters = store.counters()
     assert (counters["recalls"], counters["recall_errors"], counters["recall_skipped"]) == (100, 1, 99)
     assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+# --- close() while a recall is running -----------------------------------------------------------
+
+
+def own_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What this library and Strands logged (not the HTTP stack's own DEBUG traces)."""
+    return [r.getMessage() for r in caplog.records if r.name.split(".")[0] in ("membase_strands", "strands")]
+
+
+async def test_closing_the_store_during_a_recall_reports_the_close_not_a_connection_error(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=20.0)
+    agent, model = make_agent(store, ["Without memory."])
+    try:
+        turn = asyncio.create_task(agent.invoke_async(QUESTION))
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        store.close()  # the app shuts down while the recall is running
+        release.set()
+        assert "Without memory." in str(await asyncio.wait_for(turn, 20.0))
+    finally:
+        release.set()
+        store.close()
+
+    assert model.memory_block() is None
+    counters = store.counters()
+    assert (counters["recall_errors"], counters.get("errors.closed")) == (1, 1)
+    assert "errors.connection" not in counters
+    logged = own_messages(caplog)
+    assert any("closed while the recall was running" in m for m in logged)
+    assert not any("Bad file descriptor" in m for m in logged)
+
+
+def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=BUDGET)
+    agent, _ = make_agent(store, ["Without memory."])
+    try:
+        agent(QUESTION)  # runs out of time; the request goes on
+        store.close()
+        release.set()
+        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+    finally:
+        release.set()
+        store.close()
+
+    logged = own_messages(caplog)
+    assert any("closed while the recall was running" in m for m in logged)
+    assert not any("Bad file descriptor" in m or "late recall failed" in m for m in logged)
+    assert "errors.connection" not in store.counters()

@@ -49,6 +49,7 @@ class TimeBoxedRecall:
         counters: Counters | None = None,
         redact: Callable[[str], str] = str,
         *,
+        is_closed: Callable[[], bool] = lambda: False,
         hold_limit: float = DEFAULT_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -58,6 +59,8 @@ class TimeBoxedRecall:
             store_name: The store's name, for log lines and thread names.
             counters: Where to count timeouts, skips and late completions.
             redact: Masks secrets in the text of a late failure before it is logged.
+            is_closed: Whether the store was closed, so a late request that fails because its
+                connection was closed under it is reported as that, not as a connection error.
             hold_limit: The longest a late request keeps recall switched off, from its start: one
                 SDK attempt. (A recall that must first look its Memory up makes two requests.)
             clock: The monotonic clock (a parameter so tests can move time).
@@ -65,6 +68,7 @@ class TimeBoxedRecall:
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
+        self._is_closed = is_closed
         self._hold_limit = hold_limit
         self._clock = clock
         self._lock = threading.Lock()
@@ -150,6 +154,14 @@ class TimeBoxedRecall:
             if error is None:
                 logger.info(
                     "store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes",
+                    self._store_name,
+                    elapsed,
+                )
+            elif self._is_closed():
+                # Closing the store closed the connection under the request: that, not the network, ended it.
+                logger.info(
+                    "store=<%s>, elapsed=<%.1f s>, reason=<store closed> | late recall ended: "
+                    "the store was closed while the recall was running",
                     self._store_name,
                     elapsed,
                 )

@@ -132,7 +132,7 @@ class MembaseMemoryStore:
         self._once = without_retries(self._client)
         self._resolver = ContainerResolver()
         self._counters = Counters()
-        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact)
+        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact, is_closed=lambda: self._closed)
         self._writes = WriteRecord(self.name, self._counters, self._redact)
         self._closed = False
         self._setup_lock = threading.Lock()
@@ -249,6 +249,7 @@ class MembaseMemoryStore:
             MembaseRecallTimeout: The budget ran out (the request goes on in the background).
             MembaseAccessError: Membase refused the key (403); automatic recall then pauses for
                 ``access_cooldown`` seconds.
+            RuntimeError: The store is closed, or was closed while the recall was running.
             ValueError: ``max_search_results`` is not a positive whole number.
             asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
                 background, and the next recalls skip while it runs.
@@ -273,6 +274,14 @@ class MembaseMemoryStore:
         except MembaseRecallTimeout:
             raise
         except Exception as error:
+            if self._closed:
+                # close() closed the connection under the request: report that, not "Bad file descriptor".
+                self._counters.add("recall_errors")
+                self._counters.add("errors.closed")
+                logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
+                raise RuntimeError(
+                    f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
+                ) from None
             pause = ""
             if isinstance(error, membase.PermissionDeniedError) and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
