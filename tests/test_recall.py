@@ -405,6 +405,16 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     return predicate()
 
 
+def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DEBUG) -> list[str]:
+    """Messages at ``level`` or above from every logger, except what other tests' stores log from their own
+    background threads (a late request of an earlier test may end during this one)."""
+    return [
+        f"{r.name}: {r.getMessage()}"
+        for r in caplog.records
+        if r.levelno >= level and (not r.threadName.startswith("membase-") or f"[{store}]" in r.threadName)
+    ]
+
+
 class WaitingModel(ScriptedModel):
     """A model that records what it was sent, then takes its time, like a real one mid-answer."""
 
@@ -421,7 +431,8 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", *[stall(release, then=ok_json(SEARCH_ANSWER)) for _ in range(TURNS)])
-    store = MembaseMemoryStore(client=loopback.client(), recall_timeout=20.0)
+    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-turns", recall_timeout=20.0)
+    threads = lambda: membase_threads(f"{RECALL_THREAD}{store.name}]")  # noqa: E731
     searches = lambda: loopback.fake.sent("POST", "/v1/search")  # noqa: E731
     try:
         for turn in range(TURNS):
@@ -436,7 +447,7 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
                 await task
 
         assert len(searches()) == 1, "each cancelled turn left its own request running"
-        assert len(membase_threads(RECALL_THREAD)) == 1
+        assert len(threads()) == 1
         counters = store.counters()
         assert (counters["recalls"], counters["recall_cancelled"], counters["recall_skipped"]) == (TURNS, 1, TURNS - 1)
         assert counters["recall_errors"] == counters["recall_timeouts"] == 0
@@ -444,8 +455,8 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
         # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
         release.set()
         assert await until(lambda: store.counters()["recall_late_completions"] == 1)
-        assert await until(lambda: not store._recall.waking and not membase_threads(RECALL_THREAD))
-        assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
+        assert await until(lambda: not store._recall.waking and not threads())
+        assert any("late recall finished" in m for m in logged(caplog, store.name, logging.INFO))
         agent, model = make_agent(store, ["Postgres."])
         await agent.invoke_async(QUESTION)
         assert len(searches()) == 2
@@ -459,7 +470,7 @@ async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_reque
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(client=loopback.client(), recall_timeout=None)
+    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-search", recall_timeout=None)
     try:
         task = asyncio.create_task(store.search(QUESTION))
         assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
@@ -470,8 +481,8 @@ async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_reque
         assert store._recall.waking
         assert await store.search("another question about the ledger") == []
         assert len(loopback.fake.sent("POST", "/v1/search")) == 1
-        assert any("recall cancelled" in m for m in messages(caplog, logging.INFO))
-        assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+        assert any("recall cancelled" in m for m in logged(caplog, store.name, logging.INFO))
+        assert logged(caplog, store.name, logging.WARNING) == []
 
         release.set()
         assert await until(lambda: not store._recall.waking)
@@ -490,7 +501,7 @@ def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make
     budget = 1.5
     outage = gates.new()
     fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(container="Main", recall_timeout=budget)
+    store = make_store(name="outage", container="Main", recall_timeout=budget)
 
     # The first agent waits the budget for the check, then is built without it.
     make_agent(store)
@@ -507,7 +518,7 @@ def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make
 
     # The check ends: the next agent uses its answer, with no request of its own, and so does first use.
     outage.set()
-    assert wait_until(lambda: not membase_threads("membase-check["))
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
     agent, model = make_agent(store, ["Postgres."])
     agent(QUESTION)
     assert len(fake.sent("GET", "/v1/containers")) == 1
@@ -518,11 +529,11 @@ def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make
 def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(fake, make_store, gates):
     outage = gates.new()
     fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(container="Projects", recall_timeout=0.3)
+    store = make_store(name="late-check", container="Projects", recall_timeout=0.3)
     make_agent(store)  # built without the check: Membase did not answer in time
 
     outage.set()
-    assert wait_until(lambda: not membase_threads("membase-check["))
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
     with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
         make_agent(store)
     assert len(fake.sent("GET", "/v1/containers")) == 1
@@ -531,17 +542,12 @@ def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(f
 # --- A long stall or 403 pause: one warning, details at DEBUG ----------------------------------
 
 
-def warnings_and_above(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """Every WARNING or worse from any logger (caplog's handler sits on the root logger)."""
-    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
-
-
 def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store, gates, caplog):
     caplog.set_level(logging.DEBUG)
     fake.remember(FACT)
     outage = gates.new()
     fake.always("POST", "/v1/search", hang(outage))  # then a read timeout: the late recall fails
-    store = make_store(recall_timeout=0.2)
+    store = make_store(name="stalled", recall_timeout=0.2)
     agent, model = make_agent(store, ["ok"] * 100)
 
     for turn in range(100):
@@ -549,12 +555,13 @@ def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store,
     outage.set()
     assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
 
-    warned = warnings_and_above(caplog)
+    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
+    warned = logged(caplog, store.name, logging.WARNING)
     assert len(warned) <= 3, warned
     assert sum("ran out of time" in w for w in warned) == 1  # the manager's line, from the exception's text
     assert sum("late recall failed" in w for w in warned) == 1
     # The details are at DEBUG, and the model saw what it saw before: no memory, the same tools.
-    assert len([m for m in messages(caplog) if "recall skipped" in m]) == 99
+    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
     assert all(model.memory_block(turn) is None for turn in range(100))
     assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
     assert "membase_search" in model.calls[0]["tool_names"]
@@ -566,17 +573,18 @@ def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store,
 def test_a_hundred_turns_of_one_403_pause_warn_at_most_three_times(fake, make_store, caplog):
     caplog.set_level(logging.DEBUG)
     fake.always("POST", "/v1/search", status(403, "key revoked"))
-    store = make_store(access_cooldown=600.0)
+    store = make_store(name="refused", access_cooldown=600.0)
     agent, model = make_agent(store, ["ok"] * 100)
 
     for turn in range(100):
         agent(f"{QUESTION} ({turn})")
 
-    warned = warnings_and_above(caplog)
+    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
+    warned = logged(caplog, store.name, logging.WARNING)
     assert len(warned) <= 3, warned
     assert sum("narrowed or revoked" in w for w in warned) == 1
-    assert len([m for m in messages(caplog, logging.INFO) if "automatic recall paused for 600 s" in m]) == 1
-    assert len([m for m in messages(caplog) if "recall skipped" in m]) == 99
+    assert len([m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]) == 1
+    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
     assert all(model.memory_block(turn) is None for turn in range(100))
     assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
     counters = store.counters()
@@ -587,16 +595,16 @@ def test_a_hundred_turns_of_one_403_pause_warn_at_most_three_times(fake, make_st
 # --- close() while a recall is running -----------------------------------------------------------
 
 
-def own_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What this library and Strands logged (not the HTTP stack's own DEBUG traces)."""
-    return [r.getMessage() for r in caplog.records if r.name.split(".")[0] in ("membase_strands", "strands")]
+def own_lines(caplog: pytest.LogCaptureFixture, store: str) -> list[str]:
+    """What this library and Strands logged for ``store`` (not the HTTP stack's own DEBUG traces)."""
+    return [line for line in logged(caplog, store) if line.startswith(("membase_strands", "strands"))]
 
 
 async def test_closing_the_store_during_a_recall_reports_the_close_not_a_connection_error(loopback, caplog):
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=20.0)
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing", recall_timeout=20.0)
     agent, model = make_agent(store, ["Without memory."])
     try:
         turn = asyncio.create_task(agent.invoke_async(QUESTION))
@@ -612,16 +620,16 @@ async def test_closing_the_store_during_a_recall_reports_the_close_not_a_connect
     counters = store.counters()
     assert (counters["recall_errors"], counters.get("errors.closed")) == (1, 1)
     assert "errors.connection" not in counters
-    logged = own_messages(caplog)
-    assert any("closed while the recall was running" in m for m in logged)
-    assert not any("Bad file descriptor" in m for m in logged)
+    lines = own_lines(caplog, store.name)
+    assert any("closed while the recall was running" in line for line in lines)
+    assert not any("Bad file descriptor" in line for line in lines)
 
 
 def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplog):
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=BUDGET)
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing-late", recall_timeout=BUDGET)
     agent, _ = make_agent(store, ["Without memory."])
     try:
         agent(QUESTION)  # runs out of time; the request goes on
@@ -632,7 +640,7 @@ def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplo
         release.set()
         store.close()
 
-    logged = own_messages(caplog)
-    assert any("closed while the recall was running" in m for m in logged)
-    assert not any("Bad file descriptor" in m or "late recall failed" in m for m in logged)
+    lines = own_lines(caplog, store.name)
+    assert any("closed while the recall was running" in line for line in lines)
+    assert not any("Bad file descriptor" in line or "late recall failed" in line for line in lines)
     assert "errors.connection" not in store.counters()
