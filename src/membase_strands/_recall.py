@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 
 class RecallSkipped(Exception):
-    """A late recall still holds the guard, so this one sent nothing. Not a failure: there is no memory this turn."""
+    """A late or cancelled recall still holds the guard, so this one sent nothing. Not a failure: no memory now."""
 
 
 class TimeBoxedRecall:
@@ -107,8 +107,8 @@ class TimeBoxedRecall:
                 self._counters.add("recall_skipped")
                 logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
                 raise RecallSkipped(
-                    "Membase recall skipped: an earlier recall that ran out of time is still running "
-                    "(the memory is waking up)"
+                    "Membase recall skipped: an earlier recall that nobody waits for any more (it ran out of "
+                    "time or was cancelled) is still running"
                 )
         started = self._clock()
         future = start_daemon(request, name=f"membase-recall[{self._store_name}]")
