@@ -20,11 +20,13 @@ STANDARD = (
     "recall_empty",
     "recall_timeouts",
     "recall_skipped",
+    "recall_cancelled",
     "recall_late_completions",
     "recall_errors",
     "writes_saved",
     "writes_deduplicated",
     "write_timeouts",
+    "write_cancellations",
     "write_errors",
 )
 

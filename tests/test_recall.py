@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
+from strands import Agent
+from strands.memory import MemoryManager
 
-from membase_strands import MembaseRecallTimeout
-from membase_strands._recall import TimeBoxedRecall
+from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
+from membase_strands._recall import RecallSkipped, TimeBoxedRecall
 from tests.conftest import make_agent
 from tests.support.fake_membase import API_KEY, hang, status
+from tests.support.loopback import LoopbackMembase, ok_json, stall
+from tests.support.scripted_model import ScriptedModel
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
@@ -180,7 +186,7 @@ def test_without_a_budget_recall_uses_the_sdks_retries(fake, make_store):
     assert f"[Main] {FACT}" in (model.memory_block() or "")
 
 
-async def test_search_past_its_budget_raises_then_skips_without_a_request(fake, make_store, gates):
+async def test_search_past_its_budget_raises_then_returns_nothing_without_a_request(fake, make_store, gates):
     stall = gates.new()
     fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
     store = make_store(recall_timeout=BUDGET)
@@ -192,11 +198,12 @@ async def test_search_past_its_budget_raises_then_skips_without_a_request(fake, 
     assert isinstance(raised.value, TimeoutError)
     assert API_KEY not in str(raised.value)
 
+    # Skipped while the late request runs: no memory this turn, and not a failure.
     started = time.monotonic()
-    with pytest.raises(MembaseRecallTimeout):
-        await store.search("another question about the ledger")
+    assert await store.search("another question about the ledger") == []
     assert time.monotonic() - started < 1.0
     assert len(fake.sent("POST", "/v1/search")) == 1
+    assert store.counters()["recall_skipped"] == 1
 
 
 async def test_a_healthy_search_within_budget_leaves_no_guard(fake, make_store):
@@ -284,11 +291,13 @@ async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(
     with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
         await recall.run(late, BUDGET)
     assert recall.waking
-    assert any("ran out of time" in m for m in messages(caplog, logging.WARNING))
+    # INFO: the manager logs the raised timeout as its warning.
+    assert any("ran out of time" in m for m in messages(caplog, logging.INFO))
+    assert not messages(caplog, logging.WARNING)
 
     skipped = Counter()
     started = time.monotonic()
-    with pytest.raises(MembaseRecallTimeout, match="still running"):
+    with pytest.raises(RecallSkipped, match="still running"):
         await recall.run(skipped, BUDGET)
     assert time.monotonic() - started < 1.0
     assert skipped.calls == 0
@@ -370,3 +379,268 @@ def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
         assert asyncio.run(box.run(lambda: "answer", 1.0)) == "answer"
     finally:
         gate.set()
+
+
+# --- The faults a web server brings -------------------------------------------------------------
+
+TURNS = 10
+PASSAGE = {"content": FACT, "container": "ctr_main", "container_name": "Main", "score": 1.0}
+SEARCH_ANSWER = {"results": [PASSAGE], "containers": [{"id": "ctr_main", "name": "Main"}]}
+
+
+@pytest.fixture
+def loopback() -> Iterator[LoopbackMembase]:
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        yield server
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """``wait_until`` for a coroutine: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DEBUG) -> list[str]:
+    """Messages at ``level`` or above from every logger, except what other tests' stores log from their own
+    background threads (a late request of an earlier test may end during this one)."""
+    return [
+        f"{r.name}: {r.getMessage()}"
+        for r in caplog.records
+        if r.levelno >= level and (not r.threadName.startswith("membase-") or f"[{store}]" in r.threadName)
+    ]
+
+
+class WaitingModel(ScriptedModel):
+    """A model that records what it was sent, then takes its time, like a real one mid-answer."""
+
+    async def stream(
+        self, messages: Any, tool_specs: Any = None, system_prompt: Any = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append({"messages": copy.deepcopy(messages), "tool_names": [], "system_prompt": system_prompt})
+        await asyncio.sleep(30)  # the turn is cancelled long before
+        yield {"messageStart": {"role": "assistant"}}
+
+
+async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_thread(loopback, caplog):
+    """A web server cancels a request's task when its client disconnects; ten of them must not leave ten requests."""
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", *[stall(release, then=ok_json(SEARCH_ANSWER)) for _ in range(TURNS)])
+    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-turns", recall_timeout=20.0)
+    threads = lambda: membase_threads(f"{RECALL_THREAD}{store.name}]")  # noqa: E731
+    searches = lambda: loopback.fake.sent("POST", "/v1/search")  # noqa: E731
+    try:
+        for turn in range(TURNS):
+            # One agent per request, as a web app builds them.
+            model = WaitingModel()
+            agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
+            task = asyncio.create_task(agent.invoke_async(QUESTION))
+            # The client goes away while this turn waits: on Membase, or (recall skipped) on the model.
+            assert await until(lambda: len(searches()) > turn or bool(model.calls) or task.done())  # noqa: B023
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        assert len(searches()) == 1, "each cancelled turn left its own request running"
+        assert len(threads()) == 1
+        counters = store.counters()
+        assert (counters["recalls"], counters["recall_cancelled"], counters["recall_skipped"]) == (TURNS, 1, TURNS - 1)
+        assert counters["recall_errors"] == counters["recall_timeouts"] == 0
+
+        # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
+        release.set()
+        assert await until(lambda: store.counters()["recall_late_completions"] == 1)
+        assert await until(lambda: not store._recall.waking and not threads())
+        assert any("late recall finished" in m for m in logged(caplog, store.name, logging.INFO))
+        agent, model = make_agent(store, ["Postgres."])
+        await agent.invoke_async(QUESTION)
+        assert len(searches()) == 2
+        assert f"[Main] {FACT}" in (model.memory_block() or "")
+    finally:
+        release.set()
+        store.close()
+
+
+async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_request_runs(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-search", recall_timeout=None)
+    try:
+        task = asyncio.create_task(store.search(QUESTION))
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        assert store._recall.waking
+        assert await store.search("another question about the ledger") == []
+        assert len(loopback.fake.sent("POST", "/v1/search")) == 1
+        assert any("recall cancelled" in m for m in logged(caplog, store.name, logging.INFO))
+        assert logged(caplog, store.name, logging.WARNING) == []
+
+        release.set()
+        assert await until(lambda: not store._recall.waking)
+        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
+    finally:
+        release.set()
+        store.close()
+
+
+# --- Agents built during an outage ---------------------------------------------------------------
+
+
+def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make_store, gates, caplog):
+    caplog.set_level(logging.DEBUG)
+    fake.remember(FACT)
+    budget = 1.5
+    outage = gates.new()
+    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
+    store = make_store(name="outage", container="Main", recall_timeout=budget)
+
+    # The first agent waits the budget for the check, then is built without it.
+    make_agent(store)
+    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
+
+    # While that check is still late, more agents are built at once: five together take less than one budget.
+    started = time.monotonic()
+    for _ in range(5):
+        make_agent(store)
+    assert time.monotonic() - started < budget
+    assert len([m for m in messages(caplog) if "set-up check is still running" in m]) == 5
+    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
+    assert len(fake.sent("GET", "/v1/containers")) == 1
+
+    # The check ends: the next agent uses its answer, with no request of its own, and so does first use.
+    outage.set()
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
+    agent, model = make_agent(store, ["Postgres."])
+    agent(QUESTION)
+    assert len(fake.sent("GET", "/v1/containers")) == 1
+    assert [r.body["container"] for r in fake.sent("POST", "/v1/search")] == ["ctr_main"]
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+
+
+def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(fake, make_store, gates):
+    outage = gates.new()
+    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
+    store = make_store(name="late-check", container="Projects", recall_timeout=0.3)
+    make_agent(store)  # built without the check: Membase did not answer in time
+
+    outage.set()
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
+    with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
+        make_agent(store)
+    assert len(fake.sent("GET", "/v1/containers")) == 1
+
+
+# --- A long stall or 403 pause: one warning, details at DEBUG ----------------------------------
+
+
+def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store, gates, caplog):
+    caplog.set_level(logging.DEBUG)
+    fake.remember(FACT)
+    outage = gates.new()
+    fake.always("POST", "/v1/search", hang(outage))  # then a read timeout: the late recall fails
+    store = make_store(name="stalled", recall_timeout=0.2)
+    agent, model = make_agent(store, ["ok"] * 100)
+
+    for turn in range(100):
+        agent(f"{QUESTION} ({turn})")
+    outage.set()
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+
+    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
+    warned = logged(caplog, store.name, logging.WARNING)
+    assert len(warned) <= 3, warned
+    assert sum("ran out of time" in w for w in warned) == 1  # the manager's line, from the exception's text
+    assert sum("late recall failed" in w for w in warned) == 1
+    # The details are at DEBUG, and the model saw what it saw before: no memory, the same tools.
+    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
+    assert all(model.memory_block(turn) is None for turn in range(100))
+    assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
+    assert "membase_search" in model.calls[0]["tool_names"]
+    counters = store.counters()
+    assert (counters["recalls"], counters["recall_timeouts"], counters["recall_skipped"]) == (100, 1, 99)
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+def test_a_hundred_turns_of_one_403_pause_warn_at_most_three_times(fake, make_store, caplog):
+    caplog.set_level(logging.DEBUG)
+    fake.always("POST", "/v1/search", status(403, "key revoked"))
+    store = make_store(name="refused", access_cooldown=600.0)
+    agent, model = make_agent(store, ["ok"] * 100)
+
+    for turn in range(100):
+        agent(f"{QUESTION} ({turn})")
+
+    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
+    warned = logged(caplog, store.name, logging.WARNING)
+    assert len(warned) <= 3, warned
+    assert sum("narrowed or revoked" in w for w in warned) == 1
+    assert len([m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]) == 1
+    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
+    assert all(model.memory_block(turn) is None for turn in range(100))
+    assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
+    counters = store.counters()
+    assert (counters["recalls"], counters["recall_errors"], counters["recall_skipped"]) == (100, 1, 99)
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+# --- close() while a recall is running -----------------------------------------------------------
+
+
+def own_lines(caplog: pytest.LogCaptureFixture, store: str) -> list[str]:
+    """What this library and Strands logged for ``store`` (not the HTTP stack's own DEBUG traces)."""
+    return [line for line in logged(caplog, store) if line.startswith(("membase_strands", "strands"))]
+
+
+async def test_closing_the_store_during_a_recall_reports_the_close_not_a_connection_error(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing", recall_timeout=20.0)
+    agent, model = make_agent(store, ["Without memory."])
+    try:
+        turn = asyncio.create_task(agent.invoke_async(QUESTION))
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        store.close()  # the app shuts down while the recall is running
+        release.set()
+        assert "Without memory." in str(await asyncio.wait_for(turn, 20.0))
+    finally:
+        release.set()
+        store.close()
+
+    assert model.memory_block() is None
+    counters = store.counters()
+    assert (counters["recall_errors"], counters.get("errors.closed")) == (1, 1)
+    assert "errors.connection" not in counters
+    lines = own_lines(caplog, store.name)
+    assert any("closed while the recall was running" in line for line in lines)
+    assert not any("Bad file descriptor" in line for line in lines)
+
+
+def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplog):
+    caplog.set_level(logging.DEBUG)
+    release = threading.Event()
+    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing-late", recall_timeout=BUDGET)
+    agent, _ = make_agent(store, ["Without memory."])
+    try:
+        agent(QUESTION)  # runs out of time; the request goes on
+        store.close()
+        release.set()
+        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+    finally:
+        release.set()
+        store.close()
+
+    lines = own_lines(caplog, store.name)
+    assert any("closed while the recall was running" in line for line in lines)
+    assert not any("Bad file descriptor" in line or "late recall failed" in line for line in lines)
+    assert "errors.connection" not in store.counters()

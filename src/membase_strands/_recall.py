@@ -2,12 +2,17 @@
 
 The first search after a quiet spell can take up to a minute while the account's memory wakes.
 A turn should not wait for that, so :class:`TimeBoxedRecall` gives each recall a budget. A recall
-that runs past it raises :class:`MembaseRecallTimeout` for the manager (which skips the store for
-this turn) while its request runs on to the end in the background, waking the memory for the next
-turn. While such a late request is still running, further recalls skip at once instead of piling
-more threads and requests onto a memory that is not answering yet, for at most one SDK attempt
-from the late request's start. Recalls that finish within the budget never hold the guard, so
-healthy concurrent recalls all run.
+that runs past it raises :class:`MembaseRecallTimeout` for the manager (which logs it once and skips
+the store for this turn) while its request runs on to the end in the background, waking the memory
+for the next turn. A recall whose task is cancelled (a web server does that when its client
+disconnects) leaves its request running the same way, and lets the ``CancelledError`` through.
+
+While such a late request is still running, further recalls skip at once with
+:class:`RecallSkipped` instead of piling more threads and requests onto a memory that is not
+answering yet, for at most one SDK attempt from the late request's start. A skip is not a failure:
+the store turns it into "no memory this turn" and logs it at DEBUG only, so a long stall does not
+write a warning per turn. Recalls that finish within the budget never hold the guard, so healthy
+concurrent recalls all run.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class RecallSkipped(Exception):
+    """A late or cancelled recall still holds the guard, so this one sent nothing. Not a failure: no memory now."""
+
+
 class TimeBoxedRecall:
     """Runs blocking recall requests on daemon threads within a time budget, one late request at a time."""
 
@@ -40,6 +49,7 @@ class TimeBoxedRecall:
         counters: Counters | None = None,
         redact: Callable[[str], str] = str,
         *,
+        is_closed: Callable[[], bool] = lambda: False,
         hold_limit: float = DEFAULT_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -49,6 +59,8 @@ class TimeBoxedRecall:
             store_name: The store's name, for log lines and thread names.
             counters: Where to count timeouts, skips and late completions.
             redact: Masks secrets in the text of a late failure before it is logged.
+            is_closed: Whether the store was closed, so a late request that fails because its
+                connection was closed under it is reported as that, not as a connection error.
             hold_limit: The longest a late request keeps recall switched off, from its start: one
                 SDK attempt. (A recall that must first look its Memory up makes two requests.)
             clock: The monotonic clock (a parameter so tests can move time).
@@ -56,6 +68,7 @@ class TimeBoxedRecall:
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
+        self._is_closed = is_closed
         self._hold_limit = hold_limit
         self._clock = clock
         self._lock = threading.Lock()
@@ -83,17 +96,19 @@ class TimeBoxedRecall:
             What ``request`` returned.
 
         Raises:
-            MembaseRecallTimeout: The budget ran out (the request goes on in the background), or a
-                late request is still running, in which case nothing is sent.
+            RecallSkipped: A late request is still running; nothing was sent.
+            MembaseRecallTimeout: The budget ran out; the request goes on in the background.
+            asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
+                background and holds the guard like a late one.
             Exception: Whatever ``request`` raised within the budget.
         """
         with self._lock:
             if self._guard_up():
                 self._counters.add("recall_skipped")
                 logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
-                raise MembaseRecallTimeout(
-                    "Membase recall skipped: an earlier recall that ran out of time is still running "
-                    "(the memory is waking up)"
+                raise RecallSkipped(
+                    "Membase recall skipped: an earlier recall that nobody waits for any more (it ran out of "
+                    "time or was cancelled) is still running"
                 )
         started = self._clock()
         future = start_daemon(request, name=f"membase-recall[{self._store_name}]")
@@ -102,7 +117,8 @@ class TimeBoxedRecall:
         except asyncio.TimeoutError:
             self._counters.add("recall_timeouts")
             self._hold_guard(future, started)
-            logger.warning(
+            # INFO, not WARNING: the manager logs the exception below as a warning, once is enough.
+            logger.info(
                 "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
                 "the turn goes on without memory and the request finishes in the background",
                 self._store_name,
@@ -111,6 +127,18 @@ class TimeBoxedRecall:
             raise MembaseRecallTimeout(
                 f"Membase recall ran out of time after {budget:g} s; it goes on in the background"
             ) from None
+        except asyncio.CancelledError:
+            self._counters.add("recall_cancelled")
+            if not future.done():
+                # Nobody waits for this request any more, but it still runs: the next recalls must not
+                # add theirs to it, exactly as after a timeout.
+                self._hold_guard(future, started)
+                logger.info(
+                    "store=<%s>, reason=<cancelled> | recall cancelled while its request was running; "
+                    "the request finishes in the background",
+                    self._store_name,
+                )
+            raise
 
     def _hold_guard(self, future: Future[T], started: float) -> None:
         late: Future[object] = future  # type: ignore[assignment]
@@ -126,6 +154,14 @@ class TimeBoxedRecall:
             if error is None:
                 logger.info(
                     "store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes",
+                    self._store_name,
+                    elapsed,
+                )
+            elif self._is_closed():
+                # Closing the store closed the connection under the request: that, not the network, ended it.
+                logger.info(
+                    "store=<%s>, elapsed=<%.1f s>, reason=<store closed> | late recall ended: "
+                    "the store was closed while the recall was running",
                     self._store_name,
                     elapsed,
                 )

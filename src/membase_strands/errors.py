@@ -36,10 +36,11 @@ class MembaseAccessError(PermissionError):
 
 
 class MembaseRecallTimeout(TimeoutError):
-    """Automatic recall ran out of its time budget, or was skipped while a late one still runs.
+    """Automatic recall ran out of its time budget.
 
     The request that ran out of time is not abandoned: it finishes in the background so the
-    memory is awake for the next turn, and its outcome is logged.
+    memory is awake for the next turn, and its outcome is logged. While it runs, later recalls
+    are skipped: they return no memory without raising this.
     """
 
 

@@ -24,7 +24,7 @@ from ._client import build_client, readable_answers, without_retries
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries, parse_search
-from ._recall import TimeBoxedRecall
+from ._recall import RecallSkipped, TimeBoxedRecall
 from ._text import sendable
 from ._threads import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
@@ -139,11 +139,12 @@ class MembaseMemoryStore:
         self._once = without_retries(self._client)
         self._resolver = ContainerResolver()
         self._counters = Counters()
-        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact)
+        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact, is_closed=lambda: self._closed)
         self._writes = WriteRecord(self.name, self._counters, self._redact)
         self._closed = False
         self._setup_lock = threading.Lock()
         self._setup_check: Future[list[Container]] | None = None
+        self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
 
     @property
@@ -173,7 +174,9 @@ class MembaseMemoryStore:
         With a pinned ``container`` (or capture on) the Memories in reach are listed once, within
         the recall budget. An unknown or ambiguous Memory name, or capture with several Memories in
         reach and none pinned, raises here so the mistake shows when the agent is built. If
-        Membase does not answer, the check is left for the first real call.
+        Membase does not answer, the check is left for the first real call. While that late check
+        is still running, agents built on this store do not wait for it again; the first one built
+        after it ends uses its answer.
 
         Raises:
             ValueError: The configuration cannot work with the Memories this key reaches.
@@ -185,30 +188,61 @@ class MembaseMemoryStore:
             if self._setup_checked:
                 return  # one check per store, however many agents are built on it
             check = self._setup_check
-            if check is None or check.done():
-                # A check still running (Membase slow to answer) is shared, never started twice.
+            if check is not None and check is self._setup_check_late and not check.done():
+                # An agent already waited the whole budget for this check during this outage; building an
+                # agent per request must not cost every request that wait again.
+                logger.debug(
+                    "store=<%s>, reason=<Membase did not answer in time> | set-up check is still running; "
+                    "not waiting for it again, checking at first use",
+                    self.name,
+                )
+                return
+            if check is None or (check.done() and check.exception() is not None):
+                # A check still running (Membase slow to answer) is shared, never started twice; one that
+                # ended late with an answer is used below; one that failed tells nothing, so ask again.
                 check = start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]")
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
-        except (asyncio.TimeoutError, membase.MembaseError) as error:
+        except asyncio.TimeoutError:
+            with self._setup_lock:
+                first = self._setup_check_late is not check
+                self._setup_check_late = check
+            if first:  # agents built together during one outage warn once
+                logger.warning(
+                    "store=<%s>, reason=<no answer in time> | could not list the Memories in reach; "
+                    "checking again at first use",
+                    self.name,
+                )
+            return
+        except membase.MembaseError as error:
             logger.warning(
                 "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use",
                 self.name,
-                self._redact(detail_of(error) if isinstance(error, membase.MembaseError) else "no answer in time"),
+                self._redact(detail_of(error)),
             )
             return
-        if self._container is not None:
-            self._resolver.remember(self._container, match(self._container, containers).id)
-        elif len(containers) > 1:
-            raise ValueError(
-                f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
-                "naming the one to write to"
-            )
+        try:
+            if self._container is not None:
+                self._resolver.remember(self._container, match(self._container, containers).id)
+            elif len(containers) > 1:
+                raise ValueError(
+                    f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
+                    "naming the one to write to"
+                )
+        except ValueError:
+            with self._setup_lock:
+                if self._setup_check is check:
+                    self._setup_check = None  # the next agent lists the Memories again: they may have changed
+            raise
         self._setup_checked = True
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query``, within ``recall_timeout``.
+
+        A recall skipped because an earlier one is still running late (the memory is waking) or
+        because recall is paused after a 403 is not a failure: it returns ``[]`` without a request
+        and logs at DEBUG, so a long outage costs one warning, not one per turn.
 
         Args:
             query: What to recall; a blank query returns ``[]`` without a request.
@@ -217,12 +251,16 @@ class MembaseMemoryStore:
         Returns:
             One entry per passage, ``[Memory name] text``, best first (when Membase scored them), a text
             several Memories returned shown once, none scored below ``min_score``; then one notice per
-            Memory that could not answer.
+            Memory that could not answer. ``[]`` for a skipped recall.
 
         Raises:
-            MembaseRecallTimeout: The budget ran out, or a late recall is still running.
-            MembaseAccessError: Membase refused the key (403).
+            MembaseRecallTimeout: The budget ran out (the request goes on in the background).
+            MembaseAccessError: Membase refused the key (403); automatic recall then pauses for
+                ``access_cooldown`` seconds.
+            RuntimeError: The store is closed, or was closed while the recall was running.
             ValueError: ``max_search_results`` is not a positive whole number.
+            asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
+                background, and the next recalls skip while it runs.
         """
         self._check_open()
         if not isinstance(query, str) or not query.strip():
@@ -233,19 +271,31 @@ class MembaseMemoryStore:
         self._counters.add("recalls")
         if time.monotonic() < self._refused_until:
             self._counters.add("recall_skipped")
-            raise MembaseAccessError(f"{ACCESS_SENTENCE} Automatic recall is paused for a while after that refusal.")
+            logger.debug("store=<%s>, reason=<key refused (403)> | recall skipped while recall is paused", self.name)
+            return []
         try:
             answer = await self._recall.run(
                 lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
             )
+        except RecallSkipped:
+            return []  # counted and logged at DEBUG by the guard
         except MembaseRecallTimeout:
             raise
         except Exception as error:
+            if self._closed:
+                # close() closed the connection under the request: report that, not "Bad file descriptor".
+                self._counters.add("recall_errors")
+                self._counters.add("errors.closed")
+                logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
+                raise RuntimeError(
+                    f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
+                ) from None
             pause = ""
             if isinstance(error, membase.PermissionDeniedError) and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-            self._fail("recall", error, pause)
+            # The manager logs the raised error as a warning; the store's own line would be a second one.
+            self._fail("recall", error, pause, level=logging.INFO)
         answer = self._arrange(answer)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
@@ -307,11 +357,12 @@ class MembaseMemoryStore:
         """A snapshot of what this store has done since it was built, for logs or metrics.
 
         Always present: ``recalls`` and their outcomes (``recall_hits``, ``recall_empty``,
-        ``recall_timeouts``, ``recall_skipped``, ``recall_errors``), ``recall_late_completions``,
-        ``writes_saved``, ``writes_deduplicated``, ``write_timeouts`` and ``write_errors``. Present once
-        they happen: ``errors.<kind>`` for each kind of Membase failure, ``tool_calls.<tool>``, and the
-        passages recall left out: ``recall_passages_folded`` (copies of a text several Memories returned)
-        and ``recall_passages_below_floor`` (scored below ``min_score``).
+        ``recall_timeouts``, ``recall_skipped``, ``recall_cancelled``, ``recall_errors``),
+        ``recall_late_completions``, ``writes_saved``, ``writes_deduplicated``, ``write_timeouts``,
+        ``write_cancellations`` and ``write_errors``. Present once they happen: ``errors.<kind>`` for each
+        kind of Membase failure, ``tool_calls.<tool>``, and the passages recall left out:
+        ``recall_passages_folded`` (copies of a text several Memories returned) and
+        ``recall_passages_below_floor`` (scored below ``min_score``).
         Cheap and safe to call from any thread.
         """
         return self._counters.snapshot()
@@ -452,14 +503,17 @@ class MembaseMemoryStore:
         except Exception as error:
             self._fail("write", error)
 
-    def _fail(self, action: str, error: Exception, after_refusal: str = "") -> NoReturn:
+    def _fail(
+        self, action: str, error: Exception, after_refusal: str = "", *, level: int = logging.WARNING
+    ) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError``,
         anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
         self._counters.add(f"{action}_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
         clean = without_secret(error, self._client.api_key or "")
         if isinstance(error, membase.PermissionDeniedError):
-            logger.warning(
+            logger.log(
+                level,
                 "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s",
                 self.name,
                 action,
