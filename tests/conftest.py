@@ -1,4 +1,7 @@
-"""Shared fixtures: a fake Membase, real clients over it, and agents driven by a scripted model."""
+"""Shared fixtures: an in-memory Membase, stores over it, gates that always open, and a key-leak check.
+
+Helpers that tests import (``make_agent``, ``timed``, ``Clock``, ...) live in ``tests/support/``.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +10,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from strands import Agent
-from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore
-from tests.support.fake_membase import API_KEY, FakeMembase
-from tests.support.scripted_model import ScriptedModel, ToolCall
+from membase_strands.testing import API_KEY, InMemoryMembase
+from tests.support.store_helpers import Gates
 
 
 @pytest.fixture
-def fake() -> FakeMembase:
-    return FakeMembase()
+def fake() -> InMemoryMembase:
+    return InMemoryMembase()
 
 
 @pytest.fixture
-def make_store(fake: FakeMembase) -> Iterator[Callable[..., MembaseMemoryStore]]:
+def make_store(fake: InMemoryMembase) -> Iterator[Callable[..., MembaseMemoryStore]]:
     """Build stores over the fake; each is closed after the test."""
     made: list[MembaseMemoryStore] = []
 
@@ -36,13 +37,14 @@ def make_store(fake: FakeMembase) -> Iterator[Callable[..., MembaseMemoryStore]]
         store.close()
 
 
-def make_agent(
-    store: MembaseMemoryStore, script: list[str | ToolCall] | None = None, **manager_options: Any
-) -> tuple[Agent, ScriptedModel]:
-    """A real Strands agent with a MemoryManager over ``store`` and a scripted model."""
-    model = ScriptedModel(script)
-    agent = Agent(model=model, memory_manager=MemoryManager(stores=[store], **manager_options), callback_handler=None)
-    return agent, model
+@pytest.fixture
+def gates() -> Iterator[Gates]:
+    """``threading.Event`` gates for hung responders; every one is opened when the test ends."""
+    made = Gates()
+    try:
+        yield made
+    finally:
+        made.open_all()
 
 
 @pytest.fixture

@@ -7,9 +7,8 @@ import pytest
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, status
-from tests.support.scripted_model import ToolCall
+from membase_strands.testing import API_KEY, ToolCall, status
+from tests.support.store_helpers import make_agent
 
 
 def writes(fake) -> list[dict]:

@@ -16,7 +16,7 @@ from membase.requirements import local_unavailable
 from membase_strands import _client as membase_client
 from membase_strands import check
 from membase_strands.check import run_check
-from tests.support.fake_membase import API_KEY, FakeMembase, refuse_connection, status
+from membase_strands.testing import API_KEY, InMemoryMembase, refuse_connection, status
 
 CLI_KEY = "mb_cli_key_Zq8_n3ver_printed"
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
@@ -40,7 +40,7 @@ def ticking(*times: float):
 # --- run_check ----------------------------------------------------------------------------------
 
 
-def test_everything_working_is_ok_and_says_what_is_in_reach(fake: FakeMembase):
+def test_everything_working_is_ok_and_says_what_is_in_reach(fake: InMemoryMembase):
     fake.containers = TWO_MEMORIES
 
     report = run_check(client=fake.client())
@@ -59,7 +59,7 @@ def test_everything_working_is_ok_and_says_what_is_in_reach(fake: FakeMembase):
     assert report.target == "https://membase.test"
 
 
-def test_the_search_probe_runs_twice_and_the_save_probe_writes_nothing(fake: FakeMembase):
+def test_the_search_probe_runs_twice_and_the_save_probe_writes_nothing(fake: InMemoryMembase):
     fake.remember("We chose Postgres for the ledger.")
     before = list(fake.notes)
 
@@ -206,7 +206,7 @@ def test_the_key_never_appears_in_the_report(fake, broken):
 class Cli:
     """The CLI's view of the world: a fake Membase behind every client it builds, and what reached it."""
 
-    def __init__(self, fake: FakeMembase) -> None:
+    def __init__(self, fake: InMemoryMembase) -> None:
         self.fake = fake
         self.authorizations: list[str] = []
         self.base_urls: list[str] = []
@@ -223,7 +223,7 @@ class Cli:
 
 
 @pytest.fixture
-def cli(fake: FakeMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]:
+def cli(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]:
     """``MEMBASE_API_KEY`` set, nothing else, and every hosted client routed to the fake."""
     for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
         monkeypatch.delenv(variable, raising=False)

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,20 +15,13 @@ import pytest
 
 import membase_strands.store
 from membase_strands import MembaseAccessError, MembaseMemoryStore
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, FakeMembase, Responder, hang, status
-from tests.support.scripted_model import ScriptedModel, ToolCall
-from tests.support.store_helpers import Gates, delayed, gates_fixture, membase_threads, routed, wait_until
+from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
+from tests.support.store_helpers import Clock, delayed, make_agent, membase_threads, routed, wait_until
 
 TOPICS = ["aurora", "basalt", "cobalt", "dynamo", "ember", "fjord", "glacier", "harbor", "iris", "juniper"]
 
 
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
-
-
-def seed_topics(fake: FakeMembase, topics: list[str]) -> None:
+def seed_topics(fake: InMemoryMembase, topics: list[str]) -> None:
     for topic in topics:
         fake.remember(f"The {topic} project keeps its records in {topic}db.")
 
@@ -243,16 +235,6 @@ def test_the_context_manager_closes_the_client_it_built_only(fake, monkeypatch):
 # --- The pause after a 403 -----------------------------------------------------------------------
 
 
-class Clock:
-    """``time`` for the store module, with a monotonic clock the test can move forward."""
-
-    def __init__(self) -> None:
-        self.offset = 0.0
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset
-
-
 def test_after_a_403_automatic_recall_pauses_for_the_cooldown_while_the_tools_still_try(
     fake, make_store, caplog, monkeypatch
 ):
@@ -281,7 +263,7 @@ def test_after_a_403_automatic_recall_pauses_for_the_cooldown_while_the_tools_st
 
     # After the cool-down (and with the key restored) automatic recall resumes.
     fake.heal()
-    clock.offset += 0.31
+    clock.advance(0.31)
     agent("Which database for the ledger?")
     assert len(fake.sent("POST", "/v1/search")) == 3
     assert "We chose Postgres for the ledger." in (model.memory_block() or "")

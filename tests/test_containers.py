@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 from strands import Agent
@@ -12,16 +11,8 @@ from strands.memory import MemoryManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands._containers import Container, ContainerResolver, match, parse_containers
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, hang, refuse_connection, status
-from tests.support.scripted_model import ScriptedModel
-from tests.support.store_helpers import FACT, QUESTION, Gates, gates_fixture
-
-
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
-
+from membase_strands.testing import API_KEY, ScriptedModel, hang, refuse_connection, status
+from tests.support.store_helpers import FACT, QUESTION, make_agent
 
 TWO = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
 

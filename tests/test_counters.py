@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
 import pytest
 
 from membase_strands._counters import Counters
-from tests.conftest import make_agent
-from tests.support.fake_membase import hang, status
-from tests.support.scripted_model import ToolCall
-from tests.support.store_helpers import FACT, QUESTION, Gates, gates_fixture, routed, wait_until
+from membase_strands.testing import ToolCall, hang, status
+from tests.support.store_helpers import FACT, QUESTION, make_agent, routed, wait_until
 
 STANDARD = (
     "recalls",
@@ -29,11 +26,6 @@ STANDARD = (
     "write_cancellations",
     "write_errors",
 )
-
-
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
 
 
 def changed(counts: dict[str, int]) -> dict[str, int]:

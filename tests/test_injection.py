@@ -17,9 +17,8 @@ from strands.memory import MemoryInjectionConfig
 
 from membase_strands import injection_config
 from membase_strands.injection import DATA_FRAME
-from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase
-from tests.support.scripted_model import ScriptedModel
+from membase_strands.testing import InMemoryMembase, ScriptedModel
+from tests.support.store_helpers import make_agent
 
 QUESTION = "What is the status of my account?"
 BENIGN = "My account number ends in 4411."
@@ -55,7 +54,7 @@ def parsed(frame: str) -> ET.Element:
     return root
 
 
-def ask(fake: FakeMembase, make_store: Any, *notes: str, **config: Any) -> tuple[ScriptedModel, Any]:
+def ask(fake: InMemoryMembase, make_store: Any, *notes: str, **config: Any) -> tuple[ScriptedModel, Any]:
     for note in notes:
         fake.remember(note)
     agent, model = make_agent(make_store(), ["ok"], injection=injection_config(**config))

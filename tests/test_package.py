@@ -12,7 +12,7 @@ from strands.memory.types import _has_method, _has_write_sink
 
 import membase_strands
 from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout
-from tests.support.fake_membase import FakeMembase
+from membase_strands.testing import InMemoryMembase
 
 DOCUMENTED = {"MembaseMemoryStore", "MembaseAccessError", "MembaseRecallTimeout", "__version__", "injection_config"}
 
@@ -70,7 +70,7 @@ def test_the_package_has_a_docstring() -> None:
 
 
 @pytest.fixture
-def store(fake: FakeMembase, make_store) -> MembaseMemoryStore:
+def store(fake: InMemoryMembase, make_store) -> MembaseMemoryStore:
     return make_store()
 
 
@@ -120,14 +120,14 @@ def test_the_manager_accepts_a_capturing_store_with_extraction_and_the_add_tool(
     assert "add_memory" in [tool.tool_name for tool in manager.tools]
 
 
-def test_two_stores_with_different_names_share_one_manager(fake: FakeMembase, make_store) -> None:
+def test_two_stores_with_different_names_share_one_manager(fake: InMemoryMembase, make_store) -> None:
     first = make_store(name="work", tools=("search",))
     second = make_store(name="home", tools=())
     manager = MemoryManager(stores=[first, second])
     assert [tool.tool_name for tool in manager.tools] == ["search_memory", "membase_search"]
 
 
-async def test_the_manager_searches_the_store(fake: FakeMembase, store: MembaseMemoryStore) -> None:
+async def test_the_manager_searches_the_store(fake: InMemoryMembase, store: MembaseMemoryStore) -> None:
     fake.remember("We chose Postgres for the ledger.")
     manager = MemoryManager(stores=[store])
     entries = await manager.search("ledger")

@@ -31,10 +31,10 @@ from membase.requirements import local_unavailable
 import membase_strands.pool as pool_module
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands import _client as membase_client
-from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase, error, hang
+from membase_strands.testing import InMemoryMembase, hang
+from membase_strands.testing._membase import error
 from tests.support.loopback import LoopbackMembase
-from tests.support.store_helpers import QUESTION, routed, wait_until
+from tests.support.store_helpers import QUESTION, make_agent, routed, wait_until
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,9 +53,9 @@ class Users:
     """One fake Membase per user, reached only with that user's key."""
 
     def __init__(self, facts: dict[str, str]) -> None:
-        self.fakes: dict[str, FakeMembase] = {}
+        self.fakes: dict[str, InMemoryMembase] = {}
         for user, fact in facts.items():
-            self.fakes[user] = FakeMembase()
+            self.fakes[user] = InMemoryMembase()
             self.fakes[user].remember(fact)
         self.by_key = {key_of(user): user for user in facts}
         self.keys_seen: list[str] = []
@@ -669,7 +669,7 @@ def test_forty_users_at_once_on_a_pool_of_sixteen_all_keep_their_memory_and_writ
         with lock:
             blocks[user] = model.memory_block()
 
-    with LoopbackMembase(many) as server:  # type: ignore[arg-type] - Users answers like a FakeMembase
+    with LoopbackMembase(many) as server:  # type: ignore[arg-type] - Users answers like a InMemoryMembase
         pool = MembaseStorePool(
             key_of,
             max_stores=16,

@@ -16,19 +16,17 @@ from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
 from membase_strands._recall import RecallSkipped, TimeBoxedRecall
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, hang, status
+from membase_strands.testing import API_KEY, ScriptedModel, hang, status
 from tests.support.loopback import LoopbackMembase, ok_json, stall
-from tests.support.scripted_model import ScriptedModel
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
     RECALL_THREAD,
-    Gates,
     delayed,
-    gates_fixture,
+    make_agent,
     membase_threads,
     routed,
+    timed,
     wait_until,
 )
 
@@ -36,19 +34,8 @@ BUDGET = 0.3
 SLACK = 2.0  # loaded 2-core machines
 
 
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
-
-
 def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= level]
-
-
-def timed(fn, *args):
-    started = time.monotonic()
-    result = fn(*args)
-    return result, time.monotonic() - started
 
 
 # --- Through a real Agent -----------------------------------------------------------------------

@@ -9,9 +9,8 @@ import re
 import pytest
 
 from membase_strands import MembaseMemoryStore
-from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase
-from tests.support.scripted_model import ScriptedModel, ToolCall
+from membase_strands.testing import InMemoryMembase, ScriptedModel, ToolCall
+from tests.support.store_helpers import make_agent
 
 QUERY = "alpha bravo charlie delta?"
 CAP = 300
@@ -52,7 +51,7 @@ def search_tool_text(store: MembaseMemoryStore) -> str:
     return model.tool_result_text()
 
 
-def seed(fake: FakeMembase, *notes: str) -> None:
+def seed(fake: InMemoryMembase, *notes: str) -> None:
     for note in notes:
         fake.remember(note)
 

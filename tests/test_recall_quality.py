@@ -19,9 +19,8 @@ import pytest
 
 from membase_strands import MembaseMemoryStore, check
 from membase_strands import _client as membase_client
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, FakeMembase
-from tests.support.scripted_model import ScriptedModel, ToolCall
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
+from tests.support.store_helpers import make_agent
 
 QUESTION = "Which database runs the billing ledger?"
 MEMORIES = [
@@ -39,7 +38,7 @@ def hit(content: str, container: str, score: Any = None, **fields: Any) -> dict[
     return row
 
 
-def answer_with(fake: FakeMembase, *hits: dict[str, Any]) -> None:
+def answer_with(fake: InMemoryMembase, *hits: dict[str, Any]) -> None:
     """Answer every search with ``hits``, in this order, as Membase would send them."""
     body = json.dumps({"results": list(hits), "containers": MEMORIES})  # json.dumps: a NaN score goes through too
     fake.containers = MEMORIES
@@ -378,7 +377,7 @@ def test_the_check_says_when_no_passage_carried_a_score(fake):
 
 
 @pytest.fixture
-def cli_fake(fake: FakeMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeMembase]:
+def cli_fake(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemoryMembase]:
     """``python -m membase_strands check`` with ``MEMBASE_API_KEY`` set and every client routed to the fake."""
     for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
         monkeypatch.delenv(variable, raising=False)

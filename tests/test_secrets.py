@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from strands.telemetry import tracer as strands_tracer
 
 from membase_strands import MembaseMemoryStore
-from tests.support.fake_membase import API_KEY, FakeMembase
+from membase_strands.testing import API_KEY, InMemoryMembase
 from tests.support.faults import (
     FAULTS_BY_ID,
     LIST_FAULTS_BY_ID,
@@ -136,8 +136,8 @@ def test_the_key_leaks_nowhere_when_the_container_list_refuses(spans: InMemorySp
 # --- Errors raised straight to the caller --------------------------------------------------------
 
 
-def direct_store(fault: Fault, route: tuple[str, str], **options: Any) -> tuple[MembaseMemoryStore, FakeMembase]:
-    fake = FakeMembase()
+def direct_store(fault: Fault, route: tuple[str, str], **options: Any) -> tuple[MembaseMemoryStore, InMemoryMembase]:
+    fake = InMemoryMembase()
     fake.always(*route, fault.make(threading.Event(), 0.05))
     options.setdefault("recall_timeout", 5.0)
     options.setdefault("write_timeout", 5.0)
@@ -190,7 +190,7 @@ def test_the_key_is_masked_in_the_message_of_an_error_that_carried_it() -> None:
 
 def test_the_late_failure_of_a_hung_recall_is_logged_without_the_key() -> None:
     gate = threading.Event()
-    fake = FakeMembase()
+    fake = InMemoryMembase()
     fake.always("POST", "/v1/search", hanging(gate, 30.0))
     store = MembaseMemoryStore(client=fake.client(), recall_timeout=0.05)
     with capture_logs() as handler:
@@ -220,7 +220,7 @@ def test_repr_and_str_of_a_store_never_show_the_key(monkeypatch: pytest.MonkeyPa
     for store in (
         MembaseMemoryStore(),
         MembaseMemoryStore(api_key=API_KEY, base_url="http://127.0.0.1:9", container="Main", capture=True),
-        MembaseMemoryStore(client=FakeMembase().client()),
+        MembaseMemoryStore(client=InMemoryMembase().client()),
     ):
         assert API_KEY not in repr(store)
         assert API_KEY not in str(store)
@@ -229,7 +229,7 @@ def test_repr_and_str_of_a_store_never_show_the_key(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_tools_descriptions_and_specs_never_show_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    store = MembaseMemoryStore(client=FakeMembase().client())
+    store = MembaseMemoryStore(client=InMemoryMembase().client())
     for tool in store.get_tools():
         assert API_KEY not in repr(tool.tool_spec)
     assert API_KEY not in store.description

@@ -7,22 +7,16 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
 
 from membase_strands._threads import start_daemon, wait_for_future
-from tests.support.store_helpers import Gates, gates_fixture, wait_until
+from tests.support.store_helpers import wait_until
 
 SLACK = 2.0
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
-
-
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ import membase.client
 import pytest
 
 from membase_strands import MembaseMemoryStore
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, FakeMembase, hang, status
-from tests.support.scripted_model import ScriptedModel, ToolCall
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, status
+from tests.support.store_helpers import make_agent, result_text
 
 FINAL = "done"
 OUR_TOOLS = ("membase_search", "membase_save", "membase_profile")
@@ -67,14 +66,10 @@ def run(
     return result, model
 
 
-def result_text(result: dict[str, Any]) -> str:
-    return "\n".join(item["text"] for item in result["content"] if "text" in item)
-
-
 # --- 8. membase_search ---------------------------------------------------------------------------
 
 
-def test_search_numbers_passages_with_their_memory(fake: FakeMembase, make_store) -> None:
+def test_search_numbers_passages_with_their_memory(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     fake.remember("We chose Postgres for the ledger.")
     fake.remember("The ledger database runs nightly backups.", container="ctr_x")
@@ -92,7 +87,7 @@ def test_search_numbers_passages_with_their_memory(fake: FakeMembase, make_store
     assert sent.body == {"q": "ledger database", "limit": 5}
 
 
-def test_search_lists_memories_that_could_not_answer(fake: FakeMembase, make_store) -> None:
+def test_search_lists_memories_that_could_not_answer(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     fake.unsearchable = {"ctr_x": "the memory is waking up"}
     fake.remember("We chose Postgres for the ledger.")
@@ -108,7 +103,7 @@ def test_search_lists_memories_that_could_not_answer(fake: FakeMembase, make_sto
     assert "- Work: the memory is waking up" in not_searched
 
 
-def test_search_with_every_memory_unsearchable_does_not_claim_absence(fake: FakeMembase, make_store) -> None:
+def test_search_with_every_memory_unsearchable_does_not_claim_absence(fake: InMemoryMembase, make_store) -> None:
     fake.unsearchable = {"ctr_main": "no model configured"}
     fake.remember("We chose Postgres for the ledger.")
     _, model = run(make_store(), ToolCall("membase_search", {"query": "ledger"}))
@@ -119,7 +114,7 @@ def test_search_with_every_memory_unsearchable_does_not_claim_absence(fake: Fake
     assert "- Main: no model configured" in text
 
 
-def test_search_says_clearly_when_nothing_matched(fake: FakeMembase, make_store) -> None:
+def test_search_says_clearly_when_nothing_matched(fake: InMemoryMembase, make_store) -> None:
     fake.remember("We chose Postgres for the ledger.")
     result, model = run(make_store(), ToolCall("membase_search", {"query": "favourite colour"}))
 
@@ -128,7 +123,7 @@ def test_search_says_clearly_when_nothing_matched(fake: FakeMembase, make_store)
     assert model.tool_result_text() == 'Nothing in Membase matched "favourite colour".'
 
 
-def test_search_sends_a_named_container_as_its_id(fake: FakeMembase, make_store) -> None:
+def test_search_sends_a_named_container_as_its_id(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     fake.remember("We chose Postgres for the ledger.")
     fake.remember("The ledger runs nightly backups.", container="ctr_x")
@@ -141,7 +136,7 @@ def test_search_sends_a_named_container_as_its_id(fake: FakeMembase, make_store)
     assert "Postgres" not in text
 
 
-def test_search_with_an_unknown_container_lists_the_names_in_reach(fake: FakeMembase, make_store) -> None:
+def test_search_with_an_unknown_container_lists_the_names_in_reach(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     result, model = run(make_store(), ToolCall("membase_search", {"query": "ledger", "container": "Holidays"}))
 
@@ -155,7 +150,7 @@ def test_search_with_an_unknown_container_lists_the_names_in_reach(fake: FakeMem
     assert fake.sent("POST", "/v1/search") == []
 
 
-def test_search_accepts_a_container_id(fake: FakeMembase, make_store) -> None:
+def test_search_accepts_a_container_id(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     fake.remember("The ledger runs nightly backups.", container="ctr_x")
     _, model = run(make_store(), ToolCall("membase_search", {"query": "ledger", "container": "ctr_x"}))
@@ -165,7 +160,7 @@ def test_search_accepts_a_container_id(fake: FakeMembase, make_store) -> None:
     assert "1. [Work] The ledger runs nightly backups." in model.tool_result_text()
 
 
-def test_search_with_an_ambiguous_container_name_names_both(fake: FakeMembase, make_store) -> None:
+def test_search_with_an_ambiguous_container_name_names_both(fake: InMemoryMembase, make_store) -> None:
     fake.containers = [*TWO_MEMORIES, {"id": "ctr_y", "name": "work"}]
     _, model = run(make_store(), ToolCall("membase_search", {"query": "ledger", "container": "WORK"}))
 
@@ -175,7 +170,7 @@ def test_search_with_an_ambiguous_container_name_names_both(fake: FakeMembase, m
     assert fake.sent("POST", "/v1/search") == []
 
 
-def test_search_with_a_pinned_container_searches_only_it(fake: FakeMembase, make_store) -> None:
+def test_search_with_a_pinned_container_searches_only_it(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     fake.remember("We chose Postgres for the ledger.")
     fake.remember("The ledger runs nightly backups.", container="ctr_x")
@@ -186,7 +181,7 @@ def test_search_with_a_pinned_container_searches_only_it(fake: FakeMembase, make
     assert "Postgres" not in model.tool_result_text()
 
 
-def test_search_limit_zero_is_an_error_and_sends_nothing(fake: FakeMembase, make_store) -> None:
+def test_search_limit_zero_is_an_error_and_sends_nothing(fake: InMemoryMembase, make_store) -> None:
     fake.remember("We chose Postgres for the ledger.")
     result, model = run(make_store(), ToolCall("membase_search", {"query": "ledger", "limit": 0}))
 
@@ -197,7 +192,7 @@ def test_search_limit_zero_is_an_error_and_sends_nothing(fake: FakeMembase, make
     assert fake.sent("POST", "/v1/search") == []
 
 
-def test_search_limit_above_fifty_is_sent_as_fifty(fake: FakeMembase, make_store) -> None:
+def test_search_limit_above_fifty_is_sent_as_fifty(fake: InMemoryMembase, make_store) -> None:
     fake.remember("We chose Postgres for the ledger.")
     _, model = run(make_store(), ToolCall("membase_search", {"query": "ledger", "limit": 80}))
 
@@ -206,26 +201,26 @@ def test_search_limit_above_fifty_is_sent_as_fifty(fake: FakeMembase, make_store
     assert model.tool_results()[-1]["status"] == "success"
 
 
-def test_search_uses_the_stores_default_limit(fake: FakeMembase, make_store) -> None:
+def test_search_uses_the_stores_default_limit(fake: InMemoryMembase, make_store) -> None:
     run(make_store(max_search_results=7), ToolCall("membase_search", {"query": "ledger"}))
     [sent] = fake.sent("POST", "/v1/search")
     assert sent.body["limit"] == 7
 
 
-def test_search_with_a_blank_query_sends_nothing(fake: FakeMembase, make_store) -> None:
+def test_search_with_a_blank_query_sends_nothing(fake: InMemoryMembase, make_store) -> None:
     _, model = run(make_store(), ToolCall("membase_search", {"query": "   "}))
     assert model.tool_results()[-1]["status"] == "error"
     assert "the query was empty" in model.tool_result_text()
     assert fake.sent("POST", "/v1/search") == []
 
 
-def test_search_caps_a_huge_query(fake: FakeMembase, make_store) -> None:
+def test_search_caps_a_huge_query(fake: InMemoryMembase, make_store) -> None:
     run(make_store(), ToolCall("membase_search", {"query": "ledger " * 1000}))
     [sent] = fake.sent("POST", "/v1/search")
     assert len(sent.body["q"]) == 2000
 
 
-def test_search_waits_for_the_sdk_not_the_recall_budget(fake: FakeMembase, make_store, release) -> None:
+def test_search_waits_for_the_sdk_not_the_recall_budget(fake: InMemoryMembase, make_store, release) -> None:
     # Every search answers after ~0.6 s: the automatic recall (budget 0.2 s) gives up, the tool does not.
     slow = hang(release, then=search_body(("We chose Postgres for the ledger.", "ctr_main", "Main")), limit=0.6)
     fake.always("POST", "/v1/search", slow)
@@ -244,7 +239,7 @@ def test_search_waits_for_the_sdk_not_the_recall_budget(fake: FakeMembase, make_
     assert model.memory_block(0) is None
 
 
-def test_search_retries_a_503_through_the_sdk(fake: FakeMembase, make_store) -> None:
+def test_search_retries_a_503_through_the_sdk(fake: InMemoryMembase, make_store) -> None:
     fake.remember("We chose Postgres for the ledger.")
     fake.on("POST", "/v1/search", status(503, "warming up"))
     _, model = run(make_store(), ToolCall("membase_search", {"query": "ledger"}))
@@ -254,7 +249,7 @@ def test_search_retries_a_503_through_the_sdk(fake: FakeMembase, make_store) -> 
     assert "1. [Main] We chose Postgres for the ledger." in model.tool_result_text()
 
 
-def test_search_with_an_unreadable_answer_says_so(fake: FakeMembase, make_store) -> None:
+def test_search_with_an_unreadable_answer_says_so(fake: InMemoryMembase, make_store) -> None:
     fake.always("POST", "/v1/search", lambda request: httpx.Response(200, json={"unexpected": True}))
     result, model = run(make_store(), ToolCall("membase_search", {"query": "ledger"}))
 
@@ -266,7 +261,7 @@ def test_search_with_an_unreadable_answer_says_so(fake: FakeMembase, make_store)
 # --- 9. membase_save ---------------------------------------------------------------------------
 
 
-def test_save_writes_to_the_named_memory_by_id(fake: FakeMembase, make_store) -> None:
+def test_save_writes_to_the_named_memory_by_id(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     result, model = run(make_store(), ToolCall("membase_save", {"content": "I prefer tea.", "container": "Work"}))
 
@@ -280,7 +275,7 @@ def test_save_writes_to_the_named_memory_by_id(fake: FakeMembase, make_store) ->
     assert model.tool_result_text() == "Saved to the Memory 'Work'."
 
 
-def test_save_standing_fact_goes_to_the_profile(fake: FakeMembase, make_store) -> None:
+def test_save_standing_fact_goes_to_the_profile(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES  # several Memories do not matter for a standing fact
     _, model = run(make_store(), ToolCall("membase_save", {"content": "I am vegetarian.", "standing_fact": True}))
 
@@ -293,7 +288,7 @@ def test_save_standing_fact_goes_to_the_profile(fake: FakeMembase, make_store) -
     assert "standing fact" in model.tool_result_text()
 
 
-def test_save_with_several_memories_and_none_named_asks_which(fake: FakeMembase, make_store) -> None:
+def test_save_with_several_memories_and_none_named_asks_which(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     result, model = run(make_store(), ToolCall("membase_save", {"content": "I prefer tea."}))
 
@@ -308,7 +303,7 @@ def test_save_with_several_memories_and_none_named_asks_which(fake: FakeMembase,
 
 
 @pytest.mark.parametrize("content", ["", "   \n\t "])
-def test_save_empty_content_saves_nothing_and_says_so(fake: FakeMembase, make_store, content: str) -> None:
+def test_save_empty_content_saves_nothing_and_says_so(fake: InMemoryMembase, make_store, content: str) -> None:
     result, model = run(make_store(), ToolCall("membase_save", {"content": content}))
 
     assert str(result).strip() == FINAL
@@ -317,7 +312,7 @@ def test_save_empty_content_saves_nothing_and_says_so(fake: FakeMembase, make_st
     assert fake.sent("POST", "/v1/memories") == []
 
 
-def test_save_with_a_pinned_container_and_no_argument_writes_there(fake: FakeMembase, make_store) -> None:
+def test_save_with_a_pinned_container_and_no_argument_writes_there(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     _, model = run(make_store(container="work"), ToolCall("membase_save", {"content": "I prefer tea."}))
 
@@ -327,7 +322,7 @@ def test_save_with_a_pinned_container_and_no_argument_writes_there(fake: FakeMem
     assert model.tool_results()[-1]["status"] == "success"
 
 
-def test_save_to_an_unknown_memory_lists_the_names_and_saves_nothing(fake: FakeMembase, make_store) -> None:
+def test_save_to_an_unknown_memory_lists_the_names_and_saves_nothing(fake: InMemoryMembase, make_store) -> None:
     fake.containers = TWO_MEMORIES
     _, model = run(make_store(), ToolCall("membase_save", {"content": "I prefer tea.", "container": "Holidays"}))
 
@@ -338,7 +333,7 @@ def test_save_to_an_unknown_memory_lists_the_names_and_saves_nothing(fake: FakeM
     assert fake.sent("POST", "/v1/memories") == []
 
 
-def test_save_that_times_out_is_sent_once_and_may_have_been_saved(fake: FakeMembase, make_store, release) -> None:
+def test_save_that_times_out_is_sent_once_and_may_have_been_saved(fake: InMemoryMembase, make_store, release) -> None:
     fake.always("POST", "/v1/memories", hang(release, limit=0.2))  # then httpx.ReadTimeout
     result, model = run(make_store(), ToolCall("membase_save", {"content": "I prefer tea."}))
 
@@ -352,7 +347,7 @@ def test_save_that_times_out_is_sent_once_and_may_have_been_saved(fake: FakeMemb
 
 
 def test_save_whose_memory_lookup_timed_out_says_nothing_was_saved(
-    fake: FakeMembase, make_store, instant_backoff
+    fake: InMemoryMembase, make_store, instant_backoff
 ) -> None:
     fake.containers = TWO_MEMORIES
     fake.always("GET", "/v1/containers", read_timeout)
@@ -366,7 +361,9 @@ def test_save_whose_memory_lookup_timed_out_says_nothing_was_saved(
     assert "may or may not have been saved" not in text
 
 
-def test_save_answered_2xx_with_an_unreadable_body_is_not_reported_as_not_saved(fake: FakeMembase, make_store) -> None:
+def test_save_answered_2xx_with_an_unreadable_body_is_not_reported_as_not_saved(
+    fake: InMemoryMembase, make_store
+) -> None:
     # A 2xx means Membase took the note; telling the model "nothing was saved" would get it saved twice.
     fake.always("POST", "/v1/memories", lambda request: httpx.Response(200, text="<html>OK</html>"))
     result, model = run(make_store(), ToolCall("membase_save", {"content": "I prefer tea."}))
@@ -386,7 +383,7 @@ def test_save_answered_2xx_with_an_unreadable_body_is_not_reported_as_not_saved(
     ],
 )
 def test_read_answered_2xx_with_an_unreadable_body_says_so(
-    fake: FakeMembase, make_store, tool: str, route: tuple[str, str], arguments: dict[str, Any]
+    fake: InMemoryMembase, make_store, tool: str, route: tuple[str, str], arguments: dict[str, Any]
 ) -> None:
     fake.always(*route, lambda request: httpx.Response(200, text="<html>gateway</html>"))
     result, model = run(make_store(), ToolCall(tool, arguments))
@@ -408,7 +405,7 @@ def test_save_description_asks_for_the_users_own_words(make_store) -> None:
 # --- 10. membase_profile -----------------------------------------------------------------------
 
 
-def test_profile_gives_standing_facts_and_recent_changes(fake: FakeMembase, make_store) -> None:
+def test_profile_gives_standing_facts_and_recent_changes(fake: InMemoryMembase, make_store) -> None:
     fake.standing = ["The user is vegetarian."]
     fake.remember("Moved the ledger to Postgres.")
     result, model = run(make_store(), ToolCall("membase_profile", {}))
@@ -422,7 +419,7 @@ def test_profile_gives_standing_facts_and_recent_changes(fake: FakeMembase, make
     )
 
 
-def test_profile_with_a_topic_sends_it_and_shows_the_results(fake: FakeMembase, make_store) -> None:
+def test_profile_with_a_topic_sends_it_and_shows_the_results(fake: InMemoryMembase, make_store) -> None:
     fake.standing = ["The user is vegetarian."]
     fake.remember("We chose Postgres for the ledger.")
     _, model = run(make_store(), ToolCall("membase_profile", {"topic": "  ledger  "}))
@@ -434,7 +431,7 @@ def test_profile_with_a_topic_sends_it_and_shows_the_results(fake: FakeMembase, 
     assert 'On "ledger":\n1. [Main] We chose Postgres for the ledger.' in text
 
 
-def test_profile_empty_says_so(fake: FakeMembase, make_store) -> None:
+def test_profile_empty_says_so(fake: InMemoryMembase, make_store) -> None:
     _, model = run(make_store(), ToolCall("membase_profile", {}))
 
     assert model.tool_results()[-1]["status"] == "success"
@@ -443,7 +440,7 @@ def test_profile_empty_says_so(fake: FakeMembase, make_store) -> None:
     )
 
 
-def test_profile_empty_with_a_topic_names_it(fake: FakeMembase, make_store) -> None:
+def test_profile_empty_with_a_topic_names_it(fake: InMemoryMembase, make_store) -> None:
     _, model = run(make_store(), ToolCall("membase_profile", {"topic": "ledger"}))
     assert model.tool_result_text() == (
         'The Membase profile is empty: no standing facts, recent changes or results on "ledger".'
@@ -483,9 +480,9 @@ TOOLS: dict[str, tuple[tuple[str, str], dict[str, Any], dict[str, int]]] = {
 }
 
 
-def fail_tool(tool: str, failure: str) -> tuple[Any, ScriptedModel, FakeMembase]:
+def fail_tool(tool: str, failure: str) -> tuple[Any, ScriptedModel, InMemoryMembase]:
     """Run one turn whose tool call meets ``failure`` on every request to its route."""
-    fake = FakeMembase()
+    fake = InMemoryMembase()
     (method, path), arguments, _ = TOOLS[tool]
     fake.always(method, path, FAILURES[failure][0])
     store = MembaseMemoryStore(client=fake.client())
@@ -531,7 +528,7 @@ def test_403_is_not_retried_and_names_the_cause(instant_backoff) -> None:
         assert "this Membase key was narrowed or revoked" in model.tool_result_text()
 
 
-def test_save_failure_with_several_memories_still_lists_them_on_400(fake: FakeMembase, make_store) -> None:
+def test_save_failure_with_several_memories_still_lists_them_on_400(fake: InMemoryMembase, make_store) -> None:
     # A 400 for a save that named no Memory, with several in reach: the model is asked which one.
     fake.containers = TWO_MEMORIES
     fake.always("POST", "/v1/memories", status(400, "several containers are in reach; name one"))
@@ -541,7 +538,7 @@ def test_save_failure_with_several_memories_still_lists_them_on_400(fake: FakeMe
 
 
 def test_recall_and_tool_failures_keep_the_key_out_of_tool_results(
-    fake: FakeMembase, make_store, instant_backoff
+    fake: InMemoryMembase, make_store, instant_backoff
 ) -> None:
     fake.always("POST", "/v1/search", status(500, f"boom {API_KEY}"))
     result, model = run(make_store(), ToolCall("membase_search", {"query": "ledger"}), injection=True)
@@ -555,7 +552,7 @@ def test_recall_and_tool_failures_keep_the_key_out_of_tool_results(
 
 @pytest.mark.parametrize("failure", ["400", "422", "500", "connection"])
 def test_recall_failure_echoing_the_key_is_not_logged(
-    fake: FakeMembase, make_store, instant_backoff, no_key_in_logs, failure: str
+    fake: InMemoryMembase, make_store, instant_backoff, no_key_in_logs, failure: str
 ) -> None:
     # The manager logs the exception a failing store.search raised; a server echoing the key must
     # not put it in that log line.
@@ -603,7 +600,7 @@ def test_repeated_tool_names_give_one_tool_each(make_store) -> None:
 
 
 @pytest.mark.parametrize("tools", [("search", "delete"), ("forget",), ("Search",), "search"])
-def test_an_unknown_tool_name_is_a_value_error(fake: FakeMembase, tools: Any) -> None:
+def test_an_unknown_tool_name_is_a_value_error(fake: InMemoryMembase, tools: Any) -> None:
     with pytest.raises(ValueError, match="tools"):
         MembaseMemoryStore(client=fake.client(), tools=tools)
 

@@ -12,7 +12,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,17 +24,17 @@ from strands.types.content import Message
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _writes
 from membase_strands._counters import Counters
 from membase_strands._writes import Part, WriteRecord
-from tests.conftest import make_agent
-from tests.support.fake_membase import hang, status
+from membase_strands.testing import hang, status
 from tests.support.loopback import LoopbackMembase, arrived, raw_answer, stall
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
-    Gates,
+    Clock,
     delayed,
-    gates_fixture,
+    make_agent,
     membase_threads,
     routed,
+    timed,
     wait_until,
 )
 
@@ -45,11 +45,6 @@ MEMORIES = ("POST", "/v1/memories")
 
 GREEN_TEA = "I like green tea"
 LISBON = "I live in Lisbon"
-
-
-@pytest.fixture
-def gates() -> Iterator[Gates]:
-    yield from gates_fixture()
 
 
 def capturing(make_store, **options: Any):
@@ -70,12 +65,6 @@ def held(fake) -> list[str]:
 
 def occurrences(texts: list[str], words: str) -> int:
     return sum(text.count(words) for text in texts)
-
-
-def timed(fn, *args):
-    started = time.monotonic()
-    result = fn(*args)
-    return result, time.monotonic() - started
 
 
 def writes_settled() -> bool:
@@ -516,16 +505,6 @@ async def test_without_a_write_timeout_add_waits_for_the_request(fake, make_stor
 # --- 10. WriteRecord itself --------------------------------------------------------------------------
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Sender:
     """A blocking ``send``: records the texts of each request, optionally waits on a gate or fails."""
 
@@ -565,9 +544,9 @@ async def test_record_forgets_a_saved_write_after_its_time():
     send = Sender()
 
     assert await record.write([part("a")], send, 1.0) == "saved"
-    clock.now += 9.0
+    clock.advance(9.0)
     assert await record.write([part("a")], send, 1.0) is None  # still remembered
-    clock.now += 2.0
+    clock.advance(2.0)
     assert await record.write([part("a")], send, 1.0) == "saved"  # forgotten: sent again
 
     assert send.sent() == ["a", "a"]

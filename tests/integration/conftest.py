@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from membase_strands import MembaseMemoryStore
+from membase_strands.testing import StandInLLM
 from tests.support.local_engine import ServedEngine, configure_engine_env, engine_unavailable, restore_env
-from tests.support.standin_llm import StandInLLM
 
 ENGINE_UNAVAILABLE = engine_unavailable()
 HTTP_KEY = "local-test"

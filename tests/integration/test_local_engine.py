@@ -17,11 +17,10 @@ from pathlib import Path
 import membase
 import pytest
 
-from tests.conftest import make_agent
+from membase_strands.testing import StandInLLM, ToolCall
 from tests.integration.conftest import EngineMemory
 from tests.support.local_engine import engine_unavailable, offline_env
-from tests.support.scripted_model import ToolCall
-from tests.support.standin_llm import StandInLLM
+from tests.support.store_helpers import make_agent
 
 _REASON = engine_unavailable()
 if _REASON:

@@ -18,11 +18,10 @@ import re
 
 import pytest
 
-from tests.conftest import make_agent
+from membase_strands.testing import StandInLLM, ToolCall
 from tests.integration.conftest import EngineMemory
 from tests.support.local_engine import engine_unavailable
-from tests.support.scripted_model import ToolCall
-from tests.support.standin_llm import StandInLLM
+from tests.support.store_helpers import make_agent
 
 _REASON = engine_unavailable()
 if _REASON:

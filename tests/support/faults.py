@@ -2,7 +2,7 @@
 
 Shared by ``tests/test_faults.py`` (the full matrix) and ``tests/test_secrets.py`` (a representative
 subset at DEBUG level). Every fault is injected at the transport of the real ``membase.Membase``
-client (``httpx.MockTransport`` in :class:`~tests.support.fake_membase.FakeMembase`), and every
+client (``httpx.MockTransport`` in :class:`~tests.support.fake_membase.InMemoryMembase`), and every
 error body echoes the request's ``Authorization`` header, so a library that leaks what a server
 sends back would leak the API key.
 
@@ -28,10 +28,8 @@ import httpx
 import membase.client
 
 from membase_strands import MembaseMemoryStore
-from tests.conftest import make_agent
-from tests.support.fake_membase import API_KEY, FakeMembase, Recorded, Responder
-from tests.support.scripted_model import ScriptedModel, ToolCall
-from tests.support.store_helpers import FACT, QUESTION, membase_threads, wait_until
+from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, Responder, ScriptedModel, ToolCall
+from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
 
 # A marker every fault's server text carries, to spot server error text where it must not go.
 SERVER_TEXT = "SRV-DETAIL"
@@ -318,7 +316,7 @@ def instant_sdk_backoff(hints: list[str | None]) -> Iterator[None]:
 def tool_text(model: ScriptedModel) -> tuple[str, str]:
     """The status and text of the last tool result the model read."""
     result = model.tool_results()[-1]
-    return result["status"], "\n".join(item["text"] for item in result["content"] if "text" in item)
+    return result["status"], result_text(result)
 
 
 def all_sent_text(model: ScriptedModel) -> str:
@@ -340,7 +338,7 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
     With ``pinned`` the store is pinned to the Memory "Main" by name and ``fault`` hits the
     container list (``GET /v1/containers``) instead of the path's own route.
     """
-    fake = FakeMembase()
+    fake = InMemoryMembase()
     fake.remember(FACT)
     gate = threading.Event()
     limit = TOOL_HANG if path in TOOL_PATHS else 30.0

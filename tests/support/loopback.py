@@ -1,4 +1,4 @@
-"""A real HTTP server on 127.0.0.1 that answers like :class:`FakeMembase`, for faults that live in the transport.
+"""A real HTTP server on 127.0.0.1 that answers like :class:`InMemoryMembase`, for faults that live in the transport.
 
 ``httpx.MockTransport`` never opens a socket, so it cannot show what a dripping server, a reset
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import membase
 
-from tests.support.fake_membase import API_KEY, FakeMembase
+from membase_strands.testing import API_KEY, InMemoryMembase
 
 RawAction = Callable[["_Handler"], None]
 """Something done on the socket instead of the fake's answer; it owns the connection from then on."""
@@ -33,11 +33,11 @@ LIMIT = 30.0  # the longest any action here holds a connection
 
 
 class LoopbackMembase:
-    """A :class:`FakeMembase` served over real sockets on 127.0.0.1."""
+    """A :class:`InMemoryMembase` served over real sockets on 127.0.0.1."""
 
-    def __init__(self, fake: FakeMembase | None = None) -> None:
+    def __init__(self, fake: InMemoryMembase | None = None) -> None:
         """Start serving on a free port; use as a context manager or call :meth:`close`."""
-        self.fake = fake if fake is not None else FakeMembase()
+        self.fake = fake if fake is not None else InMemoryMembase()
         self._actions: dict[tuple[str, str], list[RawAction]] = {}
         self._lock = threading.Lock()
         self.connections = 0

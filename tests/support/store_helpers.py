@@ -1,33 +1,32 @@
-"""Helpers shared by the store, recall, container and capture tests (not by the harness itself)."""
+"""Helpers the tests share: agents over a store, responders, waits, gates, a clock and timers."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
+from strands import Agent
+from strands.memory import MemoryManager
 
-from tests.support.fake_membase import FakeMembase, Responder
+from membase_strands import MembaseMemoryStore
+from membase_strands.testing import InMemoryMembase, Responder, ScriptedModel, Step
+
+T = TypeVar("T")
 
 RECALL_THREAD = "membase-recall["
 QUESTION = "Which database did we choose for the ledger?"
 FACT = "We chose Postgres for the ledger."
 
 
-def routed(fake: FakeMembase) -> Responder:
+def routed(fake: InMemoryMembase) -> Responder:
     """A responder that answers as the fake normally would (for use after a hang or a delay)."""
-
-    def respond(request: httpx.Request) -> httpx.Response:
-        raw = request.content
-        body = json.loads(raw) if raw else None
-        return fake._route(request.method, request.url.path, body, dict(request.url.params))
-
-    return respond
+    return fake.answer
 
 
-def delayed(fake: FakeMembase, seconds: float) -> Responder:
+def delayed(fake: InMemoryMembase, seconds: float) -> Responder:
     """A responder that sleeps ``seconds`` and then answers normally."""
     answer = routed(fake)
 
@@ -71,10 +70,39 @@ class Gates:
         wait_until(lambda: not membase_threads(), timeout=5.0)
 
 
-def gates_fixture() -> Iterator[Gates]:
-    """Body of a ``gates`` fixture: yields a :class:`Gates` and opens everything afterwards."""
-    gates = Gates()
-    try:
-        yield gates
-    finally:
-        gates.open_all()
+def make_agent(
+    store: MembaseMemoryStore, script: list[Step] | None = None, **manager_options: Any
+) -> tuple[Agent, ScriptedModel]:
+    """A real Strands agent with a MemoryManager over ``store`` and a scripted model."""
+    model = ScriptedModel(script)
+    agent = Agent(model=model, memory_manager=MemoryManager(stores=[store], **manager_options), callback_handler=None)
+    return agent, model
+
+
+def result_text(result: dict[str, Any]) -> str:
+    """The text of a tool result, its blocks joined by newlines."""
+    return "\n".join(item["text"] for item in result["content"] if "text" in item)
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """Call ``fn(*args)``; return its result and the seconds it took."""
+    started = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - started
+
+
+class Clock:
+    """A monotonic clock the test moves by hand: call it, or patch it in as a module's ``time``."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.start = time.monotonic() if start is None else start
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return self.start + self.offset
+
+    def monotonic(self) -> float:
+        return self()
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds

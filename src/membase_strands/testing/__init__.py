@@ -28,7 +28,7 @@ Example:
 """
 
 from ._membase import API_KEY, InMemoryMembase, Note, Recorded, Responder, hang, refuse_connection, status
-from ._model import ScriptedModel, ToolCall
+from ._model import ScriptedModel, Step, ToolCall
 from ._standin_llm import StandInLLM
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "Responder",
     "ScriptedModel",
     "StandInLLM",
+    "Step",
     "ToolCall",
     "hang",
     "refuse_connection",
