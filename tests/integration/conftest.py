@@ -8,20 +8,20 @@ with ``api_key=``/``base_url=`` (as the hosted API is reached); ``in-process`` b
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from membase_strands import MembaseMemoryStore
 from membase_strands.testing import StandInLLM
-from tests.support.local_engine import ServedEngine, configure_engine_env, engine_unavailable, restore_env
+from tests.support.local_engine import (
+    EngineMemory,
+    ServedEngine,
+    configure_engine_env,
+    engine_unavailable,
+    restore_env,
+)
 
 ENGINE_UNAVAILABLE = engine_unavailable()
-HTTP_KEY = "local-test"
-# Generous: the first call in a process (or a fresh `membase serve`) imports the engine (~1.5 s).
-TEST_RECALL_TIMEOUT = 30.0
 
 
 @pytest.fixture(scope="session")
@@ -53,41 +53,6 @@ def llm(standin: StandInLLM) -> Iterator[StandInLLM]:
         standin.set_failing(None)
     unknown = list(standin.unknown_prompts)
     assert not unknown, f"the engine sent prompts the stand-in does not recognise: {[p[:200] for p in unknown]}"
-
-
-@dataclass
-class EngineMemory:
-    """One person's Membase, backed by the real engine, reached in one of the two forms."""
-
-    form: str
-    root: Path
-    base_url: str | None = None
-    stores: list[MembaseMemoryStore] = field(default_factory=list)
-
-    def store(self, **options: Any) -> MembaseMemoryStore:
-        """A new store on this memory (in process: close the previous one first, as a user would)."""
-        options.setdefault("recall_timeout", TEST_RECALL_TIMEOUT)
-        if self.form == "http":
-            built = MembaseMemoryStore(api_key=HTTP_KEY, base_url=self.base_url, **options)
-        else:
-            built = MembaseMemoryStore(local=str(self.root), **options)
-        self.stores.append(built)
-        return built
-
-    def client(self) -> Any:
-        """A raw ``membase.Membase`` client on this memory (the caller closes it)."""
-        import membase
-
-        if self.form == "http":
-            return membase.Membase(api_key=HTTP_KEY, base_url=self.base_url)
-        return membase.Membase(local=str(self.root))
-
-    def seed(self, content: str, container: str | None = None) -> dict[str, Any]:
-        """Save a note through the raw client, as if saved earlier."""
-        with self.client() as client:
-            answer: dict[str, Any] = client.memories.add(content, container=container)
-        assert answer.get("memory_ids"), f"the engine learned nothing from {content!r}: {answer}"
-        return answer
 
 
 @pytest.fixture(params=["http", "in-process"])

@@ -18,8 +18,7 @@ import membase
 import pytest
 
 from membase_strands.testing import StandInLLM, ToolCall
-from tests.integration.conftest import EngineMemory
-from tests.support.local_engine import engine_unavailable, offline_env
+from tests.support.local_engine import EngineMemory, engine_unavailable, offline_env
 from tests.support.store_helpers import make_agent
 
 _REASON = engine_unavailable()

@@ -27,8 +27,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from membase_strands import MembaseMemoryStore
 
 ENGINE_ENV_KEYS = ("MEMBASE_LLM_PROVIDER", "MEMBASE_EMBED_PROVIDER", "MEMBASE_LLM_ENDPOINT", "OPENAI_API_KEY")
 
@@ -247,3 +250,43 @@ def _with_loopback(value: str | None) -> str:
     hosts = [h.strip() for h in (value or "").split(",") if h.strip()]
     hosts += [h for h in (LOOPBACK, "localhost") if h not in hosts]
     return ",".join(hosts)
+
+
+HTTP_KEY = "local-test"
+# Generous: the first call in a process (or a fresh `membase serve`) imports the engine (~1.5 s).
+TEST_RECALL_TIMEOUT = 30.0
+
+
+@dataclass
+class EngineMemory:
+    """One person's Membase, backed by the real engine, reached in one of the two forms."""
+
+    form: str
+    root: Path
+    base_url: str | None = None
+    stores: list[MembaseMemoryStore] = field(default_factory=list)
+
+    def store(self, **options: Any) -> MembaseMemoryStore:
+        """A new store on this memory (in process: close the previous one first, as a user would)."""
+        options.setdefault("recall_timeout", TEST_RECALL_TIMEOUT)
+        if self.form == "http":
+            built = MembaseMemoryStore(api_key=HTTP_KEY, base_url=self.base_url, **options)
+        else:
+            built = MembaseMemoryStore(local=str(self.root), **options)
+        self.stores.append(built)
+        return built
+
+    def client(self) -> Any:
+        """A raw ``membase.Membase`` client on this memory (the caller closes it)."""
+        import membase
+
+        if self.form == "http":
+            return membase.Membase(api_key=HTTP_KEY, base_url=self.base_url)
+        return membase.Membase(local=str(self.root))
+
+    def seed(self, content: str, container: str | None = None) -> dict[str, Any]:
+        """Save a note through the raw client, as if saved earlier."""
+        with self.client() as client:
+            answer: dict[str, Any] = client.memories.add(content, container=container)
+        assert answer.get("memory_ids"), f"the engine learned nothing from {content!r}: {answer}"
+        return answer
