@@ -27,7 +27,7 @@ from typing import Any
 from strands import Agent
 from strands.memory import MemoryManager
 
-from membase_strands import MembaseMemoryStore
+from membase_strands import MembaseMemoryStore, injection_config
 from membase_strands.testing import ScriptedModel, StandInLLM, ToolCall
 
 FACT = "The launch codename for our team is Blue Heron."
@@ -64,8 +64,8 @@ def main() -> int:
 
 
 def _agent(model: ScriptedModel, store: MembaseMemoryStore) -> Agent:
-    # One search tool for the model: membase_search (see the README's "Recommended manager settings").
-    manager = MemoryManager(stores=[store], search_tool_config=False)
+    # The README's recommended manager: one search tool, recalled text framed as data.
+    manager = MemoryManager(stores=[store], search_tool_config=False, injection=injection_config())
     return Agent(model=model, memory_manager=manager, callback_handler=None)
 
 

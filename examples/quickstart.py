@@ -12,12 +12,13 @@ import time
 from strands import Agent
 from strands.memory import MemoryManager
 
-from membase_strands import MembaseMemoryStore
+from membase_strands import MembaseMemoryStore, injection_config
 
 
 def new_agent(store: MembaseMemoryStore) -> Agent:
     # One search tool: membase_search waits for a waking memory and says which Memories could not answer.
-    memory = MemoryManager(stores=[store], search_tool_config=False)
+    # injection_config(): recalled text is framed as reference data, never as instructions.
+    memory = MemoryManager(stores=[store], search_tool_config=False, injection=injection_config())
     return Agent(
         system_prompt="When the user asks you to remember something, save it with membase_save.",
         memory_manager=memory,
