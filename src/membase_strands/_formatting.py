@@ -66,10 +66,14 @@ def clean_text(text: str) -> str:
     return sendable(text).translate(_DROP)
 
 
-def parse_search(body: Any) -> SearchAnswer:
+def parse_search(body: Any, limit: int | None = None) -> SearchAnswer:
     """Read the answer of ``client.search()``.
 
     Hits without text are skipped; Memories reported with an ``error`` become :class:`Unsearched`.
+
+    Args:
+        body: Membase's answer.
+        limit: The most passages to keep (the first ones, best first), whatever the server sent; ``None``: all.
 
     Raises:
         BadResponseError: The answer has no ``results`` list.
@@ -83,8 +87,10 @@ def parse_search(body: Any) -> SearchAnswer:
         row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
     }
 
-    passages = []
+    passages: list[Passage] = []
     for hit in results:
+        if limit is not None and len(passages) >= limit:
+            break
         if not isinstance(hit, dict) or not isinstance(hit.get("content"), str) or not hit["content"].strip():
             continue
         container = hit.get("container") if isinstance(hit.get("container"), str) else None

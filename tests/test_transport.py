@@ -1,0 +1,115 @@
+"""Faults a web server's network brings: dripping answers, bodies cut mid-character, too many hits.
+
+The dripping and cut answers come from the real loopback HTTP server (``tests/support/loopback.py``):
+``httpx.MockTransport`` has no socket, so it cannot drip. Every path runs through the real
+``strands.Agent`` or the store's protocol methods and the real ``membase.Membase`` client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import membase
+import membase.client
+import pytest
+
+from membase_strands import MembaseMemoryStore
+from tests.conftest import make_agent
+from tests.support.fake_membase import FakeMembase
+from tests.support.loopback import LoopbackMembase
+from tests.support.scripted_model import ToolCall
+from tests.support.store_helpers import FACT, QUESTION
+
+DEADLINE = 1.0  # the client's timeout: the whole-call deadline of one attempt
+DRIP_EVERY = 0.2  # well inside httpx's per-read timeout, so only a whole-call deadline ends the call
+DRIP_FOR = 15.0  # how long the server would keep dripping without one
+SLACK = 4.0  # generous: a loaded 2-core machine
+SDK_ATTEMPTS = 3
+LONG_BODY = b'{"results": [], "pad": "' + b"x" * 500 + b'"}'  # 100 s of drip at DRIP_EVERY
+CUT_MID_CHARACTER = b'{"a": "\xe2\x82'  # the first two bytes of a three-byte UTF-8 character, then nothing
+NOTE = "Remember that the ledger runs on Postgres."
+
+
+@pytest.fixture
+def loopback() -> Iterator[LoopbackMembase]:
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        yield server
+
+
+@pytest.fixture
+def instant_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the SDK's retry back-off instant (it sleeps 0.25-1.5 s before retrying a timeout)."""
+    monkeypatch.setattr(membase.client, "_backoff", lambda attempt, retry_after=None: 0.0)
+
+
+@pytest.fixture
+def stores() -> Iterator[list[MembaseMemoryStore]]:
+    made: list[MembaseMemoryStore] = []
+    yield made
+    for store in made:
+        store.close()
+
+
+def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str, float]:
+    """One agent turn in which the model makes ``call``: the tool result's status and text, and the turn's time."""
+    agent, model = make_agent(store, [call, "done"], injection=False)
+    started = time.monotonic()
+    agent("go")
+    elapsed = time.monotonic() - started
+    result = model.tool_results()[-1]
+    return result["status"], "\n".join(item["text"] for item in result["content"] if "text" in item), elapsed
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("membase_strands")]
+
+
+# --- A server that sends more hits than it was asked for ---------------------------------------
+
+
+def three_hundred_hits(request: httpx.Request) -> httpx.Response:
+    results = [
+        {"content": f"Passage {i} about the ledger.", "container": "ctr_main", "container_name": "Main", "score": 1.0}
+        for i in range(300)
+    ]
+    return httpx.Response(200, json={"results": results, "containers": [{"id": "ctr_main", "name": "Main"}]})
+
+
+@pytest.mark.parametrize(("limit", "kept"), [(5, 5), (None, 5), (1, 1)])
+def test_membase_search_keeps_at_most_the_limit_when_a_server_sends_too_many(
+    fake: FakeMembase, make_store, limit, kept
+):
+    fake.always("POST", "/v1/search", three_hundred_hits)
+    call: dict[str, Any] = {"query": "ledger"} if limit is None else {"query": "ledger", "limit": limit}
+
+    status, text, _ = tool_turn(make_store(), ToolCall("membase_search", call))
+
+    assert status == "success"
+    assert text.startswith(f'Membase found {kept} passage{"s" if kept != 1 else ""} for "ledger":')
+    assert f"{kept}. [Main] Passage {kept - 1} about the ledger." in text
+    assert f"\n{kept + 1}. " not in text
+    assert "Passage 280" not in text
+
+
+def test_recall_keeps_at_most_the_limit_when_a_server_sends_too_many(fake: FakeMembase, make_store) -> None:
+    fake.always("POST", "/v1/search", three_hundred_hits)
+    agent, model = make_agent(make_store(), ["ok"])
+
+    agent(QUESTION)
+
+    block = model.memory_block()
+    assert block is not None
+    assert block.count("[Main] Passage") == 5
+    assert "Passage 4 about" in block and "Passage 5 about" not in block
+
+
+async def test_search_keeps_at_most_max_search_results_when_a_server_sends_too_many(fake, make_store) -> None:
+    fake.always("POST", "/v1/search", three_hundred_hits)
+
+    entries = await make_store().search("ledger", {"max_search_results": 3})
+
+    assert [e.content for e in entries] == [f"[Main] Passage {i} about the ledger." for i in range(3)]
