@@ -7,6 +7,7 @@ The dripping and cut answers come from the real loopback HTTP server (``tests/su
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from membase_strands import MembaseMemoryStore
 from tests.conftest import make_agent
 from tests.support.fake_membase import FakeMembase
-from tests.support.loopback import LoopbackMembase
+from tests.support.loopback import LoopbackMembase, raw_answer
 from tests.support.scripted_model import ToolCall
 from tests.support.store_helpers import FACT, QUESTION
 
@@ -66,6 +67,80 @@ def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str, floa
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("membase_strands")]
+
+
+# --- 2xx bodies that are not valid UTF-8 ---------------------------------------------------------
+
+
+async def test_a_note_answered_with_a_body_cut_mid_character_is_saved_once(loopback, stores, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="membase_strands")
+    loopback.on("POST", "/v1/memories", raw_answer(200, CUT_MID_CHARACTER))
+    store = MembaseMemoryStore(client=loopback.client(), capture=True)
+    stores.append(store)
+
+    assert await store.add(NOTE) is None  # no answer to hand back, but no failure either
+
+    assert [n.content for n in loopback.fake.notes if n.content == NOTE] == [NOTE]
+    assert len(loopback.fake.sent("POST", "/v1/memories")) == 1
+    counters = store.counters()
+    assert (counters["writes_saved"], counters["write_errors"]) == (1, 0)
+    [warning] = [m for m in messages(caplog) if "counting it as saved" in m]
+    assert "reason=<2xx answer is not valid UTF-8" in warning
+    # The manager's retry of the same fact finds it saved and sends nothing.
+    assert await store.add(NOTE) is None
+    assert len(loopback.fake.sent("POST", "/v1/memories")) == 1
+
+
+def test_membase_save_answered_with_a_body_cut_mid_character_tells_the_model_it_was_saved(loopback, stores) -> None:
+    loopback.on("POST", "/v1/memories", raw_answer(200, CUT_MID_CHARACTER))
+    store = MembaseMemoryStore(client=loopback.client())
+    stores.append(store)
+
+    status, text, _ = tool_turn(store, ToolCall("membase_save", {"content": NOTE}))
+
+    assert (status, text) == ("success", "Saved to Membase.")
+    assert len(loopback.fake.sent("POST", "/v1/memories")) == 1
+
+
+def test_membase_search_answered_with_a_body_cut_mid_character_says_the_answer_was_unreadable(loopback, stores) -> None:
+    loopback.on("POST", "/v1/search", raw_answer(200, CUT_MID_CHARACTER))
+    store = MembaseMemoryStore(client=loopback.client())
+    stores.append(store)
+
+    status, text, _ = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+
+    assert status == "error"
+    assert text.startswith("Membase sent an answer that could not be read")
+    assert "not valid UTF-8" in text
+    assert "Nothing was searched" not in text
+    assert len(loopback.fake.sent("POST", "/v1/search")) == 1  # a 2xx is an answer: not retried
+    assert store.counters()["errors.bad_response"] == 1
+
+
+def test_membase_profile_answered_with_a_body_cut_mid_character_says_the_answer_was_unreadable(
+    loopback, stores
+) -> None:
+    loopback.on("GET", "/v1/profile", raw_answer(200, CUT_MID_CHARACTER))
+    store = MembaseMemoryStore(client=loopback.client())
+    stores.append(store)
+
+    status, text, _ = tool_turn(store, ToolCall("membase_profile", {}))
+
+    assert status == "error"
+    assert "could not be read" in text and "not valid UTF-8" in text
+
+
+def test_a_recall_answered_with_a_body_cut_mid_character_fails_open_as_an_unreadable_answer(loopback, stores) -> None:
+    loopback.on("POST", "/v1/search", raw_answer(200, CUT_MID_CHARACTER))
+    store = MembaseMemoryStore(client=loopback.client())
+    stores.append(store)
+    agent, model = make_agent(store, ["Postgres."])
+
+    assert str(agent(QUESTION)).strip() == "Postgres."
+
+    assert model.memory_block() is None
+    counters = store.counters()
+    assert (counters["recall_errors"], counters["errors.bad_response"]) == (1, 1)
 
 
 # --- A server that sends more hits than it was asked for ---------------------------------------

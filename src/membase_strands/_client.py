@@ -85,10 +85,27 @@ def without_retries(client: membase.Membase) -> membase.Membase:
     return view
 
 
+UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
+"""What the SDK lets through for a 2xx whose body it cannot decode (``response.json()`` raises either)."""
+
+
+def unreadable_reason(error: ValueError) -> str:
+    """Why a 2xx body could not be read, in a few words (for log lines and :class:`BadResponseError`)."""
+    if isinstance(error, UnicodeDecodeError):
+        return f"not valid UTF-8: {error.reason} at byte {error.start}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not JSON: {error.msg}"
+    return type(error).__name__
+
+
 @contextmanager
 def readable_answers() -> Iterator[None]:
-    """Turn a 2xx answer that is not JSON (the SDK lets ``json.JSONDecodeError`` through) into a Membase error."""
+    """Turn a 2xx answer that cannot be decoded (not UTF-8, or not JSON) into a Membase error.
+
+    Only the decoding errors the SDK lets through are caught: a ``ValueError`` of the library's own
+    (an unknown Memory name, say) passes unchanged.
+    """
     try:
         yield
-    except json.JSONDecodeError as error:
-        raise BadResponseError(f"Membase answered with a body that is not JSON ({error.msg})") from None
+    except UNREADABLE as error:
+        raise BadResponseError(f"Membase answered with a body that is {unreadable_reason(error)}") from None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import threading
@@ -19,7 +18,7 @@ from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
 from . import _options
-from ._client import build_client, readable_answers, without_retries
+from ._client import UNREADABLE, build_client, readable_answers, unreadable_reason, without_retries
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, fit_to_budget, memory_entries, parse_search
@@ -371,12 +370,13 @@ class MembaseMemoryStore:
         def send(container_id: str | None) -> Any:
             try:
                 return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-            except json.JSONDecodeError:
-                # A 2xx means Membase took the note; only its answer is unreadable. Calling that a failure
-                # would make the manager send the note again.
+            except UNREADABLE as error:
+                # A 2xx means Membase took the note; only its answer is unreadable (not JSON, or cut mid-character
+                # by a proxy). Calling that a failure would make the manager send the note again.
                 logger.warning(
-                    "store=<%s>, reason=<2xx answer is not JSON> | Membase accepted the note; counting it as saved",
+                    "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
                     self.name,
+                    unreadable_reason(error),
                 )
                 return None
 
