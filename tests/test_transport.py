@@ -17,12 +17,13 @@ import membase
 import membase.client
 import pytest
 
-from membase_strands import MembaseMemoryStore
+import membase_strands._client as membase_client
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
 from tests.conftest import make_agent
-from tests.support.fake_membase import FakeMembase
-from tests.support.loopback import LoopbackMembase, raw_answer
+from tests.support.fake_membase import API_KEY, FakeMembase
+from tests.support.loopback import LoopbackMembase, drip, drip_headers, raw_answer
 from tests.support.scripted_model import ToolCall
-from tests.support.store_helpers import FACT, QUESTION
+from tests.support.store_helpers import FACT, QUESTION, membase_threads, wait_until
 
 DEADLINE = 1.0  # the client's timeout: the whole-call deadline of one attempt
 DRIP_EVERY = 0.2  # well inside httpx's per-read timeout, so only a whole-call deadline ends the call
@@ -141,6 +142,109 @@ def test_a_recall_answered_with_a_body_cut_mid_character_fails_open_as_an_unread
     assert model.memory_block() is None
     counters = store.counters()
     assert (counters["recall_errors"], counters["errors.bad_response"]) == (1, 1)
+
+
+# --- A server that drips its answer -------------------------------------------------------------
+
+
+def test_membase_search_against_a_dripping_server_ends_each_attempt_at_its_deadline(
+    loopback, stores, instant_backoff
+) -> None:
+    for _ in range(SDK_ATTEMPTS):
+        loopback.on("POST", "/v1/search", drip(LONG_BODY, every=DRIP_EVERY, limit=DRIP_FOR))
+    store = MembaseMemoryStore(client=loopback.client(timeout=DEADLINE))
+    stores.append(store)
+
+    status, text, elapsed = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+
+    assert status == "error"
+    assert "did not answer in time" in text and "try again in a minute" in text
+    assert len(loopback.fake.sent("POST", "/v1/search")) == SDK_ATTEMPTS
+    assert elapsed < SDK_ATTEMPTS * DEADLINE + SLACK, f"the tool call took {elapsed:.1f} s"
+    # The requests ended, they were not merely abandoned: the server saw every connection close.
+    assert wait_until(lambda: loopback.open_connections == 0, timeout=SLACK)
+
+
+def test_a_late_recall_ends_at_its_deadline_even_when_the_headers_drip(loopback, stores, monkeypatch, caplog) -> None:
+    # A store that builds its own client; its timeout is the deadline.
+    monkeypatch.setattr(membase_client, "new_http_client", lambda url: httpx.Client(base_url=url, timeout=DEADLINE))
+    caplog.set_level(logging.INFO, logger="membase_strands")
+    loopback.on("POST", "/v1/search", drip_headers(every=DRIP_EVERY, limit=DRIP_FOR))
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=0.2)
+    stores.append(store)
+    agent, model = make_agent(store, ["Postgres."])
+
+    started = time.monotonic()
+    assert str(agent(QUESTION)).strip() == "Postgres."
+    assert model.memory_block() is None  # the turn went on without memory
+
+    # No body chunk ever arrives: only each socket read being bounded by the time left ends the request.
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=DEADLINE + SLACK)
+    assert time.monotonic() - started < DEADLINE + SLACK
+    [late] = [m for m in messages(caplog) if "late recall failed" in m]
+    assert "timed out" in late
+    assert wait_until(lambda: loopback.open_connections == 0, timeout=SLACK)
+
+
+async def test_a_captured_write_to_a_dripping_server_ends_in_the_background_at_its_deadline(
+    loopback, stores, caplog
+) -> None:
+    caplog.set_level(logging.INFO, logger="membase_strands")
+    loopback.on("POST", "/v1/memories", drip(LONG_BODY, every=DRIP_EVERY, limit=DRIP_FOR))
+    store = MembaseMemoryStore(client=loopback.client(timeout=DEADLINE), capture=True, write_timeout=0.2)
+    stores.append(store)
+
+    started = time.monotonic()
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add(NOTE)
+
+    assert wait_until(lambda: not membase_threads("membase-write"), timeout=DEADLINE + SLACK)
+    assert time.monotonic() - started < DEADLINE + SLACK
+    assert any("a write that ran out of time failed" in m for m in messages(caplog))
+    # It failed, so the manager's retry sends it again (and this time Membase answers at once).
+    assert await store.add(NOTE) is not None
+    assert len(loopback.fake.sent("POST", "/v1/memories")) == 2
+
+
+class Passthrough(httpx.BaseTransport):
+    """A user's own transport around httpx's: the store cannot reach its sockets."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_client_with_its_own_transport_still_ends_a_dripping_body_at_the_deadline(loopback, stores) -> None:
+    loopback.on("POST", "/v1/memories", drip(LONG_BODY, every=DRIP_EVERY, limit=DRIP_FOR))
+    http = httpx.Client(base_url=loopback.url, timeout=DEADLINE, transport=Passthrough())
+    client = membase.Membase(api_key=API_KEY, base_url=loopback.url, http_client=http)
+    store = MembaseMemoryStore(client=client)
+    stores.append(store)
+
+    try:
+        status, text, elapsed = tool_turn(store, ToolCall("membase_save", {"content": NOTE}))
+    finally:
+        http.close()
+
+    assert status == "error"
+    assert "did not answer in time" in text and "may or may not have been saved" in text
+    # Checked between body chunks: the deadline, then at most one more chunk.
+    assert elapsed < DEADLINE + DRIP_EVERY + SLACK, f"the tool call took {elapsed:.1f} s"
+
+
+def test_a_prompt_answer_is_untouched_by_the_deadline(loopback, stores) -> None:
+    store = MembaseMemoryStore(client=loopback.client(timeout=DEADLINE))
+    stores.append(store)
+
+    status, text, _ = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+
+    assert status == "success"
+    assert f"1. [Main] {FACT}" in text
 
 
 # --- A server that sends more hits than it was asked for ---------------------------------------

@@ -125,7 +125,8 @@ class MembaseMemoryStore:
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
 
-        self._client, self._close_client = build_client(client, api_key, base_url, local)
+        # Every call goes through a guarded view of the client: a whole-call deadline per attempt.
+        self._client, self._close_client = build_client(client, api_key, base_url, local, store_name=self.name)
         self._local = local
         # One attempt per call: the store chooses for itself when a request may be sent again.
         self._once = without_retries(self._client)
