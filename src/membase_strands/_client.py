@@ -2,13 +2,20 @@
 
 The SDK sends every request through the ``httpx.Client`` it keeps in ``Membase._http`` (one
 ``_http.request()`` per attempt). The store gives it :class:`GuardedHTTP` there instead, on a copy of
-the client (a client passed in is never changed), so that every attempt the store makes ends within a
-whole-call deadline, the client's timeout. httpx's timeouts are per read: a server that sends a byte
-every few seconds would otherwise hold a call for as long as it drips. Each socket read, write and
-connect is bounded by the time left (:class:`_GuardedBackend`, wrapped around the connection pool's
-network backend), and the body is checked between chunks (:class:`_DeadlineBody`) for transports
-whose sockets cannot be reached. Past the deadline httpx raises a timeout, which the SDK turns into
-``APITimeoutError``.
+the client (a client passed in is never changed), so that every attempt the store makes:
+
+- ends within a whole-call deadline, the client's timeout. httpx's timeouts are per read: a server
+  that sends a byte every few seconds would otherwise hold a call for as long as it drips. Each
+  socket read, write and connect is bounded by the time left (:class:`_GuardedBackend`, wrapped
+  around the connection pool's network backend), and the body is checked between chunks
+  (:class:`_DeadlineBody`) for transports whose sockets cannot be reached. Past the deadline httpx
+  raises a timeout, which the SDK turns into ``APITimeoutError``.
+- never shares a connection with another process. A forked child inherits the parent's pooled
+  keep-alive sockets, and two processes reading one socket get each other's answers. In a child,
+  a client the store built is replaced by a fresh one before the child's first request (an
+  ``os.register_at_fork`` hook flags it, holding the client only weakly). A client passed in is not
+  the store's to replace: a connection opened through a guarded pool reports itself closed in any
+  process but the one that opened it, so the pool drops it, and the child logs a warning once.
 """
 
 from __future__ import annotations
@@ -21,9 +28,10 @@ import os
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -35,6 +43,8 @@ from .errors import BadResponseError
 logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "https://api.app.membase.com"
+
+T = TypeVar("T")
 
 
 def build_client(
@@ -78,7 +88,8 @@ def build_client(
     url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
     # The SDK would build an httpx.Client with an SSL context of its own: ~0.8 MiB and ~20 ms per store
     # (measured in benchmarks/). Stores share one context instead; the SDK then leaves closing to us.
-    http = GuardedHTTP(new_http_client(url), store_name=store_name)
+    # Looked up at call time (not bound here), so a forked child builds its pool the same way.
+    http = GuardedHTTP(new_http_client(url), store_name=store_name, rebuild=lambda: new_http_client(url))
     return _view(membase.Membase(api_key=key, base_url=url, http_client=http.http), _http=http), http.close
 
 
@@ -148,26 +159,65 @@ def readable_answers() -> Iterator[None]:
         raise BadResponseError(f"Membase answered with a body that is {unreadable_reason(error)}") from None
 
 
+# --- Forked processes --------------------------------------------------------------------------
+
+_FORK_RESETS: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
+
+
+def after_fork_in_child(owner: T, reset: Callable[[T], None]) -> None:
+    """Call ``reset(owner)`` in every process forked from this one while ``owner`` lives.
+
+    ``owner`` is held weakly, so the hook keeps nothing alive; ``reset`` must not hold ``owner``
+    itself (pass an unbound method). One ``os.register_at_fork`` hook serves every owner, since
+    hooks cannot be removed.
+    """
+    _FORK_RESETS[owner] = reset
+
+
+def _reset_after_fork() -> None:
+    # Runs in the child's only thread, before anything else: no lock is taken here.
+    for owner, reset in list(_FORK_RESETS.items()):
+        try:
+            reset(owner)
+        except Exception as error:  # noqa: BLE001 - one owner's failure must not keep the others from resetting
+            logger.warning("reason=<%s> | could not reset after os.fork()", type(error).__name__)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 # --- The guarded HTTP client ---------------------------------------------------------------------
 
 
 class GuardedHTTP:
-    """Stands where the SDK keeps its ``httpx.Client``: every attempt within a whole-call deadline (see the module doc).
+    """Stands where the SDK keeps its ``httpx.Client``: every attempt within a whole-call deadline, and
+    no connection shared with a forked parent (see the module doc).
 
     The SDK calls only ``request()`` and ``close()``; anything else (``timeout``, ``is_closed``, ...)
     is read from the ``httpx.Client`` in use.
     """
 
-    def __init__(self, http: httpx.Client, *, store_name: str) -> None:
+    def __init__(
+        self, http: httpx.Client, *, store_name: str, rebuild: Callable[[], httpx.Client] | None = None
+    ) -> None:
         """Guard ``http``.
 
         Args:
             http: The client to send through.
             store_name: The store's name, for log lines.
+            rebuild: Makes a new client like ``http``, for a store that built it; ``None`` for a client
+                that is not the store's to replace.
         """
         self.http = http
         self._store_name = store_name
+        self._rebuild = rebuild
         self._pools = guard_pools(http)
+        self._used = False
+        self._fork_lock = threading.Lock()
+        self._stale = False  # forked: ``http`` is the parent's, to be replaced before the first request here
+        self._warn_in_child = False
+        after_fork_in_child(self, GuardedHTTP._after_fork_in_child)
 
     def __getattr__(self, name: str) -> Any:
         if name == "http":  # not set yet (a half-built copy): never recurse
@@ -176,6 +226,9 @@ class GuardedHTTP:
 
     def request(self, method: str, url: httpx.URL | str, **kwargs: Any) -> httpx.Response:
         """One attempt, as ``httpx.Client.request``, ended with an httpx timeout if it runs past the deadline."""
+        self._used = True
+        if self._stale or self._warn_in_child:
+            self._settle_after_fork()
         http = self.http
         seconds = attempt_seconds(http.timeout)
         deadline = time.monotonic() + seconds
@@ -192,8 +245,37 @@ class GuardedHTTP:
         return response
 
     def close(self) -> None:
-        """Close the client in use."""
-        self.http.close()
+        """Close the client in use (in a forked child that never sent a request, there is none of its own)."""
+        if not self._stale:
+            self.http.close()
+
+    def _after_fork_in_child(self) -> None:
+        # Only flags here: the work waits for the child's first request, so a child that never calls Membase
+        # (or execs at once) pays nothing, however many stores it inherited.
+        self._fork_lock = threading.Lock()  # a thread of the parent may have held the old one at the fork
+        if self._rebuild is not None:
+            self._stale = True
+        else:
+            self._warn_in_child = self._used or any(pool.connections for pool in self._pools)
+
+    def _settle_after_fork(self) -> None:
+        with self._fork_lock:
+            if self._stale:
+                # The parent's pool is dropped, not closed: closing takes its lock, which a thread of the parent
+                # may have held at the fork. Its sockets are only this process's copies; the parent's stay open.
+                assert self._rebuild is not None
+                self.http = self._rebuild()
+                self._pools = guard_pools(self.http)
+                self._stale = False  # only now: a request that sees False must find the new client
+            warn, self._warn_in_child = self._warn_in_child, False
+        if warn:
+            logger.warning(
+                "store=<%s>, reason=<forked after its client was used> | this process was forked from one whose "
+                "Membase client (passed in with client=) had open connections; the store does not reuse the "
+                "connections it opened there, but it cannot rebuild a client it does not own: build the client "
+                "after the fork (for gunicorn, in post_fork)",
+                self._store_name,
+            )
 
 
 def attempt_seconds(timeout: httpx.Timeout) -> float:
@@ -309,7 +391,7 @@ def guard_pools(http: httpx.Client) -> list[httpcore.ConnectionPool]:
 
 
 class _GuardedBackend(httpcore.NetworkBackend):
-    """Opens connections whose streams keep to the current attempt's deadline."""
+    """Opens connections whose streams keep to the current attempt's deadline and to this process."""
 
     def __init__(self, backend: httpcore.NetworkBackend) -> None:
         self._backend = backend
@@ -336,25 +418,38 @@ class _GuardedBackend(httpcore.NetworkBackend):
 
 
 class _GuardedStream(httpcore.NetworkStream):
-    """One connection's stream: each read and write bounded by the time left."""
+    """One connection's stream: each read and write bounded by the time left, usable only in the process
+    that opened it."""
 
-    def __init__(self, stream: httpcore.NetworkStream) -> None:
+    def __init__(self, stream: httpcore.NetworkStream, pid: int | None = None) -> None:
         self._stream = stream
+        self._pid = os.getpid() if pid is None else pid
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._same_process(httpcore.ReadError)
         return self._stream.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._same_process(httpcore.WriteError)
         self._stream.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
+        # In a forked child this closes only the child's copy of the socket: no shutdown, no TLS close_notify.
         self._stream.close()
 
     def start_tls(
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
         timeout = _time_left(timeout, httpcore.ConnectTimeout)
-        return _GuardedStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+        return _GuardedStream(self._stream.start_tls(ssl_context, server_hostname, timeout), self._pid)
 
     def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable" and os.getpid() != self._pid:
+            # httpcore drops an idle connection whose socket is readable (the server closed it): in a forked
+            # child, every connection of the parent is dropped that way before it could be reused.
+            return True
         return self._stream.get_extra_info(info)
+
+    def _same_process(self, error: type[Exception]) -> None:
+        if os.getpid() != self._pid:
+            raise error("this connection belongs to the process this one was forked from")
