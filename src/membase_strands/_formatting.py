@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strands.memory import MemoryEntry
@@ -66,14 +66,10 @@ def clean_text(text: str) -> str:
     return sendable(text).translate(_DROP)
 
 
-def parse_search(body: Any, limit: int | None = None) -> SearchAnswer:
+def parse_search(body: Any) -> SearchAnswer:
     """Read the answer of ``client.search()``.
 
     Hits without text are skipped; Memories reported with an ``error`` become :class:`Unsearched`.
-
-    Args:
-        body: Membase's answer.
-        limit: The most passages to keep (the first ones, best first), whatever the server sent; ``None``: all.
 
     Raises:
         BadResponseError: The answer has no ``results`` list.
@@ -87,10 +83,8 @@ def parse_search(body: Any, limit: int | None = None) -> SearchAnswer:
         row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
     }
 
-    passages: list[Passage] = []
+    passages = []
     for hit in results:
-        if limit is not None and len(passages) >= limit:
-            break
         if not isinstance(hit, dict) or not isinstance(hit.get("content"), str) or not hit["content"].strip():
             continue
         container = hit.get("container") if isinstance(hit.get("container"), str) else None
@@ -108,6 +102,14 @@ def parse_search(body: Any, limit: int | None = None) -> SearchAnswer:
     ]
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
     return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
+
+
+def at_most(answer: SearchAnswer, limit: int) -> SearchAnswer:
+    """``answer`` with at most ``limit`` passages, the first ones: a server may send more than it was asked for.
+
+    Apply it to passages in the order they are shown, so the best ones are the ones kept.
+    """
+    return answer if len(answer.passages) <= limit else replace(answer, passages=answer.passages[:limit])
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:

@@ -364,7 +364,7 @@ class MembaseMemoryStore:
             body = self._resolver.call(
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
-        return parse_search(body, limit)  # a server may send more than it was asked for
+        return parse_search(body)
 
     def _save_blocking(
         self, client: membase.Membase, content: str, container: str | None, static: bool, title: str
