@@ -181,6 +181,14 @@ def _fold(passages: list[Passage]) -> list[Passage]:
     return shown
 
 
+def at_most(answer: SearchAnswer, limit: int) -> SearchAnswer:
+    """``answer`` with at most ``limit`` passages, the first ones: a server may send more than it was asked for.
+
+    Apply it to passages in the order they are shown, so the best ones are the ones kept.
+    """
+    return answer if len(answer.passages) <= limit else replace(answer, passages=answer.passages[:limit])
+
+
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
     """The entries the manager injects: ``[Memory] passage``, then a notice per Memory that could not answer.
 

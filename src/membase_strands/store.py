@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
 from . import _options
-from ._client import build_client, readable_answers, without_retries
+from ._client import UNREADABLE, after_fork_in_child, build_client, readable_answers, unreadable_reason, without_retries
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._counters import Counters
 from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries, parse_search
@@ -133,19 +132,21 @@ class MembaseMemoryStore:
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
 
-        self._client, self._close_client = build_client(client, api_key, base_url, local)
+        # Every call goes through a guarded view of the client: a whole-call deadline per attempt, and no
+        # connection shared with a forked parent.
+        self._client, self._close_client = build_client(client, api_key, base_url, local, store_name=self.name)
         self._local = local
         # One attempt per call: the store chooses for itself when a request may be sent again.
         self._once = without_retries(self._client)
         self._resolver = ContainerResolver()
         self._counters = Counters()
-        self._recall = TimeBoxedRecall(self.name, self._counters, self._redact, is_closed=lambda: self._closed)
-        self._writes = WriteRecord(self.name, self._counters, self._redact)
+        self._recall, self._writes = self._in_flight_state()
         self._closed = False
         self._setup_lock = threading.Lock()
         self._setup_check: Future[list[Container]] | None = None
         self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
+        after_fork_in_child(self, MembaseMemoryStore._after_fork_in_child)
 
     @property
     def writable(self) -> bool:
@@ -454,12 +455,13 @@ class MembaseMemoryStore:
         def send(container_id: str | None) -> Any:
             try:
                 return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-            except json.JSONDecodeError:
-                # A 2xx means Membase took the note; only its answer is unreadable. Calling that a failure
-                # would make the manager send the note again.
+            except UNREADABLE as error:
+                # A 2xx means Membase took the note; only its answer is unreadable (not JSON, or cut mid-character
+                # by a proxy). Calling that a failure would make the manager send the note again.
                 logger.warning(
-                    "store=<%s>, reason=<2xx answer is not JSON> | Membase accepted the note; counting it as saved",
+                    "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
                     self.name,
+                    unreadable_reason(error),
                 )
                 return None
 
@@ -477,6 +479,25 @@ class MembaseMemoryStore:
     def _memories_in_reach(self) -> list[Container]:
         with readable_answers():
             return parse_containers(self._once.containers.list())
+
+    def _in_flight_state(self) -> tuple[TimeBoxedRecall, WriteRecord]:
+        """The in-flight recall guard and the write record, as a new store (or a forked child) starts them."""
+        recall = TimeBoxedRecall(self.name, self._counters, self._redact, is_closed=lambda: self._closed)
+        writes = WriteRecord(self.name, self._counters, self._redact)
+        return recall, writes
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child, start without the parent's requests in flight: their threads do not exist here.
+
+        A late recall or a running write of the parent would otherwise hold the child's in-flight guard and
+        write record for good, and a lock one of its threads held at the fork would stay held. The client's
+        connections are reset by the client itself (``_client.GuardedHTTP``).
+        """
+        self._recall, self._writes = self._in_flight_state()
+        self._resolver = ContainerResolver()
+        self._setup_lock = threading.Lock()
+        if self._setup_check is not None and not self._setup_check.done():
+            self._setup_check = None  # its thread is the parent's: it will never finish here
 
     def _redact(self, text: str) -> str:
         return redact(text, self._client.api_key or "")

@@ -19,7 +19,7 @@ from strands import tool
 from strands.types.tools import AgentTool
 
 from ._containers import Container, names_in_reach
-from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_label, profile_text, search_text
+from ._formatting import SearchAnswer, arrange, at_most, fit_to_budget, memory_label, profile_text, search_text
 from ._options import query_text
 from .errors import Failure, describe_failure
 
@@ -106,7 +106,9 @@ def _search_tool(backend: ToolBackend) -> AgentTool:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(backend, "membase_search", error, container_named=target is not None)
-        reply = search_text(text, fit_to_budget(arrange(answer, backend.min_score), backend.max_recall_chars))
+        # A server may send more passages than were asked for: the model sees at most `count`, the best ones.
+        shown = at_most(arrange(answer, backend.min_score), count)
+        reply = search_text(text, fit_to_budget(shown, backend.max_recall_chars))
         # When no Memory could answer, the search did not really happen: say so with an error status.
         return _error(reply) if answer.none_answered else _ok(reply)
 

@@ -4,8 +4,8 @@
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
 :class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
 over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`reset`, :func:`stall` or :func:`raw_answer` (and :func:`arrived`,
-which signals that a request is in before doing another action).
+on the socket: :func:`drip`, :func:`drip_headers`, :func:`reset`, :func:`stall` or :func:`raw_answer` (and
+:func:`arrived`, which signals that a request is in before doing another action).
 
 Every wait in here is bounded, the server binds to loopback only, and its threads are daemons.
 """
@@ -174,6 +174,31 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
                 break  # the client gave up and closed the connection
             time.sleep(every)
         handler.close_connection = True
+
+    return act
+
+
+def drip_headers(every: float = 0.2, limit: float = LIMIT) -> RawAction:
+    """Send the status line and then header lines without end, one byte every ``every`` seconds (at most ``limit`` s).
+
+    The answer never gets past its headers, so no body chunk ever arrives: only a deadline that bounds
+    each socket read by the time left ends the call.
+    """
+
+    def act(handler: _Handler) -> None:
+        handler.close_connection = True
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        filler = b"X-Drip: " + b"d" * 4096 + b"\r\n"
+        deadline = time.monotonic() + limit
+        for byte in head + filler * 64:
+            if time.monotonic() > deadline:
+                break
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:
+                break  # the client gave up and closed the connection
+            time.sleep(every)
 
     return act
 
