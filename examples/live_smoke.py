@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from membase_strands import MembaseMemoryStore
+from membase_strands.check import run_check
 
 
 async def main() -> int:
@@ -36,12 +37,12 @@ async def main() -> int:
     container = os.environ.get("MEMBASE_SMOKE_CONTAINER") or None
     with MembaseMemoryStore(container=container, recall_timeout=60.0) as reader:
         tools = {tool.tool_name: tool for tool in reader.get_tools()}
-        try:
-            in_reach = reader._memories_in_reach()
-            report("memories in reach", True, ", ".join(c.name for c in in_reach) or "none")
-        except Exception as error:  # noqa: BLE001 - a smoke test reports and goes on
-            report("memories in reach", False, str(error))
+        check = run_check(container=container)  # reach, the Memories in reach, profile and save, timed
+        for step in check.steps:
+            report(step.name, step.ok or not step.required, step.detail)
+        if not check.memories and not check.ok:
             return 1
+        in_reach = check.memories
 
         started = time.monotonic()
         try:
@@ -61,7 +62,7 @@ async def main() -> int:
         result = await _call(tools["membase_save"], {"content": f"membase-strands live smoke {stamp}: tool save"})
         report("membase_save", result["status"] == "success", result["content"][0]["text"])
 
-    with MembaseMemoryStore(container=container or in_reach[0].id, capture=True) as writer:
+    with MembaseMemoryStore(container=container or in_reach[0], capture=True) as writer:
         try:
             note = [{"role": "user", "content": [{"text": f"membase-strands live smoke {stamp}: capture"}]}]
             await writer.add_messages(note)  # type: ignore[arg-type]

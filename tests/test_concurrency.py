@@ -16,7 +16,7 @@ import pytest
 import membase_strands.store
 from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
-from tests.support.store_helpers import Clock, delayed, make_agent, membase_threads, routed, wait_until
+from tests.support.store_helpers import Clock, client_of, delayed, make_agent, membase_threads, routed, wait_until
 
 TOPICS = ["aurora", "basalt", "cobalt", "dynamo", "ember", "fjord", "glacier", "harbor", "iris", "juniper"]
 
@@ -220,7 +220,7 @@ def test_close_twice_is_harmless_and_a_passed_in_client_stays_open(fake):
 def test_the_context_manager_closes_the_client_it_built_only(fake, monkeypatch):
     monkeypatch.delenv("MEMBASE_BASE_URL", raising=False)
     with MembaseMemoryStore(api_key=API_KEY, base_url="http://127.0.0.1:9") as store:
-        built = store._client
+        built = client_of(store)
         assert not built._http.is_closed
     assert built._http.is_closed
     with pytest.raises(RuntimeError, match="closed"):

@@ -223,7 +223,7 @@ def test_parse_containers_reads_ids_and_names_and_skips_rows_without_ids():
 
 @pytest.mark.parametrize("body", [None, [], {"containers": None}, {"items": []}])
 def test_parse_containers_rejects_a_body_without_a_list(body):
-    from membase_strands.errors import BadResponseError
+    from membase_strands._failures import BadResponseError
 
     with pytest.raises(BadResponseError):
         parse_containers(body)

@@ -8,7 +8,7 @@ import membase
 import pytest
 
 from membase_strands import MembaseAccessError, MembaseRecallTimeout
-from membase_strands.errors import ACCESS_SENTENCE, BadResponseError, Failure, clip, describe_failure
+from membase_strands._failures import ACCESS_SENTENCE, BadResponseError, Failure, clip, describe_failure
 
 
 def status_error(cls: type[membase.APIStatusError], status: int, message: str = "refused") -> membase.APIStatusError:

@@ -19,7 +19,7 @@ import membase
 import pytest
 
 from membase_strands import MembaseAccessError, MembaseWriteTimeout
-from membase_strands.errors import BadResponseError
+from membase_strands._failures import BadResponseError
 from tests.support.faults import (
     API_KEY,
     FAULTS,

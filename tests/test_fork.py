@@ -27,7 +27,7 @@ import pytest
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase
 from tests.support.loopback import LoopbackMembase, ok_json, stall
-from tests.support.store_helpers import membase_threads, wait_until
+from tests.support.store_helpers import client_of, membase_threads, wait_until
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no os.fork()"),
@@ -172,7 +172,7 @@ def test_a_forked_child_is_not_stuck_on_a_pool_lock_its_parent_held_at_the_fork(
     store = MembaseMemoryStore(name=NAME, api_key=API_KEY, base_url=loopback.url, recall_timeout=3.0)
     try:
         warm(store)
-        pool_lock = store._client._http.http._transport._pool._optional_thread_lock
+        pool_lock = client_of(store)._http.http._transport._pool._optional_thread_lock
         held, release = threading.Event(), threading.Event()
 
         def hold() -> None:

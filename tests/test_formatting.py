@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from membase_strands._failures import BadResponseError
 from membase_strands._formatting import (
     Passage,
     SearchAnswer,
@@ -18,7 +19,6 @@ from membase_strands._formatting import (
     profile_text,
     search_text,
 )
-from membase_strands.errors import BadResponseError
 from membase_strands.testing import InMemoryMembase, ToolCall
 from tests.support.store_helpers import make_agent
 

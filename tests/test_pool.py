@@ -34,7 +34,7 @@ from membase_strands import _client as membase_client
 from membase_strands.testing import InMemoryMembase, hang
 from membase_strands.testing._membase import error
 from tests.support.loopback import LoopbackMembase
-from tests.support.store_helpers import QUESTION, make_agent, routed, wait_until
+from tests.support.store_helpers import QUESTION, client_of, make_agent, routed, wait_until
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def pool() -> Iterator[MembaseStorePool]:
 
 
 def is_closed(store: MembaseMemoryStore) -> bool:
-    return store._closed and store._client._http.is_closed
+    return store._closed and client_of(store)._http.is_closed
 
 
 def in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -136,8 +136,8 @@ def test_a_users_next_turns_reuse_the_same_store_and_client(users):
             agent(QUESTION)
             assert FACTS["alice"] in (model.memory_block() or "")
         assert pool.store_for("alice") is first
-        assert pool.store_for("alice")._client is first._client
-        assert not first._client._http.is_closed
+        assert client_of(pool.store_for("alice")) is client_of(first)
+        assert not client_of(first)._http.is_closed
     assert users.keys_seen == [key_of("alice")] * 3
 
 
@@ -190,8 +190,8 @@ def test_shared_options_reach_every_users_store(users):
 
 def test_a_shared_base_url_reaches_every_users_client():
     with MembaseStorePool(key_of, base_url="https://membase.example") as pool:
-        assert pool.store_for("alice")._client.base_url == "https://membase.example"
-        assert pool.store_for("bob")._client.base_url == "https://membase.example"
+        assert client_of(pool.store_for("alice")).base_url == "https://membase.example"
+        assert client_of(pool.store_for("bob")).base_url == "https://membase.example"
 
 
 # --- One store per user, each from its own credential -------------------------------------------
@@ -201,16 +201,16 @@ def test_the_same_user_gets_the_same_store_and_client(pool):
     store = pool.store_for("alice")
 
     assert pool.store_for("alice") is store
-    assert pool.store_for("alice")._client is store._client
+    assert client_of(pool.store_for("alice")) is client_of(store)
     assert len(pool) == 1
 
 
 def test_different_users_get_different_stores_built_from_their_own_key(pool):
     alice, bob = pool.store_for("alice"), pool.store_for("bob")
 
-    assert alice is not bob and alice._client is not bob._client
-    assert alice._client.api_key == key_of("alice")
-    assert bob._client.api_key == key_of("bob")
+    assert alice is not bob and client_of(alice) is not client_of(bob)
+    assert client_of(alice).api_key == key_of("alice")
+    assert client_of(bob).api_key == key_of("bob")
     assert len(pool) == 2
 
 
@@ -220,7 +220,7 @@ def test_building_a_store_makes_no_request(monkeypatch):
 
     monkeypatch.setattr(httpx.HTTPTransport, "handle_request", no_network)
     with MembaseStorePool(key_of, container="Main", capture=True) as pool:
-        assert pool.store_for("alice")._client.api_key == key_of("alice")
+        assert client_of(pool.store_for("alice")).api_key == key_of("alice")
 
 
 def test_the_pool_and_its_repr_never_show_a_key(pool):
@@ -252,7 +252,7 @@ def test_a_failing_credential_function_names_the_user_and_never_leaks_a_key():
         assert key_of("alice") not in message and key_of("bob") not in message
         assert len(pool) == 2
         assert pool.store_for("alice") is alice and pool.store_for("bob") is bob
-        assert alice._client.api_key == key_of("alice")
+        assert client_of(alice).api_key == key_of("alice")
 
 
 def test_a_credential_function_that_fails_once_is_asked_again_next_time():
@@ -267,7 +267,7 @@ def test_a_credential_function_that_fails_once_is_asked_again_next_time():
     with MembaseStorePool(flaky) as pool:
         with pytest.raises(ValueError, match="'dave'"):
             pool.store_for("dave")
-        assert pool.store_for("dave")._client.api_key == key_of("dave")
+        assert client_of(pool.store_for("dave")).api_key == key_of("dave")
 
 
 @pytest.mark.parametrize("credential", ["", "   ", None, 42, b"mb_bytes_key", ["a", "list"]])
@@ -316,7 +316,7 @@ def test_a_third_user_makes_the_pool_let_go_of_the_least_recently_used_without_c
         carol = pool.store_for("carol")
 
         assert len(pool) == 2 and list(pool._stores) == ["bob", "carol"]
-        assert not any(store._closed or store._client._http.is_closed for store in (alice, bob, carol))
+        assert not any(store._closed or client_of(store)._http.is_closed for store in (alice, bob, carol))
         # Alice's store is still held (here: by this test; in an app: by her agent mid-turn), so she gets
         # that same store back, not a second client, and now bob is the least recently used.
         assert pool.store_for("alice") is alice
@@ -327,7 +327,7 @@ def test_a_third_user_makes_the_pool_let_go_of_the_least_recently_used_without_c
 def test_a_store_let_go_of_closes_its_client_once_nothing_holds_it():
     with MembaseStorePool(key_of, max_stores=1) as pool:
         alice = pool.store_for("alice")
-        http, gone = alice._client._http, weakref.ref(alice)
+        http, gone = client_of(alice)._http, weakref.ref(alice)
         pool.store_for("bob")
         assert not http.is_closed
 
@@ -336,15 +336,15 @@ def test_a_store_let_go_of_closes_its_client_once_nothing_holds_it():
         assert collected(gone)
         assert wait_until(lambda: http.is_closed)
         again = pool.store_for("alice")
-        assert again._client._http is not http and not again._closed
-        assert again._client.api_key == key_of("alice")
+        assert client_of(again)._http is not http and not again._closed
+        assert client_of(again).api_key == key_of("alice")
 
 
 def test_touching_a_store_keeps_it_recent():
     with MembaseStorePool(key_of, max_stores=2) as pool:
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
         assert pool.store_for("alice") is alice  # alice is now the most recent
-        bob_http, bob_gone = bob._client._http, weakref.ref(bob)
+        bob_http, bob_gone = client_of(bob)._http, weakref.ref(bob)
         del bob
 
         pool.store_for("carol")
@@ -360,7 +360,7 @@ def test_a_bound_of_one_keeps_only_the_latest_users_store():
         for user in ("alice", "bob", "carol"):
             store = pool.store_for(user)
             refs.append(weakref.ref(store))
-            clients.append(store._client._http)
+            clients.append(client_of(store)._http)
         del store
 
         assert len(pool) == 1 and list(pool._stores) == ["carol"]
@@ -390,7 +390,7 @@ def test_a_write_still_running_keeps_a_store_let_go_of_open_until_it_is_saved(us
     try:
         with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=0.5) as pool:
             store = pool.store_for("alice")
-            http, gone = store._client._http, weakref.ref(store)
+            http, gone = client_of(store)._http, weakref.ref(store)
             agent, _ = make_agent(store, ["ok"])
             agent(QUESTION)  # the write runs out of its budget and goes on in the background
             assert len(alice.sent("POST", "/v1/memories")) == 1
@@ -423,7 +423,7 @@ def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(users):
             # An event loop asking for bob's store must not wait (up to 60 s) for alice's write.
             bob = in_thread(lambda: pool.store_for("bob")).result(timeout=10)
 
-            assert bob._client.api_key == key_of("bob")
+            assert client_of(bob).api_key == key_of("bob")
             assert not turn.done() and not store._closed
             release.set()
             turn.result(timeout=10)
@@ -540,7 +540,7 @@ def test_close_returns_within_one_write_budget_however_many_stores_wait(monkeypa
         assert all(store._closed for store in stores)
     finally:
         release.set()
-    assert all(wait_until(lambda store=store: store._client._http.is_closed, timeout=10) for store in stores)
+    assert all(wait_until(lambda store=store: client_of(store)._http.is_closed, timeout=10) for store in stores)
 
 
 # --- Threads ------------------------------------------------------------------------------------
@@ -598,7 +598,7 @@ def test_threads_get_exactly_one_store_per_user_each_for_that_user(users, built_
 
         per_user: dict[str, set[int]] = {}
         for user, store in seen:
-            assert store._client.api_key == key_of(user)
+            assert client_of(store).api_key == key_of(user)
             per_user.setdefault(user, set()).add(id(store))
         assert set(per_user) == set(user_ids)
         assert all(len(ids) == 1 for ids in per_user.values())
@@ -616,7 +616,7 @@ def test_threads_over_a_small_bound_never_get_another_users_store(users, built_s
     with MembaseStorePool(slow_key_of, max_stores=5) as pool:
         seen = hammer(pool, user_ids, threads=8, calls=200)
 
-        assert all(store._client.api_key == key_of(user) for user, store in seen)
+        assert all(client_of(store).api_key == key_of(user) for user, store in seen)
         assert len(pool) == 5
         # Every store handed out is still held by a thread here, so a returning user always got that
         # same store back: one store per user, however often the pool let go of it.
@@ -662,7 +662,7 @@ def test_forty_users_at_once_on_a_pool_of_sixteen_all_keep_their_memory_and_writ
     def turn(pool: MembaseStorePool, user: str) -> None:
         store = pool.store_for(user)
         with lock:
-            clients[user], refs[user] = store._client._http, weakref.ref(store)
+            clients[user], refs[user] = client_of(store)._http, weakref.ref(store)
         all_asked.wait(60)  # 40 requests in flight at once: the pool has let go of 24 stores already
         agent, model = make_agent(store, ["ok"])
         agent(QUESTION)
@@ -723,9 +723,9 @@ def test_a_path_credential_builds_a_local_store_for_that_user(tmp_path, monkeypa
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
 
         assert alice is not bob
-        assert os.fspath(alice._local) == os.fspath(tmp_path / "alice")
-        assert os.fspath(bob._local) == os.fspath(tmp_path / "bob")
-        assert alice._client.api_key == "" and str(alice._client.base_url) == "http://membase.local"
+        assert f"local={os.fspath(tmp_path / 'alice')!r}" in repr(alice)
+        assert f"local={os.fspath(tmp_path / 'bob')!r}" in repr(bob)
+        assert client_of(alice).api_key == "" and str(client_of(alice).base_url) == "http://membase.local"
         assert pool.store_for("alice") is alice
     assert is_closed(alice) and is_closed(bob)
 

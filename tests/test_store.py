@@ -10,7 +10,7 @@ from strands.memory import MemoryManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands.testing import API_KEY, ToolCall, status
-from tests.support.store_helpers import FACT, QUESTION, make_agent
+from tests.support.store_helpers import FACT, QUESTION, client_of, make_agent
 
 DEFAULT_HOST = "https://api.app.membase.com"
 
@@ -213,8 +213,8 @@ async def test_a_403_raises_membase_access_error(fake, make_store):
 # --- Options ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, 51, -1, 2.5, True, "5"])
-def test_max_search_results_must_be_1_to_50(fake, value):
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "5"])
+def test_max_search_results_must_be_a_whole_number_of_at_least_1(fake, value):
     with pytest.raises(ValueError, match="max_search_results"):
         MembaseMemoryStore(client=fake.client(), max_search_results=value)
 
@@ -281,26 +281,26 @@ def clean_env(monkeypatch):
 
 def test_the_default_host_is_api_app_membase_com(clean_env):
     with MembaseMemoryStore(api_key=API_KEY) as store:
-        assert store._client.base_url == DEFAULT_HOST
+        assert client_of(store).base_url == DEFAULT_HOST
 
 
 def test_membase_base_url_overrides_the_default_host(clean_env):
     clean_env.setenv("MEMBASE_BASE_URL", "https://membase.example")
     with MembaseMemoryStore(api_key=API_KEY) as store:
-        assert store._client.base_url == "https://membase.example"
+        assert client_of(store).base_url == "https://membase.example"
 
 
 def test_base_url_overrides_the_environment(clean_env):
     clean_env.setenv("MEMBASE_BASE_URL", "https://membase.example")
     with MembaseMemoryStore(api_key=API_KEY, base_url="https://other.example") as store:
-        assert store._client.base_url == "https://other.example"
+        assert client_of(store).base_url == "https://other.example"
 
 
 def test_the_key_comes_from_membase_api_key(clean_env):
     clean_env.setenv("MEMBASE_API_KEY", API_KEY)
     with MembaseMemoryStore() as store:
-        assert store._client.api_key == API_KEY
-        assert store._client.base_url == DEFAULT_HOST
+        assert client_of(store).api_key == API_KEY
+        assert client_of(store).base_url == DEFAULT_HOST
 
 
 def test_no_key_anywhere_is_an_error_naming_membase_api_key(clean_env):
@@ -323,7 +323,7 @@ def test_close_leaves_a_client_that_was_passed_in_open():
 
 def test_close_closes_a_client_the_store_built(clean_env):
     store = MembaseMemoryStore(api_key=API_KEY)
-    http = store._client._http
+    http = client_of(store)._http
     store.close()
     assert http.is_closed is True
     store.close()  # twice is harmless
@@ -332,7 +332,7 @@ def test_close_closes_a_client_the_store_built(clean_env):
 
 def test_the_context_manager_closes_the_store(clean_env):
     with MembaseMemoryStore(api_key=API_KEY) as store:
-        http = store._client._http
+        http = client_of(store)._http
         assert http.is_closed is False
     assert http.is_closed is True
 
@@ -398,7 +398,7 @@ def test_the_store_goes_into_a_memory_manager_with_its_tools(fake, make_store):
 
 def test_whitespace_around_the_key_is_stripped_and_a_key_with_control_characters_is_refused():
     store = MembaseMemoryStore(api_key=f"  {API_KEY}\n", base_url="http://127.0.0.1:9")
-    assert store._client.api_key == API_KEY
+    assert client_of(store).api_key == API_KEY
     store.close()
     with pytest.raises(ValueError, match="api_key") as refused:
         MembaseMemoryStore(api_key=f"{API_KEY}\x01x", base_url="http://127.0.0.1:9")
@@ -406,7 +406,7 @@ def test_whitespace_around_the_key_is_stripped_and_a_key_with_control_characters
 
 
 def test_the_quoted_form_of_the_key_is_masked_too():
-    from membase_strands.errors import redact
+    from membase_strands._failures import redact
 
     assert redact(f"Illegal header value b'Bearer {API_KEY}\\n'", f"{API_KEY}\n") == (
         "Illegal header value b'Bearer [redacted]'"

@@ -52,15 +52,16 @@ class RecallSteps:
     """Await such a thread's future on the running loop, within a budget."""
 
 
-def recall_steps(store: MembaseMemoryStore) -> RecallSteps:
-    """The store's own pieces of one recall of :data:`QUESTION` with a limit of 5, from its private parts."""
-    # TODO(gateway): the only place the benchmarks reach into the store and the package's private modules.
-    # Once the store's Membase calls have their internal owner, take the blocking search from it.
+def recall_steps(client: membase.Membase) -> RecallSteps:
+    """The store's own pieces of one recall of :data:`QUESTION` with a limit of 5, through the library's
+    internal door to Membase (the gateway) over ``client``: the one place the benchmarks use private modules."""
     from membase_strands._formatting import memory_entries, parse_search
+    from membase_strands._gateway import MembaseGateway
     from membase_strands._threads import start_daemon, wait_for_future
 
+    gateway = MembaseGateway(client=client)
     return RecallSteps(
-        request=lambda: store._search_blocking(store._once, QUESTION, 5, None),
+        request=lambda: gateway.search(QUESTION, 5, None, retry=False),
         entries=memory_entries,
         parse=parse_search,
         start_daemon=lambda fn, name: start_daemon(fn, name=name),
@@ -209,7 +210,7 @@ def _measure(
     def raw_call() -> object:
         return client.search(QUESTION, limit=5)
 
-    steps = recall_steps(store)
+    steps = recall_steps(client)
     time_calls_us(raw_call, 200)  # warm-up
     asyncio.run(_store_calls_us(store, 200))
     asyncio.run(_store_calls_us(unboxed, 200))

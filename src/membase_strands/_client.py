@@ -38,7 +38,7 @@ import httpx
 import membase
 from membase.client import DEFAULT_TIMEOUT
 
-from .errors import BadResponseError
+from ._failures import BadResponseError
 
 logger = logging.getLogger(__name__)
 

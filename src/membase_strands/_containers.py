@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import membase
 
+from ._failures import BadResponseError
 from ._text import clip
-from .errors import BadResponseError
 
 T = TypeVar("T")
 

@@ -42,4 +42,4 @@ STANDARD = (
     "write_errors",
 )
 """Counts always present in a snapshot. Others appear once they happen: ``errors.<kind>`` (the kind of
-each Membase failure, as in :func:`membase_strands.errors.describe_failure`) and ``tool_calls.<tool>``."""
+each Membase failure, as in :func:`membase_strands._failures.describe_failure`) and ``tool_calls.<tool>``."""

@@ -20,8 +20,8 @@ from typing import Any
 
 from strands.memory import MemoryEntry
 
+from ._failures import BadResponseError
 from ._text import clip, sendable
-from .errors import BadResponseError
 
 _NAME_LIMIT = 80
 _REASON_LIMIT = 200

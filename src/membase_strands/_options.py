@@ -11,6 +11,7 @@ MAX_SEARCH_RESULTS = 50
 MAX_QUERY_CHARS = 2000
 MIN_RECALL_CHARS = 200
 DEFAULT_RECALL_CHARS = 20_000
+DEFAULT_WRITE_TIMEOUT = 5.0
 WAIT_WITHOUT_BUDGET = 8.0  # how long the set-up check and close() wait when the matching option says None
 TOOL_NAMES = ("search", "save", "profile")
 ROLES = ("user", "assistant")
@@ -44,12 +45,21 @@ def check_container(container: Any) -> str | None:
     return container
 
 
-def check_limit_option(value: Any) -> int:
+def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
+    """How many passages to ask Membase for: one rule wherever the number comes from.
+
+    The store's ``max_search_results``, the manager's ``max_entries`` and a tool's ``limit`` are all
+    a whole number of at least 1; ``None`` means ``default``; above Membase's maximum of 50 it asks
+    for 50 (the most Membase returns), rather than failing every turn.
+
+    Raises:
+        ValueError: ``value`` is not a whole number of at least 1 (the message names ``option``).
+    """
     if value is None:
-        return DEFAULT_SEARCH_RESULTS
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SEARCH_RESULTS:
-        raise ValueError(f"max_search_results must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
-    return value
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
+    return min(value, MAX_SEARCH_RESULTS)
 
 
 def check_recall_chars(value: Any) -> int | None:

@@ -28,8 +28,9 @@ from typing import TypeVar
 from membase.client import DEFAULT_TIMEOUT
 
 from ._counters import Counters
+from ._failures import detail_of
 from ._threads import start_daemon, wait_for_future
-from .errors import MembaseRecallTimeout, detail_of
+from .errors import MembaseRecallTimeout
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._counters import Counters
+from ._failures import describe_failure, detail_of
 from ._threads import start_daemon, wait_for_future
-from .errors import MembaseWriteTimeout, describe_failure, detail_of
+from .errors import MembaseWriteTimeout
 
 logger = logging.getLogger(__name__)
 

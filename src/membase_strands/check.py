@@ -19,10 +19,10 @@ from typing import Any
 import membase
 
 from ._containers import match
+from ._failures import describe_failure
+from ._gateway import MembaseGateway
 from ._options import query_text
 from ._text import clip
-from .errors import describe_failure, redact
-from .store import MembaseMemoryStore
 
 PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
@@ -132,29 +132,30 @@ def run_check(
         The report; ``report.ok`` tells whether everything needed works.
     """
     try:
-        store = MembaseMemoryStore(client=client, api_key=api_key, base_url=base_url, local=local, recall_timeout=None)
+        gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, membase.MembaseError) as error:
         report = CheckReport(target="(not configured)")
         report.steps.append(Step("configuration", False, str(error)))
         return report
-    with store:
+    try:
         if local is not None:
             target = f"local Membase in {os.fspath(local)}"
-        elif not store._client.api_key:
+        elif not gateway.hosted:
             target = "local Membase (MEMBASE_LOCAL)"
         else:
-            target = str(store._client.base_url)
+            target = gateway.base_url
         report = CheckReport(target=target, probe_query=query_text(query or "") or PROBE_QUERY)
-        _check(store, report, container, need_save, need_profile, clock)
-        secret = store._client.api_key or ""
+        _check(gateway, report, container, need_save, need_profile, clock)
         for step in report.steps:
-            step.detail = redact(step.detail, secret)
-        report.probe_query = redact(report.probe_query, secret)
+            step.detail = gateway.redact(step.detail)
+        report.probe_query = gateway.redact(report.probe_query)
+    finally:
+        gateway.close()
     return report
 
 
 def _check(
-    store: MembaseMemoryStore,
+    gateway: MembaseGateway,
     report: CheckReport,
     container: str | None,
     need_save: bool,
@@ -163,7 +164,7 @@ def _check(
 ) -> None:
     started = clock()
     try:
-        containers = store._memories_in_reach()
+        containers = gateway.memories_in_reach()
     except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
         report.steps.append(Step("reach", False, _fix_for(error)))
         return
@@ -184,7 +185,7 @@ def _check(
     for attempt in ("first", "second"):
         started = clock()
         try:
-            answer = store._search_blocking(store._client, report.probe_query, PROBE_LIMIT, container_id)
+            answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
             report.steps.append(Step("search", False, f"the {attempt} search failed: {_fix_for(error)}"))
             return
@@ -195,7 +196,7 @@ def _check(
     report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
-        hint = "" if store._client.api_key else _LOCAL_LLM_HINT
+        hint = "" if gateway.hosted else _LOCAL_LLM_HINT
         report.steps.append(
             Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
         )
@@ -205,20 +206,20 @@ def _check(
     )
 
     try:
-        store._profile_blocking(None)
+        gateway.profile(None)
         report.steps.append(Step("profile", True, "the profile can be read", required=need_profile))
     except Exception as error:  # noqa: BLE001
         report.steps.append(Step("profile", False, _fix_for(error, verb="read the profile"), required=need_profile))
 
     # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
     probe_target = container_id or (containers[0].id if containers else None)
-    report.steps.append(_probe_save(store, probe_target, need_save))
+    report.steps.append(_probe_save(gateway, probe_target, need_save))
 
 
-def _probe_save(store: MembaseMemoryStore, container_id: str | None, need_save: bool) -> Step:
+def _probe_save(gateway: MembaseGateway, container_id: str | None, need_save: bool) -> Step:
     how = "tried with an empty note, which Membase refuses without saving anything"
     try:
-        store._once.memories.add("", container=container_id)
+        gateway.save("", container_id)
     except membase.PermissionDeniedError:
         return Step("save", False, f"the key may not save ({how}: it answered 403)", required=need_save)
     except membase.BadRequestError as error:

@@ -141,7 +141,9 @@ class MembaseStorePool:
             return
         # Each store's close() waits up to its write_timeout for its own writes; side by side, they all
         # fit in one budget. Daemon threads: a close still waiting must not hold up the interpreter's exit.
-        budget = max(store._write_timeout or _options.WAIT_WITHOUT_BUDGET for store in stores)
+        budget = (
+            self._store_options.get("write_timeout", _options.DEFAULT_WRITE_TIMEOUT) or _options.WAIT_WITHOUT_BUDGET
+        )
         closing: list[Future[None]] = [
             start_daemon(store.close, name=f"membase-close[{store.name}]") for store in stores
         ]
@@ -200,40 +202,8 @@ class MembaseStorePool:
             )
         else:
             store = MembaseMemoryStore(api_key=credential, **self._store_options)
-        if store._close_client is not None:
-            # A store let go of and then dropped by its last user is never closed explicitly; its sockets
-            # (or local engine) must not outlive it. Running writes and recalls hold the store, so this
-            # runs only once they are done. The callback holds the client, never the store.
-            finalizer = weakref.finalize(store, _close_unused, store._close_client, user_id)
-            finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may still run
-        return store
+        return store  # one let go of and then dropped by its last user closes its client when collected
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("MembaseStorePool is closed")
-
-
-def _close_unused(close_client: Callable[[], None], user_id: str) -> None:
-    """Close the client of a store nothing uses any more; called when the store is garbage-collected.
-
-    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a
-    thread inside a lock): the close, which may wait on a lock or a local engine's disk, goes to a
-    daemon thread of its own.
-    """
-
-    def close() -> None:
-        try:
-            close_client()
-        except Exception as error:
-            logger.warning(
-                "user=<%s>, reason=<%s> | could not close the client of a store nothing uses",
-                user_id,
-                type(error).__name__,
-            )
-        else:
-            logger.debug("user=<%s> | closed the client of a store nothing uses any more", user_id)
-
-    try:
-        start_daemon(close, name="membase-close[unused]")
-    except RuntimeError:
-        close()  # no thread to be had (the interpreter is shutting down, or at its thread limit)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -19,25 +19,17 @@ from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
 from . import _options
-from ._client import UNREADABLE, after_fork_in_child, build_client, readable_answers, unreadable_reason, without_retries
-from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
+from ._client import after_fork_in_child
+from ._containers import Container, match, names_in_reach
 from ._counters import Counters
-from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries, parse_search
+from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
+from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries
+from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
-from ._text import sendable
 from ._threads import start_daemon, wait_for_future
+from ._tools import ToolContext, build_tools
 from ._writes import Part, WriteRecord, fingerprint
-from .errors import (
-    ACCESS_SENTENCE,
-    MembaseAccessError,
-    MembaseRecallTimeout,
-    MembaseWriteTimeout,
-    describe_failure,
-    detail_of,
-    redact,
-    without_secret,
-)
-from .tools import ToolBackend, build_tools
+from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
 if TYPE_CHECKING:
     from strands.memory import ExtractionConfig, MemoryStore
@@ -71,7 +63,7 @@ class MembaseMemoryStore:
         max_recall_chars: int | None = _options.DEFAULT_RECALL_CHARS,
         min_score: float | None = None,
         recall_timeout: float | None = 8.0,
-        write_timeout: float | None = 5.0,
+        write_timeout: float | None = _options.DEFAULT_WRITE_TIMEOUT,
         access_cooldown: float | None = 60.0,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
@@ -116,7 +108,8 @@ class MembaseMemoryStore:
         self._container = _options.check_container(container)
         # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
         self.description: str | None = description if description is not None else _options.describe(container)
-        self.max_search_results: int | None = _options.check_limit_option(max_search_results)
+        self.max_search_results: int | None = _options.passages_wanted(max_search_results, "max_search_results")
+        self._default_limit = self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
         self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
         self._min_score = _options.check_min_score(min_score)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
@@ -132,13 +125,9 @@ class MembaseMemoryStore:
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
 
-        # Every call goes through a guarded view of the client: a whole-call deadline per attempt, and no
-        # connection shared with a forked parent.
-        self._client, self._close_client = build_client(client, api_key, base_url, local, store_name=self.name)
-        self._local = local
-        # One attempt per call: the store chooses for itself when a request may be sent again.
-        self._once = without_retries(self._client)
-        self._resolver = ContainerResolver()
+        self._gateway = MembaseGateway(
+            client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
+        )
         self._counters = Counters()
         self._recall, self._writes = self._in_flight_state()
         self._closed = False
@@ -146,7 +135,15 @@ class MembaseMemoryStore:
         self._setup_check: Future[list[Container]] | None = None
         self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
+        self._tools: list[AgentTool] | None = None
         after_fork_in_child(self, MembaseMemoryStore._after_fork_in_child)
+        closer = self._gateway.closer()
+        # A store dropped without close() (say, one a pool let go of) must not keep its sockets or local
+        # engine: close its client once it is collected. Running writes and recalls hold the store, so this
+        # waits for them. The callback holds the client's closer, never the store.
+        self._finalizer = weakref.finalize(self, _close_unused, closer, self.name) if closer else None
+        if self._finalizer is not None:
+            self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
 
     @property
     def writable(self) -> bool:
@@ -159,11 +156,8 @@ class MembaseMemoryStore:
         raise AttributeError("writable follows capture=; build the store with capture=True to let the manager write")
 
     def __repr__(self) -> str:
-        where = (
-            f"local={os.fspath(self._local)!r}" if self._local is not None else f"base_url={self._client.base_url!r}"
-        )
         return (
-            f"MembaseMemoryStore(name={self.name!r}, {where}, container={self._container!r}, "
+            f"MembaseMemoryStore(name={self.name!r}, {self._gateway.location}, container={self._container!r}, "
             f"capture={self._capture}, recall_timeout={self._recall_timeout!r})"
         )
 
@@ -201,7 +195,7 @@ class MembaseMemoryStore:
             if check is None or (check.done() and check.exception() is not None):
                 # A check still running (Membase slow to answer) is shared, never started twice; one that
                 # ended late with an answer is used below; one that failed tells nothing, so ask again.
-                check = start_daemon(self._memories_in_reach, name=f"membase-check[{self.name}]")
+                check = start_daemon(self._gateway.memories_in_reach, name=f"membase-check[{self.name}]")
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
@@ -220,12 +214,12 @@ class MembaseMemoryStore:
             logger.warning(
                 "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use",
                 self.name,
-                self._redact(detail_of(error)),
+                self._gateway.redact(detail_of(error)),
             )
             return
         try:
             if self._container is not None:
-                self._resolver.remember(self._container, match(self._container, containers).id)
+                self._gateway.remember_container(self._container, match(self._container, containers).id)
             elif len(containers) > 1:
                 raise ValueError(
                     f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
@@ -266,8 +260,12 @@ class MembaseMemoryStore:
         self._check_open()
         if not isinstance(query, str) or not query.strip():
             return []
-        limit = self._resolve_limit(options.get("max_search_results") if options else None, "max_search_results")
-        client = self._once if self._recall_timeout is not None else self._client
+        wanted = options.get("max_search_results") if options else None
+        limit = _options.passages_wanted(
+            wanted, "max_search_results", self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
+        )
+        # With a budget, one attempt: a late request must hold the in-flight guard for one attempt, not three.
+        retry = self._recall_timeout is None
         text = _options.query_text(query)
         self._counters.add("recalls")
         if time.monotonic() < self._refused_until:
@@ -276,7 +274,7 @@ class MembaseMemoryStore:
             return []
         try:
             answer = await self._recall.run(
-                lambda: self._search_blocking(client, text, limit, self._container), self._recall_timeout
+                lambda: self._gateway.search(text, limit, self._container, retry=retry), self._recall_timeout
             )
         except RecallSkipped:
             return []  # counted and logged at DEBUG by the guard
@@ -328,7 +326,7 @@ class MembaseMemoryStore:
         target = None if static else self._container
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
         return await self._write(
-            [part], lambda parts: self._save_blocking(self._once, parts[0].text, target, static, title)
+            [part], lambda parts: self._gateway.save(parts[0].text, target, static=static, title=title)
         )
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
@@ -351,7 +349,7 @@ class MembaseMemoryStore:
             return None
         return await self._write(
             parts,
-            lambda todo: self._save_blocking(self._once, "\n".join(p.text for p in todo), self._container, False, ""),
+            lambda todo: self._gateway.save("\n".join(p.text for p in todo), self._container),
         )
 
     def counters(self) -> dict[str, int]:
@@ -369,23 +367,20 @@ class MembaseMemoryStore:
         return self._counters.snapshot()
 
     def get_tools(self) -> list[AgentTool]:
-        """The model's Membase tools chosen with ``tools=``."""
-        backend = ToolBackend(
-            store_name=self.name,
-            container=self._container,
-            max_recall_chars=self._max_recall_chars,
-            min_score=self._min_score,
-            is_closed=lambda: self._closed,
-            count=self._counters.add,
-            redact=self._redact,
-            resolve_limit=self._resolve_limit,
-            search=functools.partial(self._search_blocking, self._client),
-            save=lambda content, container, static: self._save_blocking(self._once, content, container, static, ""),
-            container_id=self._container_id,
-            profile=self._profile_blocking,
-            memories_in_reach=self._memories_in_reach,
-        )
-        return build_tools(backend, self._tool_names)
+        """The model's Membase tools chosen with ``tools=``, built once per store."""
+        if self._tools is None:
+            context = ToolContext(
+                gateway=self._gateway,
+                counters=self._counters,
+                store_name=self.name,
+                container=self._container,
+                default_limit=self._default_limit,
+                max_recall_chars=self._max_recall_chars,
+                min_score=self._min_score,
+                is_closed=lambda: self._closed,
+            )
+            self._tools = build_tools(context, self._tool_names)
+        return list(self._tools)
 
     # --- Lifecycle ----------------------------------------------------------------------------
 
@@ -400,8 +395,9 @@ class MembaseMemoryStore:
         self._closed = True
         # A write that ran out of time may still be on its way; closing the client under it would lose it.
         self._writes.drain(self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-        if self._close_client is not None:
-            self._close_client()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._gateway.close()
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -409,19 +405,7 @@ class MembaseMemoryStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # --- Shared with the tools ----------------------------------------------------------------
-
-    def _resolve_limit(self, limit: Any, option: str) -> int:
-        """The number of passages to ask for: ``limit``, else the store's default, capped at 50.
-
-        Raises:
-            ValueError: ``limit`` is not a whole number of at least 1.
-        """
-        if limit is None:
-            return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"{option} must be a whole number from 1 to {_options.MAX_SEARCH_RESULTS}, got {limit!r}")
-        return min(limit, _options.MAX_SEARCH_RESULTS)
+    # --- Private helpers ----------------------------------------------------------------------
 
     def _arrange(self, answer: SearchAnswer) -> SearchAnswer:
         """Recall's passages best first, each text once, none below ``min_score``; counts what was left out.
@@ -442,48 +426,11 @@ class MembaseMemoryStore:
             )
         return arranged
 
-    def _search_blocking(self, client: membase.Membase, query: str, limit: int, container: str | None) -> SearchAnswer:
-        with readable_answers():
-            body = self._resolver.call(
-                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
-            )
-        return parse_search(body)
-
-    def _save_blocking(
-        self, client: membase.Membase, content: str, container: str | None, static: bool, title: str
-    ) -> Any:
-        def send(container_id: str | None) -> Any:
-            try:
-                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-            except UNREADABLE as error:
-                # A 2xx means Membase took the note; only its answer is unreadable (not JSON, or cut mid-character
-                # by a proxy). Calling that a failure would make the manager send the note again.
-                logger.warning(
-                    "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
-                    self.name,
-                    unreadable_reason(error),
-                )
-                return None
-
-        with readable_answers():
-            return self._resolver.call(client, container, send)
-
-    def _container_id(self, name: str) -> str:
-        with readable_answers():
-            return self._resolver.resolve(self._client, name)
-
-    def _profile_blocking(self, topic: str | None) -> Any:
-        with readable_answers():
-            return self._client.profile(q=sendable(topic) if topic else None)
-
-    def _memories_in_reach(self) -> list[Container]:
-        with readable_answers():
-            return parse_containers(self._once.containers.list())
-
     def _in_flight_state(self) -> tuple[TimeBoxedRecall, WriteRecord]:
         """The in-flight recall guard and the write record, as a new store (or a forked child) starts them."""
-        recall = TimeBoxedRecall(self.name, self._counters, self._redact, is_closed=lambda: self._closed)
-        writes = WriteRecord(self.name, self._counters, self._redact)
+        redact = self._gateway.redact
+        recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=lambda: self._closed)
+        writes = WriteRecord(self.name, self._counters, redact)
         return recall, writes
 
     def _after_fork_in_child(self) -> None:
@@ -494,19 +441,14 @@ class MembaseMemoryStore:
         connections are reset by the client itself (``_client.GuardedHTTP``).
         """
         self._recall, self._writes = self._in_flight_state()
-        self._resolver = ContainerResolver()
+        self._gateway.after_fork_in_child()
         self._setup_lock = threading.Lock()
         if self._setup_check is not None and not self._setup_check.done():
             self._setup_check = None  # its thread is the parent's: it will never finish here
 
-    def _redact(self, text: str) -> str:
-        return redact(text, self._client.api_key or "")
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
-
-    # --- Private helpers ----------------------------------------------------------------------
 
     def _require_capture(self, method: str) -> None:
         self._check_open()
@@ -531,7 +473,7 @@ class MembaseMemoryStore:
         anything else as it came, unless a server echoed the API key in it, then as a masked copy."""
         self._counters.add(f"{action}_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        clean = without_secret(error, self._client.api_key or "")
+        clean = self._gateway.without_secret(error)
         if isinstance(error, membase.PermissionDeniedError):
             logger.log(
                 level,
@@ -569,3 +511,29 @@ class MembaseMemoryStore:
 if TYPE_CHECKING:
     # mypy checks here that the store satisfies the protocol the MemoryManager is typed against.
     _as_memory_store: MemoryStore = MembaseMemoryStore()
+
+
+def _close_unused(close_client: Callable[[], None], store_name: str) -> None:
+    """Close the client of a store nothing uses any more; called when the store is garbage-collected.
+
+    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a
+    thread inside a lock): the close, which may wait on a lock or a local engine's disk, goes to a
+    daemon thread of its own.
+    """
+
+    def close() -> None:
+        try:
+            close_client()
+        except Exception as error:
+            logger.warning(
+                "store=<%s>, reason=<%s> | could not close the client of a store nothing uses",
+                store_name,
+                type(error).__name__,
+            )
+        else:
+            logger.debug("store=<%s> | closed the client of a store nothing uses any more", store_name)
+
+    try:
+        start_daemon(close, name=f"membase-close[{store_name}]")
+    except RuntimeError:
+        close()  # no thread to be had (the interpreter is shutting down, or at its thread limit)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import httpx
+import membase
 from strands import Agent
 from strands.memory import MemoryManager
 
@@ -77,6 +78,11 @@ def make_agent(
     model = ScriptedModel(script)
     agent = Agent(model=model, memory_manager=MemoryManager(stores=[store], **manager_options), callback_handler=None)
     return agent, model
+
+
+def client_of(store: MembaseMemoryStore) -> membase.Membase:
+    """The SDK client behind a store, through its gateway: the tests' one window into a store's insides."""
+    return store._gateway.client
 
 
 def result_text(result: dict[str, Any]) -> str:

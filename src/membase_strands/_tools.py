@@ -18,10 +18,12 @@ import membase
 from strands import tool
 from strands.types.tools import AgentTool
 
-from ._containers import Container, names_in_reach
-from ._formatting import SearchAnswer, arrange, at_most, fit_to_budget, memory_label, profile_text, search_text
-from ._options import query_text
-from .errors import Failure, describe_failure
+from ._containers import names_in_reach
+from ._counters import Counters
+from ._failures import Failure, describe_failure
+from ._formatting import arrange, at_most, fit_to_budget, memory_label, profile_text, search_text
+from ._gateway import MembaseGateway
+from ._options import passages_wanted, query_text
 
 logger = logging.getLogger(__name__)
 
@@ -45,45 +47,37 @@ PROFILE_DESCRIPTION = (
 
 
 @dataclass(frozen=True)
-class ToolBackend:
-    """What the tools need from their store: its settings, and its Membase calls as plain callables.
+class ToolContext:
+    """What the tools need from their store: its settings, its counters, and the door to Membase.
 
     The store builds one in ``get_tools()``; the tools never reach into the store itself.
     """
 
+    gateway: MembaseGateway
+    counters: Counters
     store_name: str
     container: str | None
+    default_limit: int
     max_recall_chars: int | None
+    min_score: float | None
     is_closed: Callable[[], bool]
-    count: Callable[[str], None]
-    redact: Callable[[str], str]
-    resolve_limit: Callable[[Any, str], int]
-    search: Callable[[str, int, str | None], SearchAnswer]
-    """Waits for the SDK's full timeout and retries, so a cold start still gets an answer."""
-    save: Callable[[str, str | None, bool], Any]
-    """One attempt: a save that timed out may already be stored, so it is never resent blindly."""
-    container_id: Callable[[str], str]
-    profile: Callable[[str | None], Any]
-    memories_in_reach: Callable[[], list[Container]]
-    min_score: float | None = None
-    """The relevance floor: passages scored below it are left out (the tool says how many)."""
 
 
-def build_tools(backend: ToolBackend, names: tuple[str, ...]) -> list[AgentTool]:
+def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
     """Build the chosen tools for one store.
 
     Args:
-        backend: The store's settings and Membase calls.
+        context: The store's settings, counters and gateway.
         names: Which of ``"search"``, ``"save"`` and ``"profile"`` to build, in order.
 
     Returns:
         The Strands tools, ready for ``get_tools()``.
     """
     makers = {"search": _search_tool, "save": _save_tool, "profile": _profile_tool}
-    return [makers[name](backend) for name in names]
+    return [makers[name](context) for name in names]
 
 
-def _search_tool(backend: ToolBackend) -> AgentTool:
+def _search_tool(context: ToolContext) -> AgentTool:
     def membase_search(query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
         """Search the user's Membase memory.
 
@@ -95,27 +89,27 @@ def _search_tool(backend: ToolBackend) -> AgentTool:
         if not query.strip():
             return _error("Nothing was searched: the query was empty.")
         try:
-            count = backend.resolve_limit(limit, "limit")
+            count = passages_wanted(limit, "limit", context.default_limit)
         except ValueError as error:
             return _error(f"Nothing was searched: {error}.")
-        target = container or backend.container
+        target = container or context.container
         text = query_text(query)
         try:
-            answer = backend.search(text, count, target)
+            answer = context.gateway.search(text, count, target, retry=True)  # a cold start still gets an answer
         except ValueError as error:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_search", error, container_named=target is not None)
+            return _failed(context, "membase_search", error, container_named=target is not None)
         # A server may send more passages than were asked for: the model sees at most `count`, the best ones.
-        shown = at_most(arrange(answer, backend.min_score), count)
-        reply = search_text(text, fit_to_budget(shown, backend.max_recall_chars))
+        shown = at_most(arrange(answer, context.min_score), count)
+        reply = search_text(text, fit_to_budget(shown, context.max_recall_chars))
         # When no Memory could answer, the search did not really happen: say so with an error status.
         return _error(reply) if answer.none_answered else _ok(reply)
 
-    return _as_tool(backend, membase_search, SEARCH_DESCRIPTION)
+    return _as_tool(context, membase_search, SEARCH_DESCRIPTION)
 
 
-def _save_tool(backend: ToolBackend) -> AgentTool:
+def _save_tool(context: ToolContext) -> AgentTool:
     def membase_save(content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
         """Save a note the user asked you to remember.
 
@@ -126,44 +120,44 @@ def _save_tool(backend: ToolBackend) -> AgentTool:
         """
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
-        target = None if standing_fact else (container or backend.container)
+        target = None if standing_fact else (container or context.container)
         if target is not None:
             # Find the Memory first, so a failure here is known to have saved nothing.
             try:
-                backend.container_id(target)
+                context.gateway.container_id(target)
             except ValueError as error:
                 return _error(f"Nothing was saved: {error}.")
             except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-                return _failed(backend, "membase_save", error, container_named=True)
+                return _failed(context, "membase_save", error, container_named=True)
         try:
-            backend.save(content, target, standing_fact)
+            context.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _error(f"Nothing was saved: {error}.")
         except membase.BadRequestError as error:
-            several = _several_memories(backend) if target is None and not standing_fact else None
+            several = _several_memories(context) if target is None and not standing_fact else None
             if several:
                 return _error(
                     f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
                     "then call membase_save again with container set to its name."
                 )
-            return _failed(backend, "membase_save", error, container_named=target is not None)
+            return _failed(context, "membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
-            _note_failure(backend, "membase_save", error)
+            _note_failure(context, "membase_save", error)
             return _error(
                 "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
                 "after checking with membase_search that it is not already there."
             )
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_save", error, container_named=target is not None)
+            return _failed(context, "membase_save", error, container_named=target is not None)
         if standing_fact:
             return _ok("Saved as a standing fact in the user's Membase profile.")
         where = f"the Memory '{memory_label(target)}'" if target else "Membase"
         return _ok(f"Saved to {where}.")
 
-    return _as_tool(backend, membase_save, SAVE_DESCRIPTION)
+    return _as_tool(context, membase_save, SAVE_DESCRIPTION)
 
 
-def _profile_tool(backend: ToolBackend) -> AgentTool:
+def _profile_tool(context: ToolContext) -> AgentTool:
     def membase_profile(topic: str | None = None) -> dict[str, Any]:
         """Read the user's Membase profile.
 
@@ -172,43 +166,43 @@ def _profile_tool(backend: ToolBackend) -> AgentTool:
         """
         wanted = query_text(topic) if topic and topic.strip() else None
         try:
-            return _ok(profile_text(backend.profile(wanted), wanted, backend.max_recall_chars))
+            return _ok(profile_text(context.gateway.profile(wanted), wanted, context.max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_profile", error)
+            return _failed(context, "membase_profile", error)
 
-    return _as_tool(backend, membase_profile, PROFILE_DESCRIPTION)
+    return _as_tool(context, membase_profile, PROFILE_DESCRIPTION)
 
 
-def _as_tool(backend: ToolBackend, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
+def _as_tool(context: ToolContext, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
     """Make ``function`` a Strands tool that is counted, and answers plainly once the store is closed."""
 
     @functools.wraps(function)  # keeps the signature and docstring Strands builds the tool's schema from
     def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        backend.count(f"tool_calls.{function.__name__}")
-        if backend.is_closed():
+        context.counters.add(f"tool_calls.{function.__name__}")
+        if context.is_closed():
             return _error(CLOSED_SENTENCE)
         return function(*args, **kwargs)
 
     return tool(name=function.__name__, description=description)(counted)
 
 
-def _several_memories(backend: ToolBackend) -> str | None:
+def _several_memories(context: ToolContext) -> str | None:
     try:
-        containers = backend.memories_in_reach()
+        containers = context.gateway.memories_in_reach()
     except Exception:  # noqa: BLE001 - only a better sentence is at stake
         return None
     return names_in_reach(containers) if len(containers) > 1 else None
 
 
 def _note_failure(
-    backend: ToolBackend, tool_name: str, error: BaseException, *, container_named: bool = False
+    context: ToolContext, tool_name: str, error: BaseException, *, container_named: bool = False
 ) -> Failure:
     """Count and log a failed Membase call; the caller decides what the model reads."""
     failure = describe_failure(error, container_named=container_named)
-    backend.count(f"errors.{failure.kind}")
+    context.counters.add(f"errors.{failure.kind}")
     logger.warning(
         "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
-        backend.store_name,
+        context.store_name,
         tool_name,
         failure.kind,
     )
@@ -216,10 +210,10 @@ def _note_failure(
 
 
 def _failed(
-    backend: ToolBackend, tool_name: str, error: BaseException, *, container_named: bool = False
+    context: ToolContext, tool_name: str, error: BaseException, *, container_named: bool = False
 ) -> dict[str, Any]:
-    failure = _note_failure(backend, tool_name, error, container_named=container_named)
-    return _error(backend.redact(failure.sentence))
+    failure = _note_failure(context, tool_name, error, container_named=container_named)
+    return _error(context.gateway.redact(failure.sentence))
 
 
 def _ok(text: str) -> dict[str, Any]:

@@ -1,0 +1,127 @@
+"""What went wrong with a Membase call, said plainly: failure kinds, the sentences the model reads, key redaction.
+
+Every exception from a Membase call becomes a :class:`Failure`: a short ``kind`` for logs and
+counters and a ``sentence`` a model can relay to the user. And since a server may echo what it was
+sent, every error text that leaves the library goes through :func:`redact` or :func:`without_secret`.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from dataclasses import dataclass
+
+import membase
+
+from ._text import clip
+from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
+
+ACCESS_SENTENCE = (
+    "Membase refused this key: this Membase key was narrowed or revoked by its owner, "
+    "or the action is above what the key may do. The request was not retried."
+)
+
+_MAX_DETAIL = 300
+
+
+class BadResponseError(membase.MembaseError):
+    """Membase answered 2xx with a body this library cannot read (not JSON, or the wrong shape)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong with one Membase call, for logs and for the model.
+
+    Attributes:
+        kind: A short machine-readable label (``"access"``, ``"timeout"``, ``"rate_limited"``, ...).
+        sentence: A complete sentence a model can relay to the user.
+    """
+
+    kind: str
+    sentence: str
+
+
+def detail_of(error: BaseException) -> str:
+    """The server's own message for an error, on one line and capped in length."""
+    text = error.message if isinstance(error, membase.MembaseError) else str(error)
+    return clip(text or type(error).__name__, _MAX_DETAIL)
+
+
+def redact(text: str, secret: str) -> str:
+    """``text`` with every occurrence of ``secret`` masked, also as ``repr()`` would quote it."""
+    for form in _forms_of(secret):
+        text = text.replace(form, "[redacted]")
+    return text
+
+
+def _forms_of(secret: str) -> list[str]:
+    # Transports quote what they reject (b'Bearer ...\n'), so the escaped form is masked as well.
+    return [form for form in dict.fromkeys((secret, repr(secret)[1:-1])) if form] if secret else []
+
+
+def without_secret(error: BaseException, secret: str) -> BaseException:
+    """``error`` itself, or, when it or any error chained to it carries ``secret``, a masked copy.
+
+    A server may echo what it was sent in an error message, and the SDK chains the transport's
+    error to its own. The copy keeps the class (so callers still catch what they expect) and the
+    status, and has no body, cause or traceback that could hold the secret.
+    """
+    text = str(error)
+    chain = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if not any(form in chain for form in _forms_of(secret)):
+        return error
+    if isinstance(error, membase.MembaseError):
+        try:
+            return type(error)(redact(error.message, secret), status=error.status)
+        except TypeError:  # a subclass with another signature
+            pass
+    return BadResponseError(redact(text, secret), status=getattr(error, "status", None))
+
+
+def describe_failure(error: BaseException, *, container_named: bool = False) -> Failure:
+    """Turn an exception from a Membase call into a :class:`Failure`.
+
+    Args:
+        error: What the Membase SDK (or this library, for an unreadable answer) raised.
+        container_named: Whether the failed request named a Memory, so a 400 about it can be
+            told apart from any other 400.
+
+    Returns:
+        The failure's kind and the sentence the model reads.
+    """
+    detail = detail_of(error)
+    # Order matters: APITimeoutError is an APIConnectionError, every status error an APIStatusError.
+    if isinstance(error, (membase.PermissionDeniedError, MembaseAccessError)):
+        return Failure("access", ACCESS_SENTENCE)
+    if isinstance(error, membase.AuthenticationError):
+        return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
+    if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout, MembaseWriteTimeout)):
+        return Failure(
+            "timeout",
+            "Membase did not answer in time (the memory may still be waking up); try again in a minute.",
+        )
+    if isinstance(error, membase.APIConnectionError):
+        return Failure(
+            "connection",
+            f"Membase could not be reached (the connection failed: {detail}); try again in a minute.",
+        )
+    if isinstance(error, membase.BadRequestError):
+        if container_named or "container" in detail.lower():
+            return Failure("bad_container", f"Membase rejected the Memory named in the request: {detail}.")
+        return Failure("bad_request", f"Membase rejected the request as invalid: {detail}.")
+    if isinstance(error, membase.UnprocessableEntityError):
+        return Failure("unavailable", f"This Memory cannot run right now (Membase answered 422: {detail}).")
+    if isinstance(error, membase.RateLimitError):
+        return Failure("rate_limited", "Membase is busy right now (rate limited, 429); try again shortly.")
+    if isinstance(error, membase.NotFoundError):
+        return Failure("not_found", f"Membase could not find what was asked for (404: {detail}).")
+    if isinstance(error, membase.InternalServerError):
+        return Failure(
+            "server_error",
+            f"Membase had an internal error ({error.status}: {detail}); try again in a minute.",
+        )
+    if isinstance(error, (BadResponseError, json.JSONDecodeError)):
+        return Failure("bad_response", f"Membase sent an answer that could not be read ({detail}).")
+    if isinstance(error, membase.APIStatusError):
+        return Failure("http_error", f"Membase answered with an error ({error.status}: {detail}).")
+    return Failure("error", f"The Membase call failed ({type(error).__name__}: {detail}).")
