@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import importlib.resources
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 from strands.memory import MemoryManager, MemoryStore
@@ -37,6 +40,20 @@ def test_every_exported_name_is_a_documented_public_object_of_this_package() -> 
         assert inspect.isclass(value), name
         assert value.__module__.startswith("membase_strands."), name
         assert value.__doc__, name
+
+
+PUBLIC_MODULES = {"check", "errors", "injection", "pool", "store", "testing"}
+"""The submodules users may import; every other module is private (its name starts with ``_``)."""
+
+
+def test_the_public_private_line_is_visible_in_module_names() -> None:
+    package = Path(membase_strands.__file__).parent
+    modules = {path.stem for path in package.glob("*.py")} | {path.name for path in package.iterdir() if path.is_dir()}
+    public = {name for name in modules if not name.startswith("_") and name != "__pycache__"}
+
+    assert public == PUBLIC_MODULES
+    for name in PUBLIC_MODULES:
+        assert importlib.import_module(f"membase_strands.{name}").__doc__, f"{name} says what it is for"
 
 
 def test_star_import_gives_exactly_all() -> None:
@@ -134,3 +151,21 @@ async def test_the_manager_searches_the_store(fake: InMemoryMembase, store: Memb
     assert [(e.store_name, e.content) for e in entries] == [("membase", "[Main] We chose Postgres for the ledger.")]
     [sent] = fake.sent("POST", "/v1/search")
     assert sent.body["limit"] == 5
+
+
+def test_nothing_outside_the_store_reaches_into_a_stores_private_attributes() -> None:
+    root = Path(__file__).resolve().parents[1]
+    sources = [
+        *(root / "src" / "membase_strands").rglob("*.py"),
+        *(root / "examples").glob("*.py"),
+        *(root / "benchmarks").rglob("*.py"),
+    ]
+    reaching_in = re.compile(r"\b(store|stores?\[\w*\]|pool\.store_for\([^)]*\))\._[a-z]")
+    offenders = [
+        f"{path.relative_to(root)}:{number}"
+        for path in sources
+        if path.name != "store.py"
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if reaching_in.search(line)
+    ]
+    assert offenders == []
