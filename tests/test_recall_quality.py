@@ -84,7 +84,7 @@ INTERLEAVED = [
 ]
 
 
-# --- 1. Order -----------------------------------------------------------------------------------
+# --- Order -----------------------------------------------------------------------------------
 
 
 def test_recall_shows_passages_best_first_across_memories(fake, make_store):
@@ -145,7 +145,7 @@ def test_the_search_tool_lists_passages_best_first(fake, make_store):
     ]
 
 
-# --- 2. Duplicates ------------------------------------------------------------------------------
+# --- Duplicates ------------------------------------------------------------------------------
 
 
 def test_a_passage_in_two_memories_is_shown_once_naming_both(fake, make_store):
@@ -243,7 +243,7 @@ def test_the_search_tool_shows_a_duplicate_once_naming_both(fake, make_store):
     ]
 
 
-# --- 3. The relevance floor ---------------------------------------------------------------------
+# --- The relevance floor ---------------------------------------------------------------------
 
 
 def test_the_floor_keeps_weak_passages_out_of_recall(fake, make_store):

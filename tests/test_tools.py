@@ -66,7 +66,7 @@ def run(
     return result, model
 
 
-# --- 8. membase_search ---------------------------------------------------------------------------
+# --- membase_search ---------------------------------------------------------------------------
 
 
 def test_search_numbers_passages_with_their_memory(fake: InMemoryMembase, make_store) -> None:
@@ -258,7 +258,7 @@ def test_search_with_an_unreadable_answer_says_so(fake: InMemoryMembase, make_st
     assert "could not be read" in model.tool_result_text()
 
 
-# --- 9. membase_save ---------------------------------------------------------------------------
+# --- membase_save ---------------------------------------------------------------------------
 
 
 def test_save_writes_to_the_named_memory_by_id(fake: InMemoryMembase, make_store) -> None:
@@ -402,7 +402,7 @@ def test_save_description_asks_for_the_users_own_words(make_store) -> None:
     assert "user's own words" in description
 
 
-# --- 10. membase_profile -----------------------------------------------------------------------
+# --- membase_profile -----------------------------------------------------------------------
 
 
 def test_profile_gives_standing_facts_and_recent_changes(fake: InMemoryMembase, make_store) -> None:
@@ -447,7 +447,7 @@ def test_profile_empty_with_a_topic_names_it(fake: InMemoryMembase, make_store) 
     )
 
 
-# --- 11. Every Membase failure becomes a distinct sentence ----------------------------------------
+# --- Every Membase failure becomes a distinct sentence ----------------------------------------
 
 # name -> (responder, phrases the sentence must contain)
 FAILURES: dict[str, tuple[Callable[[httpx.Request], httpx.Response], tuple[str, ...]]] = {
@@ -563,7 +563,7 @@ def test_recall_failure_echoing_the_key_is_not_logged(
     assert API_KEY not in model.tool_result_text()
 
 
-# --- 12. Which tools the model gets --------------------------------------------------------------
+# --- Which tools the model gets --------------------------------------------------------------
 
 
 def tool_names_for(store: MembaseMemoryStore) -> list[str]:

@@ -117,7 +117,7 @@ def spy_on_batches(store) -> list[Any]:
     return seen
 
 
-# --- 1. A hung Membase never holds a synchronous turn -----------------------------------------------
+# --- A hung Membase never holds a synchronous turn -----------------------------------------------
 
 
 def test_a_hung_write_returns_within_the_budget_and_nothing_is_reported_saved(fake, make_store, gates, caplog):
@@ -143,7 +143,7 @@ def test_a_hung_write_returns_within_the_budget_and_nothing_is_reported_saved(fa
     assert membase_threads(WRITE_THREAD)  # the request goes on in the background
 
 
-# --- 2. A late success is not sent again ------------------------------------------------------------
+# --- A late success is not sent again ------------------------------------------------------------
 
 
 def test_a_write_that_succeeds_late_is_not_sent_again_by_the_managers_retry(fake, make_store, gates):
@@ -202,7 +202,7 @@ def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make
     assert counters["writes_saved"] == 2
 
 
-# --- 3. A late failure is sent again, once --------------------------------------------------------
+# --- A late failure is sent again, once --------------------------------------------------------
 
 
 @pytest.mark.parametrize("then", [None, status(500, "internal")], ids=["read-timeout", "500"])
@@ -237,7 +237,7 @@ def test_a_write_that_fails_late_is_sent_again_by_the_retry_once(fake, make_stor
     assert posted(fake)[-1] == "Call me Sam"
 
 
-# --- 4. Extractor path: only the fact that failed is sent again ----------------------------------------
+# --- Extractor path: only the fact that failed is sent again ----------------------------------------
 
 FACTS = ("Sam prefers green tea", "Sam lives in Lisbon", "Sam works on ledgers")
 
@@ -284,7 +284,7 @@ def test_on_the_extractor_path_only_the_fact_that_failed_is_sent_again(fake, mak
     assert counters["writes_saved"] == 3
 
 
-# --- 5. A new run's sequence 0 is not the old run's -------------------------------------------------
+# --- A new run's sequence 0 is not the old run's -------------------------------------------------
 
 
 @pytest.mark.parametrize("second_words", [LISBON, GREEN_TEA], ids=["different-words", "same-words"])
@@ -319,7 +319,7 @@ def test_one_agent_saying_the_same_words_twice_saves_them_twice(fake, make_store
     assert store.counters()["writes_deduplicated"] == 0
 
 
-# --- 6. Recall is not held by a stuck write ---------------------------------------------------------
+# --- Recall is not held by a stuck write ---------------------------------------------------------
 
 
 def test_recall_works_normally_while_a_write_is_stuck(fake, make_store, gates):
@@ -342,7 +342,7 @@ def test_recall_works_normally_while_a_write_is_stuck(fake, make_store, gates):
     assert len(fake.notes) == 1  # only the seeded note: nothing reported saved
 
 
-# --- 7. A retry waits for the earlier request instead of sending a second one -------------------------
+# --- A retry waits for the earlier request instead of sending a second one -------------------------
 
 
 async def test_concurrent_writes_of_one_batch_send_one_request(fake, make_store, gates):
@@ -414,7 +414,7 @@ async def test_a_retry_whose_earlier_request_fails_while_it_waits_sends_the_word
     assert occurrences(held(fake), LISBON) == 1
 
 
-# --- 8. Nothing lost ---------------------------------------------------------------------------------
+# --- Nothing lost ---------------------------------------------------------------------------------
 
 
 async def test_a_failed_write_is_never_reported_saved_and_a_later_attempt_saves_it_once(fake, make_store):
@@ -473,7 +473,7 @@ async def test_add_raises_on_failure_and_the_retry_sends_the_fact_once(fake, mak
     assert held(fake) == [FACTS[0]]
 
 
-# --- 9. write_timeout=None waits for the request ----------------------------------------------------
+# --- write_timeout=None waits for the request ----------------------------------------------------
 
 
 def test_without_a_write_timeout_the_turn_waits_for_the_request(fake, make_store):
@@ -502,7 +502,7 @@ async def test_without_a_write_timeout_add_waits_for_the_request(fake, make_stor
     assert held(fake) == [FACTS[0]]
 
 
-# --- 10. WriteRecord itself --------------------------------------------------------------------------
+# --- WriteRecord itself --------------------------------------------------------------------------
 
 
 class Sender:
@@ -694,7 +694,7 @@ async def test_record_never_reports_a_failed_write_saved_before_it_has_settled(s
     assert send.sent() == ["a"]
 
 
-# --- 11. strands 1.45: no context -------------------------------------------------------------------
+# --- strands 1.45: no context -------------------------------------------------------------------
 
 
 async def test_without_a_context_a_retried_batch_is_deduplicated_and_a_new_one_saved(fake, make_store):
@@ -762,7 +762,7 @@ async def test_a_late_write_that_fails_says_so_and_is_counted(fake, gates, caplo
     assert counters[f"errors.{kind}"] == 1
 
 
-# --- 12. close() returns once every write it waited for is on record ---------------------------------
+# --- close() returns once every write it waited for is on record ---------------------------------
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["saved", "500"])
@@ -793,7 +793,7 @@ async def test_close_returns_only_after_a_late_writes_outcome_is_logged_and_coun
         assert held(fake) == [GREEN_TEA]
 
 
-# --- 13. A caller that was cancelled: the write goes on, and its outcome is still logged and counted ------
+# --- A caller that was cancelled: the write goes on, and its outcome is still logged and counted ------
 
 ERROR_500 = json.dumps(
     {"error": {"code": "internal", "message": "internal", "details": None, "retryable": False, "trace_id": ""}}
@@ -895,7 +895,7 @@ async def test_record_counts_every_cancelled_wait_and_a_write_saved_after_it_is_
     assert send.sent() == []
 
 
-# --- 14. A thread that cannot start: the write fails cleanly and the retry sends it ----------------------
+# --- A thread that cannot start: the write fails cleanly and the retry sends it ----------------------
 
 
 @pytest.fixture
@@ -951,7 +951,7 @@ async def test_record_forgets_the_parts_of_a_write_whose_thread_cannot_start(no_
     assert send.sent() == ["a"]
 
 
-# --- 15. Memory: a saved write keeps its identity, and the text it keeps alive is bounded ---------------
+# --- Memory: a saved write keeps its identity, and the text it keeps alive is bounded ---------------
 
 BIG = 100 * 1024
 
