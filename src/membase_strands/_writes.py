@@ -29,6 +29,7 @@ they failed) last, and the newest of those never by a bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -218,12 +219,39 @@ class WriteRecord:
 
         Each write waited for has its outcome recorded, logged and counted by the time this returns.
         """
-        with self._lock:
-            running = {entry.request.future for entry in self._entries.values() if entry.request is not None}
+        running = self._still_running()
         if not running:
             return True
-        logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
         left = len(wait(running, timeout=timeout).not_done)
+        return self._drained(left, timeout)
+
+    async def drain_async(self, timeout: float) -> bool:
+        """:meth:`drain` for async code: awaits the writes still running without blocking the event loop.
+
+        Works from any event loop; cancelling it leaves the writes running.
+        """
+        running = self._still_running()
+        if not running:
+            return True
+        deadline = time.monotonic() + timeout
+        for future in running:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # A failure is the writing thread's to report; a timeout shows in the count below.
+            with contextlib.suppress(Exception):
+                await wait_for_future(future, remaining)
+        return self._drained(sum(not future.done() for future in running), timeout)
+
+    def _still_running(self) -> list[Future[Any]]:
+        """The futures of the writes still running, logged as waited for; each settles once its outcome is on record."""
+        with self._lock:
+            running = list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+        if running:
+            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
+        return running
+
+    def _drained(self, left: int, timeout: float) -> bool:
         if left:
             logger.warning(
                 "store=<%s>, writes=<%d> | writes still running after %g s; their outcome is logged when they end",

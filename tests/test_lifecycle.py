@@ -1,0 +1,306 @@
+"""The lifecycle: ``close()``, ``await aclose()``, ``with`` / ``async with`` (store and pool).
+
+``aclose()`` must drain captured writes still running without blocking the event loop: the tests
+run a ticker task beside it, and only the ticker releases the held write, so an ``aclose()`` that
+blocked the loop would wait out its whole budget and return with the write not saved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import httpx
+import pytest
+
+from membase_strands import MembaseMemoryStore, MembaseStorePool
+from membase_strands import _client as membase_client
+from membase_strands.testing import API_KEY, InMemoryMembase, Responder, hang
+from membase_strands.testing._membase import error
+from tests.support.loopback import LoopbackMembase, arrived, stall
+from tests.support.store_helpers import FACT, QUESTION, make_agent
+
+MEMORIES = ("POST", "/v1/memories")
+GREEN_TEA = "I like green tea."
+EXITING = "the interpreter is exiting; waiting up to"
+NOT_FINISHED = "a write still running at exit did not finish"
+LONG = 10.0  # a budget no test waits out; only a broken implementation would
+
+
+async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` without blocking the event loop until it holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def signalling(event: threading.Event, then: Responder) -> Responder:
+    """A responder that sets ``event`` once the request is in, then answers with ``then``."""
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        event.set()
+        return then(request)
+
+    return respond
+
+
+class Ticker:
+    """A task that ticks every 10 ms while the test awaits something else, and calls ``release`` at tick
+    ``release_after``. Only a loop that is not blocked runs it."""
+
+    def __init__(self, release_after: int | None = None, release: Callable[[], None] = lambda: None) -> None:
+        self.ticks = 0
+        self._release_after = release_after
+        self._release = release
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def __enter__(self) -> Ticker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.ticks += 1
+            if self.ticks == self._release_after:
+                self._release()
+
+
+async def turn_and_flush(agent: Any, text: str) -> None:
+    """One async turn and the flush an async caller owes the manager, as a web handler does it."""
+    await agent.invoke_async(text)
+    await agent.memory_manager.flush()
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= level]
+
+
+def capturing(membase: InMemoryMembase, write_timeout: float) -> MembaseMemoryStore:
+    return membase.store(capture=True, extraction=True, container="Main", write_timeout=write_timeout)
+
+
+# --- await store.aclose() --------------------------------------------------------------------------
+
+
+async def test_aclose_awaits_a_running_write_while_the_event_loop_keeps_running(gates, caplog):
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    in_flight, release = threading.Event(), gates.new()
+    membase.on(*MEMORIES, signalling(in_flight, hang(release, then=membase.answer)))
+    store = capturing(membase, write_timeout=LONG)
+    agent, model = make_agent(store, ["Noted."])
+    turn = asyncio.create_task(turn_and_flush(agent, GREEN_TEA))
+    assert await until(in_flight.is_set)
+
+    with Ticker(release_after=5, release=release.set) as ticker:
+        await asyncio.wait_for(store.aclose(), LONG * 2)
+        # On record when aclose() returns, not some time after.
+        saved, ticked = store.counters()["writes_saved"], ticker.ticks
+
+    assert ticked >= 5  # the ticker ran while aclose() waited: only it released the write
+    assert saved == 1
+    assert membase.saved() == [GREEN_TEA]
+    await asyncio.wait_for(turn, LONG)  # the turn's own flush got the same answer
+    assert len(model.calls) == 1
+    assert len(membase.sent(*MEMORIES)) == 1
+    assert any("waiting for writes still running" in m for m in messages(caplog, logging.INFO))
+    with pytest.raises(RuntimeError, match="closed"):
+        await store.search(QUESTION)
+
+
+async def test_aclose_lets_a_write_that_ran_out_of_time_finish_and_logs_it_before_returning(gates, caplog):
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    release = gates.new()
+    membase.on(*MEMORIES, hang(release, then=membase.answer))
+    store = capturing(membase, write_timeout=1.5)
+    agent, _ = make_agent(store, ["Noted."])
+    await turn_and_flush(agent, GREEN_TEA)  # the write runs out of its 1.5 s; the manager keeps the batch
+    assert store.counters()["write_timeouts"] == 1
+
+    with Ticker(release_after=3, release=release.set):
+        await store.aclose()
+        logged = messages(caplog, logging.INFO)
+        counters = store.counters()
+
+    assert any("a write that ran out of time finished; it is saved" in m for m in logged)
+    assert (counters["writes_saved"], counters["write_errors"]) == (1, 0)
+    assert membase.saved() == [GREEN_TEA]
+
+
+async def test_aclose_gives_up_after_write_timeout_without_blocking_the_loop(gates, caplog):
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    membase.on(*MEMORIES, hang(gates.new()))  # never answers while the test runs
+    store = capturing(membase, write_timeout=0.5)
+    agent, _ = make_agent(store, ["Noted."])
+    await turn_and_flush(agent, GREEN_TEA)
+
+    with Ticker() as ticker:
+        started = time.monotonic()
+        await store.aclose()
+        took, ticked = time.monotonic() - started, ticker.ticks
+
+    assert 0.4 <= took < 5.0, took  # it gave the write its budget, and no more than that (generously)
+    assert ticked >= 1  # the loop ran meanwhile
+    assert any("writes still running after 0.5 s" in m for m in messages(caplog, logging.WARNING))
+    assert store.counters()["writes_saved"] == 0
+
+
+async def test_async_with_closes_the_client_the_store_built_and_leaves_a_passed_in_one_open():
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        async with MembaseMemoryStore(api_key=API_KEY, base_url=server.url, container="Main") as built:
+            agent, model = make_agent(built, ["Postgres."])
+            await agent.invoke_async(QUESTION)
+            assert FACT in (model.memory_block() or "")
+        with pytest.raises(RuntimeError, match="closed"):
+            built._client.containers.list()  # the store's own connection pool is closed
+
+        client = server.client()
+        try:
+            async with MembaseMemoryStore(client=client, container="Main") as given:
+                agent, model = make_agent(given, ["Postgres."])
+                await agent.invoke_async(QUESTION)
+            with pytest.raises(RuntimeError, match="closed"):
+                await given.search(QUESTION)
+            assert client.containers.list()["containers"]  # the caller's client still works
+        finally:
+            client.close()
+
+
+async def test_a_cancelled_aclose_still_closes_the_client_and_a_second_aclose_returns(gates):
+    with LoopbackMembase() as server:
+        in_flight, release = threading.Event(), gates.new()
+        server.on(*MEMORIES, arrived(in_flight, stall(release)))  # then drops the connection without an answer
+        store = MembaseMemoryStore(
+            api_key=API_KEY, base_url=server.url, capture=True, extraction=True, container="Main", write_timeout=LONG
+        )
+        agent, _ = make_agent(store, ["Noted."])
+        turn = asyncio.create_task(turn_and_flush(agent, GREEN_TEA))
+        try:
+            assert await until(in_flight.is_set)
+            closing = asyncio.create_task(store.aclose())
+            assert await until(lambda: store._closed)
+            await asyncio.sleep(0)  # let it reach its wait for the write
+            closing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+
+            # Closed all the same: its own client too, on a thread, so the store never ends half closed.
+            assert await until(lambda: store._client._http.is_closed)
+            await asyncio.wait_for(store.aclose(), 2.0)  # a second aclose() has nothing left to wait for
+            with pytest.raises(RuntimeError, match="closed"):
+                await store.search(QUESTION)
+        finally:
+            release.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(turn, LONG)  # its connection was closed under it
+
+
+async def test_a_close_while_another_caller_closes_returns_once_the_writes_are_on_record(gates):
+    membase = InMemoryMembase()
+    in_flight, release = threading.Event(), gates.new()
+    membase.on(*MEMORIES, signalling(in_flight, hang(release, then=membase.answer)))
+    store = capturing(membase, write_timeout=LONG)
+    agent, _ = make_agent(store, ["Noted."])
+    turn = asyncio.create_task(turn_and_flush(agent, GREEN_TEA))
+    assert await until(in_flight.is_set)
+
+    first = asyncio.create_task(store.aclose())
+    assert await until(lambda: store._closed)
+    calling, second = threading.Event(), Future[int]()
+
+    def close_from_another_thread() -> None:
+        calling.set()
+        store.close()
+        second.set_result(store.counters()["writes_saved"])  # what that caller sees once close() returns
+
+    async def aclose_again() -> int:
+        await store.aclose()
+        return store.counters()["writes_saved"]
+
+    threading.Thread(target=close_from_another_thread, daemon=True).start()
+    third = asyncio.create_task(aclose_again())
+    assert await until(calling.is_set)
+    await asyncio.sleep(0)  # let the third closer start waiting too
+    release.set()
+
+    await asyncio.wait_for(first, LONG)
+    assert await asyncio.wait_for(third, LONG) == 1  # neither returned before the write was on record
+    assert await asyncio.wait_for(asyncio.wrap_future(second), LONG) == 1
+    await asyncio.wait_for(turn, LONG)
+
+
+# --- The pool ---------------------------------------------------------------------------------------
+
+
+def key_of(user_id: str) -> str:
+    return f"mb_key_of_{user_id}_s3cret"
+
+
+@pytest.fixture
+def memberships(monkeypatch: pytest.MonkeyPatch) -> dict[str, InMemoryMembase]:
+    """One in-memory Membase per user, reached only with that user's key, for every store the pool builds."""
+    fakes = {user: InMemoryMembase() for user in ("alice", "bob")}
+    by_key = {key_of(user): fake for user, fake in fakes.items()}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        fake = by_key.get(request.headers.get("authorization", "").removeprefix("Bearer "))
+        return fake.handle(request) if fake is not None else error(403, "unauthorized", "unknown key")
+
+    def routed_http_client(base_url: str) -> httpx.Client:
+        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(handle))
+
+    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
+    return fakes
+
+
+async def test_async_with_pool_closes_every_store_side_by_side_without_blocking_the_loop(memberships, gates):
+    release = gates.new()
+    arrivals = {user: threading.Event() for user in memberships}
+    for user, fake in memberships.items():
+        fake.on(*MEMORIES, signalling(arrivals[user], hang(release, then=fake.answer)))
+
+    async with MembaseStorePool(key_of, capture=True, extraction=True, container="Main", write_timeout=LONG) as pool:
+        stores = {user: pool.store_for(user) for user in memberships}
+        turns = [
+            asyncio.create_task(turn_and_flush(make_agent(store, ["Noted."])[0], f"{user} likes green tea."))
+            for user, store in stores.items()
+        ]
+        assert await until(lambda: all(event.is_set() for event in arrivals.values()))
+        ticker = Ticker(release_after=5, release=release.set).start()  # runs while the pool closes, below
+    ticker.stop()
+    saved = {user: store.counters()["writes_saved"] for user, store in stores.items()}
+
+    assert ticker.ticks >= 5  # only the ticker released the writes: the loop ran while the pool closed
+    assert saved == {"alice": 1, "bob": 1}
+    assert {user: fake.saved() for user, fake in memberships.items()} == {
+        "alice": ["alice likes green tea."],
+        "bob": ["bob likes green tea."],
+    }
+    assert all(store._closed and store._client._http.is_closed for store in stores.values())
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.store_for("alice")
+    await pool.aclose()  # twice is fine
+    await asyncio.wait_for(asyncio.gather(*turns), LONG)
