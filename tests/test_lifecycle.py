@@ -1,29 +1,41 @@
-"""The lifecycle: ``close()``, ``await aclose()``, ``with`` / ``async with`` (store and pool).
+"""The lifecycle: ``close()``, ``await aclose()``, ``with`` / ``async with`` (store and pool), and interpreter exit.
 
 ``aclose()`` must drain captured writes still running without blocking the event loop: the tests
 run a ticker task beside it, and only the ticker releases the held write, so an ``aclose()`` that
 blocked the loop would wait out its whole budget and return with the write not saved.
+
+Interpreter exit is tested with real subprocesses: a small program builds a store over the
+loopback HTTP server started here, runs one synchronous turn whose captured write outlives its
+budget (the server holds it), and exits. The test reads the program's log lines as they come and
+releases the held write on the line that says the interpreter is exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import json
 import logging
+import os
+import queue
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import httpx
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseStorePool
+from membase_strands import MembaseMemoryStore, MembaseStorePool, _exit
 from membase_strands import _client as membase_client
-from membase_strands.testing import API_KEY, InMemoryMembase, Responder, hang
+from membase_strands.testing import API_KEY, InMemoryMembase, Responder, hang, status
 from membase_strands.testing._membase import error
-from tests.support.loopback import LoopbackMembase, arrived, stall
+from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
 from tests.support.store_helpers import FACT, QUESTION, make_agent
 
 MEMORIES = ("POST", "/v1/memories")
@@ -304,3 +316,287 @@ async def test_async_with_pool_closes_every_store_side_by_side_without_blocking_
         pool.store_for("alice")
     await pool.aclose()  # twice is fine
     await asyncio.wait_for(asyncio.gather(*turns), LONG)
+
+
+# --- Interpreter exit, in process: the hook itself ----------------------------------------------------
+
+
+@pytest.fixture
+def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The atexit hook, over only the writes this test starts, with the 'exiting' flag put back afterwards."""
+    monkeypatch.setattr(_exit, "_running", {})
+    monkeypatch.setattr(_exit, "_exiting", False)
+    return _exit._drain_at_exit
+
+
+def test_the_exit_hook_does_nothing_when_no_write_is_running(exit_hook, caplog):
+    caplog.set_level(logging.DEBUG, logger="membase_strands")
+    started = time.monotonic()
+    exit_hook()
+    assert time.monotonic() - started < 1.0
+    assert messages(caplog) == []
+
+
+async def test_the_exit_hook_names_the_store_of_a_write_that_did_not_finish(exit_hook, gates, caplog, no_key_in_logs):
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    in_flight = threading.Event()
+    membase.on(*MEMORIES, signalling(in_flight, hang(gates.new())))
+    store = membase.store(capture=True, container="Main", name="notes", write_timeout=0.3)
+    write = asyncio.create_task(store.add(GREEN_TEA))
+    assert await until(in_flight.is_set)
+    write.cancel()  # a web server cancels the request's task: the write goes on
+    with pytest.raises(asyncio.CancelledError):
+        await write
+
+    await asyncio.to_thread(exit_hook)
+
+    logged = messages(caplog, logging.INFO)
+    assert any(f"store=<notes>, writes=<1> | {EXITING} 0.3 s" in m for m in logged)
+    warned = [m for m in messages(caplog, logging.WARNING) if NOT_FINISHED in m]
+    assert warned == [
+        "store=<notes>, parts=<1>, reason=<interpreter exiting> | a write still running at exit did not finish "
+        "within 0.3 s; it was not confirmed saved"
+    ]
+    assert all(GREEN_TEA not in m for m in messages(caplog))
+
+
+async def test_a_write_that_fails_during_the_exit_grace_says_no_retry_will_come(exit_hook, gates, caplog):
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    in_flight, release = threading.Event(), gates.new()
+    membase.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
+    store = capturing(membase, write_timeout=LONG)
+    write = asyncio.create_task(store.add(GREEN_TEA))
+    assert await until(in_flight.is_set)
+    write.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await write
+
+    hook = asyncio.create_task(asyncio.to_thread(exit_hook))
+    assert await until(lambda: any(EXITING in m for m in messages(caplog)))
+    release.set()
+    await asyncio.wait_for(hook, LONG)
+
+    warned = messages(caplog, logging.WARNING)
+    assert any(
+        "a write whose caller was cancelled failed; it is not saved, and no retry will send it: "
+        "the interpreter is exiting" in m
+        for m in warned
+    )
+    assert not any(NOT_FINISHED in m for m in warned)  # it ended within the grace: one line, not two
+    assert store.counters()["write_errors"] == 1
+
+
+async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(exit_hook, gates, caplog):
+    """Daemon threads still run during atexit hooks: an agent on a daemon thread's loop may flush then."""
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    arrivals, releases = [threading.Event(), threading.Event()], [gates.new(), gates.new()]
+    membase.on(*MEMORIES, *(signalling(arrivals[n], hang(releases[n], then=membase.answer)) for n in (0, 1)))
+    store = capturing(membase, write_timeout=LONG)
+    first = asyncio.create_task(store.add("I like green tea."))
+    assert await until(arrivals[0].is_set)
+
+    def exiting_lines() -> int:
+        return sum(EXITING in m for m in messages(caplog))
+
+    hook = asyncio.create_task(asyncio.to_thread(exit_hook))
+    assert await until(lambda: exiting_lines() == 1)
+    second = asyncio.create_task(store.add("I live in Lisbon."))  # starts while the hook waits for the first
+    assert await until(arrivals[1].is_set)
+    releases[0].set()
+    assert await until(lambda: exiting_lines() == 2)  # the hook saw the new write and waits for it as well
+    assert not hook.done()
+    releases[1].set()
+    await asyncio.wait_for(hook, LONG)
+
+    await asyncio.wait_for(asyncio.gather(first, second), LONG)
+    assert membase.saved() == ["I like green tea.", "I live in Lisbon."]
+    assert not any(NOT_FINISHED in m for m in messages(caplog))
+
+
+async def test_watching_writes_for_exit_keeps_no_store_alive():
+    membase = InMemoryMembase()
+    store = capturing(membase, write_timeout=LONG)
+    agent, _ = make_agent(store, ["Noted."])
+    await turn_and_flush(agent, GREEN_TEA)
+    assert membase.saved() == [GREEN_TEA]
+    gone = weakref.ref(store)
+    del store, agent
+    gc.collect()
+    assert gone() is None
+
+
+# --- Interpreter exit, for real: a subprocess -----------------------------------------------------------
+
+PROGRAM = r"""
+import atexit, json, logging, os, sys, warnings
+
+warnings.simplefilter("ignore", DeprecationWarning)  # os.fork() in a process that has threads
+store = None
+# Registered before the library's exit hook (its first write registers that one), so it runs after it.
+atexit.register(
+    lambda: print(json.dumps({"pid": os.getpid(), "counters": store.counters() if store else None}), flush=True)
+)
+logging.basicConfig(
+    level=logging.INFO, stream=sys.stderr, format="%(process)d %(created).3f %(levelname)s %(name)s %(message)s"
+)
+
+from strands import Agent
+from strands.memory import MemoryManager
+
+from membase_strands import MembaseMemoryStore
+from membase_strands.testing import API_KEY, ScriptedModel
+
+url, write_timeout, fork = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "fork"
+store = MembaseMemoryStore(
+    api_key=API_KEY, base_url=url, container="Main", capture=True, extraction=True, write_timeout=write_timeout
+)
+agent = Agent(model=ScriptedModel(["Noted."]), memory_manager=MemoryManager(stores=[store]), callback_handler=None)
+agent("I like green tea.")  # its captured write outlives its budget: the server holds it
+logging.getLogger("program").info("turn over")
+if fork:
+    child = os.fork()
+    if child == 0:
+        logging.getLogger("program").info("forked")
+        sys.exit(0)  # a normal exit: the atexit hooks run in the child too
+    os.waitpid(child, 0)
+"""
+
+
+class Program:
+    """The program above, run in a subprocess; its log lines (stderr) read as they come."""
+
+    def __init__(self, url: str, write_timeout: float, mode: str = "plain") -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBASE_")}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PROGRAM, url, str(write_timeout), mode],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self._arriving: queue.Queue[str] = queue.Queue()
+        assert self.process.stdout is not None and self.process.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.process.stderr, self.err), daemon=True),
+            threading.Thread(target=self._read, args=(self.process.stdout, self.out), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream: Any, into: list[str]) -> None:
+        for line in stream:
+            into.append(line.rstrip("\n"))
+            if into is self.err:
+                self._arriving.put(line)
+
+    def wait_for_line(self, text: str, timeout: float = 60.0) -> bool:
+        """Wait until a log line containing ``text`` arrives (or the program ends, or ``timeout`` passes)."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                if text in self._arriving.get(timeout=min(remaining, 0.5)):
+                    return True
+            except queue.Empty:
+                if self.process.poll() is not None and self._arriving.empty():
+                    return False
+        return False
+
+    def finish(self, timeout: float = 60.0) -> int:
+        try:
+            code = self.process.wait(timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(10)
+        for reader in self._readers:
+            reader.join(10)
+        return code
+
+    def counters(self, pid: int | None = None) -> dict[str, int]:
+        reports = [json.loads(line) for line in self.out if line.startswith("{")]
+        return next(r["counters"] for r in reports if pid in (None, r["pid"]))
+
+    def lines(self, pid: int | None = None) -> list[str]:
+        return [line for line in self.err if pid is None or line.startswith(f"{pid} ")]
+
+    def output(self) -> str:
+        return "\n".join([*self.err, *self.out])
+
+
+SAVED_ANSWER = {"memory_id": "ctr_main:1", "container": "ctr_main"}
+
+
+@pytest.fixture
+def server() -> Iterator[LoopbackMembase]:
+    with LoopbackMembase() as serving:
+        yield serving
+
+
+def test_at_exit_a_running_write_gets_its_grace_and_is_saved(server, gates):
+    release = gates.new()
+    server.on(*MEMORIES, stall(release, then=ok_json(SAVED_ANSWER)))
+    program = Program(server.url, write_timeout=2.0)
+    try:
+        assert program.wait_for_line(EXITING), program.output()
+        release.set()  # the write was still running when exit began; it ends within the grace
+    finally:
+        code = program.finish()
+
+    assert code == 0, program.output()
+    lines = program.lines()
+    exiting = next(i for i, line in enumerate(lines) if EXITING in line)
+    assert "store=<membase>, writes=<1>" in lines[exiting]
+    saved = [i for i, line in enumerate(lines) if " INFO " in line and "ran out of time finished; it is saved" in line]
+    assert saved and saved[0] > exiting, program.output()
+    assert not any(NOT_FINISHED in line for line in lines)
+    counters = program.counters()
+    assert (counters["write_timeouts"], counters["writes_saved"], counters["write_errors"]) == (1, 1, 0)
+    assert server.fake.saved() == [GREEN_TEA]
+    assert API_KEY not in program.output()
+
+
+def test_at_exit_a_write_that_does_not_finish_gets_a_warning_naming_its_store(server, gates):
+    server.on(*MEMORIES, stall(gates.new()))  # never answers while the program runs
+    program = Program(server.url, write_timeout=1.0)
+    code = program.finish()
+
+    assert code == 0, program.output()
+    lines = program.lines()
+    exiting = next(line for line in lines if EXITING in line)
+    warning = next(line for line in lines if NOT_FINISHED in line)
+    assert " WARNING " in warning
+    assert (
+        "store=<membase>, parts=<1>, reason=<interpreter exiting> | a write still running at exit did not "
+        "finish within 1 s; it was not confirmed saved"
+    ) in warning
+    waited = float(warning.split()[1]) - float(exiting.split()[1])
+    assert 0.9 <= waited < 10.0, waited  # it had its grace, and the grace was bounded
+    assert program.counters()["writes_saved"] == 0
+    assert not any(GREEN_TEA in line for line in lines if " membase_strands." in line)  # never the text
+    assert API_KEY not in program.output()
+
+
+def test_a_forked_child_does_not_wait_for_or_report_its_parents_running_write(server, gates):
+    release = gates.new()
+    server.on(*MEMORIES, stall(release, then=ok_json(SAVED_ANSWER)))
+    program = Program(server.url, write_timeout=2.0, mode="fork")
+    try:
+        assert program.wait_for_line(EXITING), program.output()  # the parent's: it exits after its child
+        release.set()
+    finally:
+        code = program.finish()
+
+    assert code == 0, program.output()
+    child = int(next(line for line in program.lines() if line.endswith("INFO program forked")).split()[0])
+    parent = program.process.pid
+    assert not any(EXITING in line or NOT_FINISHED in line for line in program.lines(child)), program.output()
+    assert program.counters(child)["writes_saved"] == 0
+    assert any(EXITING in line for line in program.lines(parent))
+    assert any("a write that ran out of time finished; it is saved" in line for line in program.lines(parent))
+    assert program.counters(parent)["writes_saved"] == 1

@@ -13,7 +13,8 @@ The thread that ran a request records its outcome before anyone waiting for it w
 caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when
 its client disconnects), that thread also logs and counts the outcome, a failure under
 ``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
-every write it waited for is in the logs and the counters.
+every write it waited for is in the logs and the counters. A write still running when the
+interpreter exits gets a bounded chance to finish, and a log line if it does not (``_exit``).
 
 A message's identity is its sequence number in the manager's batch, the message object itself
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
@@ -40,6 +41,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from . import _exit
 from ._counters import Counters
 from ._threads import start_daemon, wait_for_future
 from .errors import MembaseWriteTimeout, describe_failure, detail_of
@@ -80,6 +82,7 @@ class _Late:
 
 _RAN_OUT = _Late("that ran out of time", "the manager's retry sends it again")
 _CANCELLED = _Late("whose caller was cancelled", "it is not saved")
+_AT_EXIT = "it is not saved, and no retry will send it: the interpreter is exiting"
 
 
 class _Request:
@@ -198,6 +201,8 @@ class WriteRecord:
         if request is None:
             self._retried(saved)
             return None
+        # Until it ends, interpreter exit waits for it a while, and reports it if it does not end.
+        _exit.watch(request.future, self._store_name, budget, len(todo))
         try:
             start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
@@ -363,7 +368,7 @@ class WriteRecord:
             self._store_name,
             self._redact(detail_of(error)),
             why.which,
-            why.after_failure,
+            _AT_EXIT if _exit.exiting() else why.after_failure,
         )
 
     # --- The record -----------------------------------------------------------------------------
