@@ -111,6 +111,25 @@ def capturing(membase: InMemoryMembase, write_timeout: float) -> MembaseMemorySt
     return membase.store(capture=True, extraction=True, container="Main", write_timeout=write_timeout)
 
 
+def draining(caplog: pytest.LogCaptureFixture) -> Callable[[], bool]:
+    """Whether a close has reached its wait for the writes still running (needs caplog at INFO)."""
+    return lambda: any("waiting for writes still running" in m for m in messages(caplog, logging.INFO))
+
+
+@pytest.fixture
+def connection_pools(monkeypatch: pytest.MonkeyPatch) -> list[httpx.Client]:
+    """Every connection pool a store builds for itself from here on (each with ``api_key=``), as built."""
+    built: list[httpx.Client] = []
+    build = membase_client.new_http_client
+
+    def recorded(base_url: str) -> httpx.Client:
+        built.append(build(base_url))
+        return built[-1]
+
+    monkeypatch.setattr(membase_client, "new_http_client", recorded)
+    return built
+
+
 # --- await store.aclose() --------------------------------------------------------------------------
 
 
@@ -179,15 +198,16 @@ async def test_aclose_gives_up_after_write_timeout_without_blocking_the_loop(gat
     assert store.counters()["writes_saved"] == 0
 
 
-async def test_async_with_closes_the_client_the_store_built_and_leaves_a_passed_in_one_open():
+async def test_async_with_closes_the_client_the_store_built_and_leaves_a_passed_in_one_open(connection_pools):
     with LoopbackMembase() as server:
         server.fake.remember(FACT)
         async with MembaseMemoryStore(api_key=API_KEY, base_url=server.url, container="Main") as built:
             agent, model = make_agent(built, ["Postgres."])
             await agent.invoke_async(QUESTION)
             assert FACT in (model.memory_block() or "")
+        assert [pool.is_closed for pool in connection_pools] == [True]  # the store's own connection pool
         with pytest.raises(RuntimeError, match="closed"):
-            built._client.containers.list()  # the store's own connection pool is closed
+            await built.search(QUESTION)
 
         client = server.client()
         try:
@@ -201,7 +221,8 @@ async def test_async_with_closes_the_client_the_store_built_and_leaves_a_passed_
             client.close()
 
 
-async def test_a_cancelled_aclose_still_closes_the_client_and_a_second_aclose_returns(gates):
+async def test_a_cancelled_aclose_still_closes_the_client_and_a_second_aclose_returns(gates, connection_pools, caplog):
+    caplog.set_level(logging.INFO)
     with LoopbackMembase() as server:
         in_flight, release = threading.Event(), gates.new()
         server.on(*MEMORIES, arrived(in_flight, stall(release)))  # then drops the connection without an answer
@@ -213,14 +234,13 @@ async def test_a_cancelled_aclose_still_closes_the_client_and_a_second_aclose_re
         try:
             assert await until(in_flight.is_set)
             closing = asyncio.create_task(store.aclose())
-            assert await until(lambda: store._closed)
-            await asyncio.sleep(0)  # let it reach its wait for the write
+            assert await until(draining(caplog))  # it waits for the write
             closing.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await closing
 
             # Closed all the same: its own client too, on a thread, so the store never ends half closed.
-            assert await until(lambda: store._client._http.is_closed)
+            assert await until(lambda: [pool.is_closed for pool in connection_pools] == [True])
             await asyncio.wait_for(store.aclose(), 2.0)  # a second aclose() has nothing left to wait for
             with pytest.raises(RuntimeError, match="closed"):
                 await store.search(QUESTION)
@@ -230,7 +250,8 @@ async def test_a_cancelled_aclose_still_closes_the_client_and_a_second_aclose_re
                 await asyncio.wait_for(turn, LONG)  # its connection was closed under it
 
 
-async def test_a_close_while_another_caller_closes_returns_once_the_writes_are_on_record(gates):
+async def test_a_close_while_another_caller_closes_returns_once_the_writes_are_on_record(gates, caplog):
+    caplog.set_level(logging.INFO)
     membase = InMemoryMembase()
     in_flight, release = threading.Event(), gates.new()
     membase.on(*MEMORIES, signalling(in_flight, hang(release, then=membase.answer)))
@@ -240,7 +261,7 @@ async def test_a_close_while_another_caller_closes_returns_once_the_writes_are_o
     assert await until(in_flight.is_set)
 
     first = asyncio.create_task(store.aclose())
-    assert await until(lambda: store._closed)
+    assert await until(draining(caplog))
     calling, second = threading.Event(), Future[int]()
 
     def close_from_another_thread() -> None:
@@ -272,7 +293,7 @@ def key_of(user_id: str) -> str:
 
 
 @pytest.fixture
-def memberships(monkeypatch: pytest.MonkeyPatch) -> dict[str, InMemoryMembase]:
+def memberships(monkeypatch: pytest.MonkeyPatch, connection_pools: list[httpx.Client]) -> dict[str, InMemoryMembase]:
     """One in-memory Membase per user, reached only with that user's key, for every store the pool builds."""
     fakes = {user: InMemoryMembase() for user in ("alice", "bob")}
     by_key = {key_of(user): fake for user, fake in fakes.items()}
@@ -282,13 +303,16 @@ def memberships(monkeypatch: pytest.MonkeyPatch) -> dict[str, InMemoryMembase]:
         return fake.handle(request) if fake is not None else error(403, "unauthorized", "unknown key")
 
     def routed_http_client(base_url: str) -> httpx.Client:
-        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(handle))
+        connection_pools.append(httpx.Client(base_url=base_url, transport=httpx.MockTransport(handle)))
+        return connection_pools[-1]
 
     monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
     return fakes
 
 
-async def test_async_with_pool_closes_every_store_side_by_side_without_blocking_the_loop(memberships, gates):
+async def test_async_with_pool_closes_every_store_side_by_side_without_blocking_the_loop(
+    memberships, connection_pools, gates
+):
     release = gates.new()
     arrivals = {user: threading.Event() for user in memberships}
     for user, fake in memberships.items():
@@ -311,7 +335,10 @@ async def test_async_with_pool_closes_every_store_side_by_side_without_blocking_
         "alice": ["alice likes green tea."],
         "bob": ["bob likes green tea."],
     }
-    assert all(store._closed and store._client._http.is_closed for store in stores.values())
+    assert [pool.is_closed for pool in connection_pools] == [True, True]
+    for store in stores.values():
+        with pytest.raises(RuntimeError, match="closed"):
+            await store.search(QUESTION)
     with pytest.raises(RuntimeError, match="closed"):
         pool.store_for("alice")
     await pool.aclose()  # twice is fine
