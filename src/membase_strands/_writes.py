@@ -13,7 +13,8 @@ The thread that ran a request records its outcome before anyone waiting for it w
 caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when
 its client disconnects), that thread also logs and counts the outcome, a failure under
 ``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
-every write it waited for is in the logs and the counters.
+every write it waited for is in the logs and the counters. A write still running when the
+interpreter exits gets a bounded chance to finish, and a log line if it does not (``_exit``).
 
 A message's identity is its sequence number in the manager's batch, the message object itself
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
@@ -29,6 +30,7 @@ they failed) last, and the newest of those never by a bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -39,6 +41,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from . import _exit
 from ._counters import Counters
 from ._failures import describe_failure, detail_of
 from ._threads import start_daemon, wait_for_future
@@ -80,6 +83,7 @@ class _Late:
 
 _RAN_OUT = _Late("that ran out of time", "the manager's retry sends it again")
 _CANCELLED = _Late("whose caller was cancelled", "it is not saved")
+_AT_EXIT = "it is not saved, and no retry will send it: the interpreter is exiting"
 
 
 class _Request:
@@ -198,6 +202,8 @@ class WriteRecord:
         if request is None:
             self._retried(saved)
             return None
+        # Until it ends, interpreter exit waits for it a while, and reports it if it does not end.
+        _exit.watch(request.future, self._store_name, budget, len(todo))
         try:
             start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
@@ -219,12 +225,39 @@ class WriteRecord:
 
         Each write waited for has its outcome recorded, logged and counted by the time this returns.
         """
-        with self._lock:
-            running = {entry.request.future for entry in self._entries.values() if entry.request is not None}
+        running = self._still_running()
         if not running:
             return True
-        logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
         left = len(wait(running, timeout=timeout).not_done)
+        return self._drained(left, timeout)
+
+    async def drain_async(self, timeout: float) -> bool:
+        """:meth:`drain` for async code: awaits the writes still running without blocking the event loop.
+
+        Works from any event loop; cancelling it leaves the writes running.
+        """
+        running = self._still_running()
+        if not running:
+            return True
+        deadline = time.monotonic() + timeout
+        for future in running:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # A failure is the writing thread's to report; a timeout shows in the count below.
+            with contextlib.suppress(Exception):
+                await wait_for_future(future, remaining)
+        return self._drained(sum(not future.done() for future in running), timeout)
+
+    def _still_running(self) -> list[Future[Any]]:
+        """The futures of the writes still running, logged as waited for; each settles once its outcome is on record."""
+        with self._lock:
+            running = list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+        if running:
+            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
+        return running
+
+    def _drained(self, left: int, timeout: float) -> bool:
         if left:
             logger.warning(
                 "store=<%s>, writes=<%d> | writes still running after %g s; their outcome is logged when they end",
@@ -336,7 +369,7 @@ class WriteRecord:
             self._store_name,
             self._redact(detail_of(error)),
             why.which,
-            why.after_failure,
+            _AT_EXIT if _exit.exiting() else why.after_failure,
         )
 
     # --- The record -----------------------------------------------------------------------------

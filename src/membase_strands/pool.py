@@ -13,6 +13,7 @@ the same user coming back gets that same store, never a second client.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -130,13 +131,10 @@ class MembaseStorePool:
 
         The stores close side by side, each letting its captured writes still running finish first, so
         this returns within one ``write_timeout`` however many stores there are. A store still waiting for
-        its writes then finishes closing in the background.
+        its writes then finishes closing in the background. This blocks the calling thread meanwhile: from
+        async code, use :meth:`aclose` (or ``async with``).
         """
-        with self._lock:
-            self._closed = True
-            stores = [*self._stores.values(), *self._released.values()]
-            self._stores.clear()
-            self._released.clear()
+        stores = self._close_pool()
         if not stores:
             return
         # Each store's close() waits up to its write_timeout for its own writes; side by side, they all
@@ -160,11 +158,42 @@ class MembaseStorePool:
                 budget,
             )
 
+    async def aclose(self) -> None:
+        """:meth:`close` for async code: the same, without blocking the event loop. Safe to call twice.
+
+        Every store the pool handed out that is still alive closes with :meth:`MembaseMemoryStore.aclose`,
+        side by side on the running loop, so this returns within about one ``write_timeout`` however many
+        stores there are, once each captured write that finished in that time has its outcome logged and
+        counted.
+        """
+        stores = self._close_pool()
+        if not stores:
+            return
+        outcomes = await asyncio.gather(*(store.aclose() for store in stores), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                logger.warning("reason=<%s> | a store failed to close", type(outcome).__name__)
+
     def __enter__(self) -> MembaseStorePool:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> MembaseStorePool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _close_pool(self) -> list[MembaseMemoryStore]:
+        """Refuse new stores from now on; the stores handed out that are still alive, now the caller's to close."""
+        with self._lock:
+            self._closed = True
+            stores = [*self._stores.values(), *self._released.values()]
+            self._stores.clear()
+            self._released.clear()
+        return stores
 
     def _take(self, user_id: str) -> MembaseMemoryStore | None:
         """The user's store, kept or let go of but still alive, now the most recently used. Lock held."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -10,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -131,6 +132,8 @@ class MembaseMemoryStore:
         self._counters = Counters()
         self._recall, self._writes = self._in_flight_state()
         self._closed = False
+        self._close_lock = threading.Lock()
+        self._closing: Future[None] | None = None  # settled once the first close() or aclose() has finished
         self._setup_lock = threading.Lock()
         self._setup_check: Future[list[Container]] | None = None
         self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
@@ -389,21 +392,90 @@ class MembaseMemoryStore:
 
         A captured write still running (one that ran out of its budget) gets up to ``write_timeout``
         more seconds to finish first; when it does, its outcome is logged and counted before this returns.
+        This blocks the calling thread meanwhile: from async code, use :meth:`aclose` (or ``async with``).
+        If another thread is already closing the store, this waits (as long) for it to finish.
         """
-        if self._closed:
+        first, closed = self._begin_close()
+        if not first:
+            wait([closed], timeout=self._drain_budget())
             return
-        self._closed = True
-        # A write that ran out of time may still be on its way; closing the client under it would lose it.
-        self._writes.drain(self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._gateway.close()
+        try:
+            # A write that ran out of time may still be on its way; closing the client under it would lose it.
+            self._writes.drain(self._drain_budget())
+        finally:
+            try:
+                self._close_own_client()
+            finally:
+                closed.set_result(None)
+
+    async def aclose(self) -> None:
+        """:meth:`close` for async code: the same, without blocking the event loop. Safe to call twice.
+
+        Captured writes still running get up to ``write_timeout`` more seconds to finish, awaited on the
+        running loop (any loop), and each one that does has its outcome logged and counted before this
+        returns. Closing the client this store built happens off the loop too. If this is cancelled, the
+        store still ends closed: its client is closed at once, and the writes still running go on (their
+        outcome is logged when they end). If another task or thread is already closing the store, this
+        waits (as long) for it to finish.
+        """
+        first, closed = self._begin_close()
+        if not first:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for_future(closed, self._drain_budget())
+            return
+        try:
+            await self._writes.drain_async(self._drain_budget())
+        finally:
+            releasing = self._release_client(closed)  # also when cancelled: the store never ends half closed
+        await wait_for_future(releasing, None)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> MembaseMemoryStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _begin_close(self) -> tuple[bool, Future[None]]:
+        """Mark the store closed; whether this caller is the first (and closes it), and a future settled once closed."""
+        with self._close_lock:
+            if self._closing is not None:
+                return False, self._closing
+            self._closed = True
+            self._closing = Future()
+            return True, self._closing
+
+    def _drain_budget(self) -> float:
+        return self._write_timeout or _options.WAIT_WITHOUT_BUDGET
+
+    def _close_own_client(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        self._gateway.close()
+
+    def _release_client(self, closed: Future[None]) -> Future[None]:
+        """Close the client this store built on a thread of its own (a local engine may wait on its disk),
+        then settle ``closed``; the returned future carries the outcome of closing."""
+
+        def release() -> None:
+            try:
+                self._close_own_client()
+            finally:
+                closed.set_result(None)
+
+        if self._gateway.closer() is None:
+            release()
+            return closed
+        try:
+            return start_daemon(release, name=f"membase-close[{self.name}]")
+        except RuntimeError:
+            release()  # no thread to be had: closing a hosted client is quick, so close it here
+            return closed
 
     # --- Private helpers ----------------------------------------------------------------------
 
