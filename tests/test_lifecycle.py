@@ -36,23 +36,13 @@ from membase_strands import _client as membase_client
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, hang, status
 from membase_strands.testing._membase import error
 from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
-from tests.support.store_helpers import FACT, QUESTION, make_agent
+from tests.support.store_helpers import FACT, QUESTION, make_agent, until
 
 MEMORIES = ("POST", "/v1/memories")
 GREEN_TEA = "I like green tea."
 EXITING = "the interpreter is exiting; waiting up to"
 NOT_FINISHED = "a write still running at exit did not finish"
 LONG = 10.0  # a budget no test waits out; only a broken implementation would
-
-
-async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
-    """Poll ``predicate`` without blocking the event loop until it holds or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 def signalling(event: threading.Event, then: Responder) -> Responder:

@@ -12,7 +12,6 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +34,7 @@ from tests.support.store_helpers import (
     membase_threads,
     routed,
     timed,
+    until,
     wait_until,
 )
 
@@ -69,16 +69,6 @@ def occurrences(texts: list[str], words: str) -> int:
 
 def writes_settled() -> bool:
     return not membase_threads(WRITE_THREAD)
-
-
-async def until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` without blocking the event loop until it holds or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

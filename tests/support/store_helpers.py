@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, step: float 
             return True
         time.sleep(step)
     return predicate()
+
+
+async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` without blocking the event loop until it holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
 
 
 def membase_threads(prefix: str = "membase-") -> list[threading.Thread]:
