@@ -119,11 +119,11 @@ def values(span: ReadableSpan) -> list[str]:
     return found
 
 
-def render(spans: list[ReadableSpan], telemetry: Telemetry) -> str:
+def render(spans: list[ReadableSpan], shown: tuple[str, ...] = ("memory.", "membase.")) -> str:
     """The trace as text, for the closing note: name, parent, membase attributes, links."""
     lines = []
     ids = {s.context.span_id: s.name for s in spans}
-    for span in sorted(spans, key=lambda s: s.start_time or 0):
+    for span in sorted((s for s in spans if s.name.startswith(shown)), key=lambda s: s.start_time or 0):
         parent = ids.get(span.parent.span_id, "?") if span.parent else "-"
         attributes = {k: v for k, v in (span.attributes or {}).items() if k.startswith("membase.")}
         links = [ids.get(link.context.span_id, "?") for link in span.links]
@@ -183,7 +183,7 @@ def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, g
         carried = " ".join(values(span))
         assert "green tea" not in carried and "Postgres" not in carried and "another thing" not in carried
     with capsys.disabled():
-        print("\n" + render([s for s in everything if s.name.startswith(("memory.", "membase."))], otel))
+        print("\n" + render(everything))
 
 
 def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, otel, monkeypatch):

@@ -107,7 +107,10 @@ class Operation:
 
     def __enter__(self) -> Operation:
         if self.recording:
-            self._scope = trace.use_span(self._span, end_on_exit=False)
+            # Never record the exception: its text may carry what a server echoed (the key, the user's words).
+            self._scope = trace.use_span(
+                self._span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            )
             self._scope.__enter__()
             self._token = _current.set(self)
         return self
