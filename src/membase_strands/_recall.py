@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from membase.client import DEFAULT_TIMEOUT
 
+from . import _telemetry
 from ._counters import Counters
 from ._failures import detail_of
 from ._threads import start_daemon, wait_for_future
@@ -143,6 +144,7 @@ class TimeBoxedRecall:
 
     def _hold_guard(self, future: Future[T], started: float) -> None:
         late: Future[object] = future  # type: ignore[assignment]
+        linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
         with self._lock:
             self._late[late] = started
 
@@ -152,13 +154,23 @@ class TimeBoxedRecall:
             self._counters.add("recall_late_completions")
             elapsed = self._clock() - started
             error = done.exception()
+            closed = error is not None and self._is_closed()
+            _telemetry.late(
+                _telemetry.RECALL_LATE,
+                self._store_name,
+                linked,
+                "error" if closed else "completed",
+                error=None if closed else error,
+                error_kind="closed" if closed else None,
+                elapsed_s=round(elapsed, 3),
+            )
             if error is None:
                 logger.info(
                     "store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes",
                     self._store_name,
                     elapsed,
                 )
-            elif self._is_closed():
+            elif closed:
                 # Closing the store closed the connection under the request: that, not the network, ended it.
                 logger.info(
                     "store=<%s>, elapsed=<%.1f s>, reason=<store closed> | late recall ended: "

@@ -18,6 +18,7 @@ import membase
 from strands import tool
 from strands.types.tools import AgentTool
 
+from . import _telemetry
 from ._containers import names_in_reach
 from ._counters import Counters
 from ._failures import Failure, describe_failure
@@ -103,6 +104,12 @@ def _search_tool(context: ToolContext) -> AgentTool:
         # A server may send more passages than were asked for: the model sees at most `count`, the best ones.
         shown = at_most(arrange(answer, context.min_score), count)
         reply = search_text(text, fit_to_budget(shown, context.max_recall_chars))
+        _telemetry.annotate(
+            "hit" if shown.passages else "empty",
+            passages=len(shown.passages),
+            unanswered=len(answer.unsearched),
+            chars_returned=len(reply),
+        )
         # When no Memory could answer, the search did not really happen: say so with an error status.
         return _error(reply) if answer.none_answered else _ok(reply)
 
@@ -179,9 +186,13 @@ def _as_tool(context: ToolContext, function: Callable[..., dict[str, Any]], desc
     @functools.wraps(function)  # keeps the signature and docstring Strands builds the tool's schema from
     def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
         context.counters.add(f"tool_calls.{function.__name__}")
-        if context.is_closed():
-            return _error(CLOSED_SENTENCE)
-        return function(*args, **kwargs)
+        with _telemetry.operation(_telemetry.TOOL, context.store_name, tool=function.__name__) as operation:
+            if context.is_closed():
+                operation.outcome("error", error_kind="closed")
+                return _error(CLOSED_SENTENCE)
+            result = function(*args, **kwargs)
+            operation.default_outcome("ok" if result.get("status") == "success" else "error")
+            return result
 
     return tool(name=function.__name__, description=description)(counted)
 
@@ -200,6 +211,7 @@ def _note_failure(
     """Count and log a failed Membase call; the caller decides what the model reads."""
     failure = describe_failure(error, container_named=container_named)
     context.counters.add(f"errors.{failure.kind}")
+    _telemetry.annotate("error", error_kind=failure.kind)
     logger.warning(
         "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
         context.store_name,

@@ -41,7 +41,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from . import _exit
+from . import _exit, _telemetry
 from ._counters import Counters
 from ._failures import describe_failure, detail_of
 from ._threads import start_daemon, wait_for_future
@@ -89,7 +89,7 @@ _AT_EXIT = "it is not saved, and no retry will send it: the interpreter is exiti
 class _Request:
     """One request this record started: its parts while it runs, then its outcome."""
 
-    __slots__ = ("abandoned", "done", "error", "future", "parts", "result")
+    __slots__ = ("abandoned", "done", "error", "future", "linked", "parts", "result")
 
     def __init__(self, parts: list[Part]) -> None:
         # Settled by the thread only after the outcome is recorded (see WriteRecord._finish).
@@ -99,6 +99,7 @@ class _Request:
         self.result: Any = None
         self.error: BaseException | None = None
         self.abandoned: _Late | None = None  # set when its caller stopped waiting: the thread reports the outcome
+        self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
 @dataclass
@@ -194,6 +195,12 @@ class WriteRecord:
                 await self._wait(earlier, deadline, "an earlier write of the same content is still running")
                 if earlier.error is None:
                     saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
+        _telemetry.annotate(
+            sent=len(todo) if request is not None else 0,
+            deduplicated=len(saved),
+            waited_for_earlier=bool(saved_for_us),
+            decision="send" if not saved else "partial" if request is not None else "already saved",
+        )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
@@ -296,7 +303,7 @@ class WriteRecord:
                 self._store_name,
             )
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
-                self._report_late(_CANCELLED, request.error)  # it failed just before: nobody else reports it
+                self._report_late(_CANCELLED, request.error, request)  # it failed just before: nobody else reports it
             raise
         except Exception:
             if own:
@@ -351,14 +358,16 @@ class WriteRecord:
             if error is None:
                 self._counters.add("writes_saved", len(parts))
             if abandoned is not None:
-                self._report_late(abandoned, error)
+                self._report_late(abandoned, error, request)
         finally:
             if error is None:
                 request.future.set_result(result)
             else:
                 request.future.set_exception(error)
 
-    def _report_late(self, why: _Late, error: BaseException | None) -> None:
+    def _report_late(self, why: _Late, error: BaseException | None, request: _Request) -> None:
+        reason = "timeout" if why is _RAN_OUT else "cancelled"
+        _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=reason)
         if error is None:
             logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why.which)
             return

@@ -19,7 +19,7 @@ import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
-from . import _options
+from . import _options, _telemetry
 from ._client import after_fork_in_child
 from ._containers import Container, match, names_in_reach
 from ._counters import Counters
@@ -130,6 +130,7 @@ class MembaseMemoryStore:
             client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
         )
         self._counters = Counters()
+        _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         self._recall, self._writes = self._in_flight_state()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -260,9 +261,17 @@ class MembaseMemoryStore:
             asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
                 background, and the next recalls skip while it runs.
         """
+        with _telemetry.operation(_telemetry.RECALL, self.name) as operation:
+            entries = await self._search(query, options)
+            operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
+            return entries
+
+    async def _search(self, query: str, options: SearchOptions | None) -> list[MemoryEntry]:
         self._check_open()
         if not isinstance(query, str) or not query.strip():
+            _telemetry.annotate("skipped", reason="blank query")
             return []
+        _telemetry.current_text(_telemetry.QUERY_TEXT, query)
         wanted = options.get("max_search_results") if options else None
         limit = _options.passages_wanted(
             wanted, "max_search_results", self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
@@ -274,12 +283,14 @@ class MembaseMemoryStore:
         if time.monotonic() < self._refused_until:
             self._counters.add("recall_skipped")
             logger.debug("store=<%s>, reason=<key refused (403)> | recall skipped while recall is paused", self.name)
+            _telemetry.annotate("skipped", reason="key refused (403)")
             return []
         try:
             answer = await self._recall.run(
                 lambda: self._gateway.search(text, limit, self._container, retry=retry), self._recall_timeout
             )
         except RecallSkipped:
+            _telemetry.annotate("skipped", reason="memory waking")
             return []  # counted and logged at DEBUG by the guard
         except MembaseRecallTimeout:
             raise
@@ -289,6 +300,7 @@ class MembaseMemoryStore:
                 self._counters.add("recall_errors")
                 self._counters.add("errors.closed")
                 logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
+                _telemetry.annotate("error", error_kind="closed")
                 raise RuntimeError(
                     f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
                 ) from None
@@ -304,7 +316,14 @@ class MembaseMemoryStore:
         # could not answer is never dropped silently behind a full page of passages.
         room = max(0, limit - len(answer.unsearched))
         answer = replace(answer, passages=answer.passages[:room])
-        return memory_entries(fit_to_budget(answer, self._max_recall_chars))
+        entries = memory_entries(fit_to_budget(answer, self._max_recall_chars))
+        _telemetry.annotate(
+            "hit" if answer.passages else "empty",
+            passages=len(entries) - len(answer.unsearched),
+            chars_injected=sum(len(entry.content) for entry in entries),
+            unanswered=len(answer.unsearched),
+        )
+        return entries
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save one note (the manager's ``add_memory`` tool and extractor write through this).
@@ -349,6 +368,8 @@ class MembaseMemoryStore:
         self._require_capture("add_messages")
         parts = self._parts_of(messages, getattr(context, "sequence_numbers", None))
         if not parts:
+            with _telemetry.operation(_telemetry.WRITE, self.name, parts=0) as operation:
+                operation.outcome("empty", decision="nothing to send")
             return None
         return await self._write(
             parts,
@@ -531,12 +552,16 @@ class MembaseMemoryStore:
             )
 
     async def _write(self, parts: list[Part], send: Any) -> Any:
-        try:
-            return await self._writes.write(parts, send, self._write_timeout)
-        except MembaseWriteTimeout:
-            raise
-        except Exception as error:
-            self._fail("write", error)
+        with _telemetry.operation(_telemetry.WRITE, self.name, parts=len(parts)) as operation:
+            operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
+            try:
+                result = await self._writes.write(parts, send, self._write_timeout)
+            except MembaseWriteTimeout:
+                raise
+            except Exception as error:
+                self._fail("write", error)
+            operation.outcome("saved")
+            return result
 
     def _fail(
         self, action: str, error: Exception, after_refusal: str = "", *, level: int = logging.WARNING

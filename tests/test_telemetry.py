@@ -1,0 +1,353 @@
+"""OpenTelemetry: the spans and metrics that show what memory did, through a real Agent over the fake Membase.
+
+OpenTelemetry's global providers can be set once per process: a session fixture sets an SDK tracer and
+meter provider (or joins the SDK tracer provider already set), and a switch makes the exporter keep
+spans only while a test of this module runs, so the rest of the suite is unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _telemetry
+from membase_strands.testing import API_KEY, ToolCall, hang, status
+from tests.support.store_helpers import FACT, QUESTION, make_agent, routed, wait_until
+
+BUDGET = 0.3
+SAID = "I like green tea"
+OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+
+
+class _Switch(SimpleSpanProcessor):
+    """Exports spans only while on: the provider is global and stays set for the rest of the session."""
+
+    on = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.on:
+            super().on_end(span)
+
+
+class Telemetry:
+    def __init__(self, exporter: InMemorySpanExporter, reader: InMemoryMetricReader) -> None:
+        self.exporter = exporter
+        self.reader = reader
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+    def ours(self, store: str, name: str | None = None) -> list[ReadableSpan]:
+        return [
+            s
+            for s in self.spans()
+            if (s.attributes or {}).get("membase.store") == store and (name is None or s.name == name)
+        ]
+
+    def one(self, store: str, name: str) -> ReadableSpan:
+        assert wait_until(lambda: len(self.ours(store, name)) >= 1), f"no {name} span"
+        found = self.ours(store, name)
+        assert len(found) == 1, [s.name for s in found]
+        return found[0]
+
+    def parent_name(self, span: ReadableSpan) -> str | None:
+        if span.parent is None:
+            return None
+        by_id = {s.context.span_id: s.name for s in self.spans()}
+        return by_id.get(span.parent.span_id, "<not exported>")
+
+    def metric_points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        points: list[Any] = []
+        for resource in data.resource_metrics if data else []:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        points.extend(metric.data.data_points)
+        return points
+
+
+@pytest.fixture(scope="session")
+def _providers() -> Iterator[tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]]:
+    exporter = InMemorySpanExporter()
+    switch = _Switch(exporter)
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider), "another tracer provider was set for this process"
+    provider.add_span_processor(switch)
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    yield switch, exporter, reader
+
+
+@pytest.fixture
+def otel(_providers: tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]) -> Iterator[Telemetry]:
+    switch, exporter, reader = _providers
+    exporter.clear()
+    switch.on = True
+    try:
+        yield Telemetry(exporter, reader)
+    finally:
+        switch.on = False
+        exporter.clear()
+
+
+def values(span: ReadableSpan) -> list[str]:
+    """Every string a span carries: attributes, events, links, status."""
+    found: list[str] = [span.name, span.status.description or ""]
+    attribute_sets = [span.attributes or {}]
+    attribute_sets += [event.attributes or {} for event in span.events]
+    attribute_sets += [link.attributes or {} for link in span.links]
+    for attributes in attribute_sets:
+        for key, value in attributes.items():
+            found.append(key)
+            many = isinstance(value, Sequence) and not isinstance(value, str)
+            found.extend(str(v) for v in value) if many else found.append(str(value))
+    return found
+
+
+def render(spans: list[ReadableSpan], shown: tuple[str, ...] = ("memory.", "membase.")) -> str:
+    """The trace as text, for the closing note: name, parent, membase attributes, links."""
+    lines = []
+    ids = {s.context.span_id: s.name for s in spans}
+    for span in sorted((s for s in spans if s.name.startswith(shown)), key=lambda s: s.start_time or 0):
+        parent = ids.get(span.parent.span_id, "?") if span.parent else "-"
+        attributes = {k: v for k, v in (span.attributes or {}).items() if k.startswith("membase.")}
+        links = [ids.get(link.context.span_id, "?") for link in span.links]
+        lines.append(
+            f"{span.name:<22} parent={parent:<16} status={span.status.status_code.name:<5} "
+            f"{attributes}{f' links={links}' if links else ''}"
+        )
+    return "\n".join(lines)
+
+
+# --- One turn: a timed-out recall, a skipped one, a captured write, the late completion ---------
+
+
+def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, gates, otel, capsys):
+    fake.remember(FACT)
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
+    store = make_store(name="traced", recall_timeout=BUDGET, capture=True, extraction=True, container="Main")
+    agent, model = make_agent(store, ["Without memory.", "Still without."])
+
+    agent(SAID)
+
+    recall = otel.one("traced", "membase.recall")
+    assert recall.attributes["membase.outcome"] == "timeout"
+    assert recall.attributes["membase.error.kind"] == "timeout"
+    assert recall.status.status_code == trace.StatusCode.ERROR
+    write = otel.one("traced", "membase.write")
+    assert write.attributes["membase.outcome"] == "saved"
+    assert write.attributes["membase.parts"] == 1
+    assert write.attributes["membase.sent"] == 1
+    assert write.attributes["membase.deduplicated"] == 0
+    assert write.attributes["membase.decision"] == "send"
+    strands_spans = {s.name for s in otel.spans()}
+    if "memory.search" in strands_spans:  # Strands 1.50+ wraps the store's calls in spans of its own
+        assert otel.parent_name(recall) == "memory.search"
+        assert otel.parent_name(write) == "memory.extract"
+        assert recall.context.trace_id == next(s for s in otel.spans() if s.name == "memory.search").context.trace_id
+
+    # While the late request holds the guard, the next turn's recall is skipped, and its span says why.
+    agent("And another thing")
+    assert wait_until(lambda: len(otel.ours("traced", "membase.recall")) == 2)
+    skipped = otel.ours("traced", "membase.recall")[-1]
+    assert skipped.attributes["membase.outcome"] == "skipped"
+    assert skipped.attributes["membase.reason"] == "memory waking"
+
+    # The late request ends: a new root span records it, linked to the turn's recall span.
+    stall.set()
+    late = otel.one("traced", "membase.recall.late")
+    assert late.parent is None
+    assert [link.context.span_id for link in late.links] == [recall.context.span_id]
+    assert late.attributes["membase.outcome"] == "completed"
+    assert late.attributes["membase.elapsed_s"] >= BUDGET
+
+    everything = otel.spans()
+    assert all(API_KEY not in text for span in everything for text in values(span))
+    for span in otel.ours("traced"):
+        carried = " ".join(values(span))
+        assert "green tea" not in carried and "Postgres" not in carried and "another thing" not in carried
+    with capsys.disabled():
+        print("\n" + render(everything))
+
+
+def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, otel, monkeypatch):
+    fake.remember(FACT)
+    store = make_store(name="opted", capture=True, extraction=True, container="Main")
+    agent, model = make_agent(store, ["Noted.", "Noted again."])
+
+    monkeypatch.setenv(OPT_IN, "gen_ai_latest_experimental,gen_ai_unredacted_attributes=membase.*")
+    agent(QUESTION)
+    recall = otel.one("opted", "membase.recall")
+    assert recall.attributes["membase.outcome"] == "hit"
+    assert recall.attributes["membase.query"] == QUESTION
+    assert list(recall.attributes["membase.passages.text"]) == [f"[Main] {FACT}"]
+    assert recall.attributes["membase.passages"] == 1
+    assert recall.attributes["membase.chars_injected"] == len(f"[Main] {FACT}")
+    assert list(otel.one("opted", "membase.write").attributes["membase.note.text"]) == [QUESTION]
+
+    # Naming one attribute opts in to that one only; without the token, no text at all.
+    otel.exporter.clear()
+    monkeypatch.setenv(OPT_IN, "gen_ai_unredacted_attributes=membase.query")
+    agent("Which database again?")
+    recall = otel.one("opted", "membase.recall")
+    assert recall.attributes["membase.query"] == "Which database again?"
+    assert "membase.passages.text" not in recall.attributes
+    assert "membase.note.text" not in otel.one("opted", "membase.write").attributes
+
+    otel.exporter.clear()
+    monkeypatch.delenv(OPT_IN)
+    agent("Which database, once more?")
+    recall = otel.one("opted", "membase.recall")
+    assert not {"membase.query", "membase.passages.text"} & set(recall.attributes)
+    assert "membase.note.text" not in otel.one("opted", "membase.write").attributes
+
+
+def test_a_memory_that_could_not_answer_is_counted_on_the_recall_span(fake, make_store, otel):
+    fake.remember(FACT)
+    fake.add_memory("Archive")
+    fake.cannot_answer("Archive")
+    store = make_store(name="partial")
+    agent, _ = make_agent(store, ["ok"])
+
+    agent(QUESTION)
+
+    recall = otel.one("partial", "membase.recall")
+    assert recall.attributes["membase.outcome"] == "hit"
+    assert recall.attributes["membase.unanswered"] == 1
+    assert recall.attributes["membase.passages"] == 1
+
+
+# --- Writes: the dedupe decision, a late outcome ------------------------------------------------
+
+
+async def test_a_write_already_saved_is_not_sent_and_its_span_says_so(fake, make_store, otel):
+    store = make_store(name="dedupe", capture=True, container="Main")
+
+    with trace.get_tracer("test").start_as_current_span("turn"):
+        await store.add(SAID)
+        await store.add(SAID)
+
+    first, second = otel.ours("dedupe", "membase.write")
+    assert (first.attributes["membase.decision"], first.attributes["membase.sent"]) == ("send", 1)
+    assert second.attributes["membase.decision"] == "already saved"
+    assert (second.attributes["membase.sent"], second.attributes["membase.deduplicated"]) == (0, 1)
+    assert second.attributes["membase.outcome"] == "saved"
+    assert otel.parent_name(second) == "turn"
+    assert len(fake.sent("POST", "/v1/memories")) == 1
+
+
+async def test_a_late_write_outcome_gets_a_span_linked_to_the_write(fake, make_store, gates, otel):
+    stall = gates.new()
+    fake.on("POST", "/v1/memories", hang(stall, then=routed(fake)))
+    store = make_store(name="latewrite", capture=True, container="Main", write_timeout=BUDGET)
+
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add(SAID)
+    write = otel.one("latewrite", "membase.write")
+    assert write.attributes["membase.outcome"] == "timeout"
+
+    stall.set()
+    late = otel.one("latewrite", "membase.write.late")
+    assert late.parent is None
+    assert [link.context.span_id for link in late.links] == [write.context.span_id]
+    assert (late.attributes["membase.outcome"], late.attributes["membase.reason"]) == ("saved", "timeout")
+    assert fake.saved() == [SAID]
+
+
+async def test_a_failed_write_records_the_kind_never_the_servers_text(fake, make_store, otel):
+    fake.on("POST", "/v1/memories", status(500, f"boom {API_KEY} {SAID}"))
+    store = make_store(name="failwrite", capture=True, container="Main")
+
+    with pytest.raises(Exception, match="boom"):
+        await store.add(SAID)
+
+    write = otel.one("failwrite", "membase.write")
+    assert (write.attributes["membase.outcome"], write.attributes["membase.error.kind"]) == ("error", "server_error")
+    assert write.status.status_code == trace.StatusCode.ERROR
+    assert not any(API_KEY in text or "boom" in text for text in values(write))
+
+
+# --- Tools --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "outcome", "kind"),
+    [(None, "hit", None), (status(403), "error", "access")],
+    ids=["answered", "refused"],
+)
+def test_each_tool_call_gets_a_span_under_the_tool_span(fake, make_store, otel, route, outcome, kind):
+    fake.remember(FACT)
+    if route is not None:
+        fake.on("POST", "/v1/search", route)
+    store = make_store(name="tools")
+    agent, _ = make_agent(store, [ToolCall("membase_search", {"query": "ledger database"}), "done"], injection=False)
+
+    agent("look it up")
+
+    span = otel.one("tools", "membase.tool")
+    assert span.attributes["membase.tool"] == "membase_search"
+    assert span.attributes["membase.outcome"] == outcome
+    assert span.attributes.get("membase.error.kind") == kind
+    if outcome == "hit":
+        assert span.attributes["membase.passages"] == 1
+    if any(s.name.startswith("execute_tool") for s in otel.spans()):
+        assert otel.parent_name(span).startswith("execute_tool")
+
+
+# --- Metrics and the cost of being off -----------------------------------------------------------
+
+
+def test_counters_are_metrics_when_a_meter_provider_is_set(fake, make_store, otel):
+    store = make_store(name="metered")
+    agent, _ = make_agent(store, ["ok", "ok"])
+    agent(QUESTION)
+    agent(QUESTION)
+
+    recalls = [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "metered"]
+    assert [p.value for p in recalls] == [store.counters()["recalls"]] == [2]
+
+
+def test_the_metrics_registry_never_keeps_a_store_alive(fake, otel):
+    store = MembaseMemoryStore(client=fake.client(), name="dropped")
+    store.close()
+    gone = weakref.ref(store)
+    del store
+    gc.collect()
+
+    assert gone() is None
+    assert not [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "dropped"]
+
+
+def test_without_a_tracer_the_store_records_nothing_and_recalls_as_before(fake, make_store, otel, monkeypatch):
+    monkeypatch.setattr(_telemetry, "_tracer", lambda: trace.NoOpTracer())
+    fake.remember(FACT)
+    store = make_store(name="untraced")
+    agent, model = make_agent(store, ["ok"])
+
+    agent(QUESTION)
+
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
+    assert otel.ours("untraced") == []
+    assert asyncio.run(_current_in_a_task()) is None
+
+
+async def _current_in_a_task() -> object:
+    with _telemetry.operation(_telemetry.RECALL, "untraced") as operation:
+        assert operation.recording is False
+        return _telemetry.current()
