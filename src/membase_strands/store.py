@@ -110,7 +110,6 @@ class MembaseMemoryStore:
         # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
         self.description: str | None = description if description is not None else _options.describe(container)
         self.max_search_results: int | None = _options.passages_wanted(max_search_results, "max_search_results")
-        self._default_limit = self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
         self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
         self._min_score = _options.check_min_score(min_score)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
@@ -273,9 +272,7 @@ class MembaseMemoryStore:
             return []
         _telemetry.current_text(_telemetry.QUERY_TEXT, query)
         wanted = options.get("max_search_results") if options else None
-        limit = _options.passages_wanted(
-            wanted, "max_search_results", self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
-        )
+        limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
         # With a budget, one attempt: a late request must hold the in-flight guard for one attempt, not three.
         retry = self._recall_timeout is None
         text = _options.query_text(query)
@@ -542,6 +539,11 @@ class MembaseMemoryStore:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
+
+    @property
+    def _default_limit(self) -> int:
+        """Passages to ask for when the caller gives no number (``max_search_results`` is a plain attribute)."""
+        return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
 
     def _require_capture(self, method: str) -> None:
         self._check_open()
