@@ -57,7 +57,7 @@ def recall_steps(store: MembaseMemoryStore) -> RecallSteps:
     # TODO(gateway): the only place the benchmarks reach into the store and the package's private modules.
     # Once the store's Membase calls have their internal owner, take the blocking search from it.
     from membase_strands._formatting import memory_entries, parse_search
-    from membase_strands._threads import start_daemon, wait_for_future
+    from membase_strands._workers import start_daemon, wait_for_future
 
     return RecallSteps(
         request=lambda: store._search_blocking(store._once, QUESTION, 5, None),

@@ -28,7 +28,7 @@ from typing import TypeVar
 from membase.client import DEFAULT_TIMEOUT
 
 from ._counters import Counters
-from ._threads import start_daemon, wait_for_future
+from ._workers import start_daemon, wait_for_future
 from .errors import MembaseRecallTimeout, detail_of
 
 logger = logging.getLogger(__name__)

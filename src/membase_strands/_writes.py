@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._counters import Counters
-from ._threads import start_daemon, wait_for_future
+from ._workers import start_daemon, wait_for_future
 from .errors import MembaseWriteTimeout, describe_failure, detail_of
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from ._counters import Counters
 from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries, parse_search
 from ._recall import RecallSkipped, TimeBoxedRecall
 from ._text import sendable
-from ._threads import start_daemon, wait_for_future
+from ._workers import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
 from .errors import (
     ACCESS_SENTENCE,
