@@ -146,6 +146,7 @@ class MembaseMemoryStore:
         self._setup_check: Future[list[Container]] | None = None
         self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
+        self._tools: dict[tuple[str, ...], list[AgentTool]] = {}  # built at the first get_tools(), by tool names
 
     @property
     def writable(self) -> bool:
@@ -368,7 +369,19 @@ class MembaseMemoryStore:
         return self._counters.snapshot()
 
     def get_tools(self) -> list[AgentTool]:
-        """The model's Membase tools chosen with ``tools=``."""
+        """The model's Membase tools chosen with ``tools=``: built once, the same objects for every agent.
+
+        Each ``Agent`` built over the store asks for them (an app that builds an agent per request asks
+        on every request); every agent's tools call this store.
+        """
+        tools = self._tools.get(self._tool_names)
+        if tools is None:
+            # No lock to reset after a fork: agents built at the same moment may each build them, and every
+            # agent gets the ones kept first (setdefault is atomic).
+            tools = self._tools.setdefault(self._tool_names, self._build_tools())
+        return list(tools)
+
+    def _build_tools(self) -> list[AgentTool]:
         backend = ToolBackend(
             store_name=self.name,
             container=self._container,

@@ -8,7 +8,6 @@ is deliberately no tool to delete or forget anything.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +71,9 @@ class ToolBackend:
 def build_tools(backend: ToolBackend, names: tuple[str, ...]) -> list[AgentTool]:
     """Build the chosen tools for one store.
 
+    The tools' schemas and input validators are built once for the process (see :class:`_Tools`); a
+    store's tools are those bound to its backend, which costs a few microseconds.
+
     Args:
         backend: The store's settings and Membase calls.
         names: Which of ``"search"``, ``"save"`` and ``"profile"`` to build, in order.
@@ -79,12 +81,24 @@ def build_tools(backend: ToolBackend, names: tuple[str, ...]) -> list[AgentTool]
     Returns:
         The Strands tools, ready for ``get_tools()``.
     """
-    makers = {"search": _search_tool, "save": _save_tool, "profile": _profile_tool}
-    return [makers[name](backend) for name in names]
+    bound = _Tools(backend)
+    tools: list[AgentTool] = [getattr(bound, f"membase_{name}") for name in names]
+    return tools
 
 
-def _search_tool(backend: ToolBackend) -> AgentTool:
-    def membase_search(query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
+class _Tools:
+    """The three tools as methods, decorated once: each instance is one store's tools.
+
+    Strands turns a ``@tool`` method into a tool bound to the instance it is read from, reusing the
+    schema and the input validator it built from the signature and docstring (the costly part,
+    milliseconds per tool) instead of building them again for every store.
+    """
+
+    def __init__(self, backend: ToolBackend) -> None:
+        self._backend = backend
+
+    @tool(name="membase_search", description=SEARCH_DESCRIPTION)
+    def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
         """Search the user's Membase memory.
 
         Args:
@@ -92,29 +106,10 @@ def _search_tool(backend: ToolBackend) -> AgentTool:
             container: The name of one Memory to search. Omit to search every Memory in reach.
             limit: How many passages to return, 1 to 50.
         """
-        if not query.strip():
-            return _error("Nothing was searched: the query was empty.")
-        try:
-            count = backend.resolve_limit(limit, "limit")
-        except ValueError as error:
-            return _error(f"Nothing was searched: {error}.")
-        target = container or backend.container
-        text = query_text(query)
-        try:
-            answer = backend.search(text, count, target)
-        except ValueError as error:
-            return _error(f"Nothing was searched: {error}.")
-        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_search", error, container_named=target is not None)
-        reply = search_text(text, fit_to_budget(arrange(answer, backend.min_score), backend.max_recall_chars))
-        # When no Memory could answer, the search did not really happen: say so with an error status.
-        return _error(reply) if answer.none_answered else _ok(reply)
+        return _guarded(self._backend, "membase_search", lambda: _search(self._backend, query, container, limit))
 
-    return _as_tool(backend, membase_search, SEARCH_DESCRIPTION)
-
-
-def _save_tool(backend: ToolBackend) -> AgentTool:
-    def membase_save(content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
+    @tool(name="membase_save", description=SAVE_DESCRIPTION)
+    def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
         """Save a note the user asked you to remember.
 
         Args:
@@ -122,72 +117,90 @@ def _save_tool(backend: ToolBackend) -> AgentTool:
             container: The name of the Memory to save to. Omit when only one Memory is in reach.
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
-        if not content.strip():
-            return _error("Nothing was saved: the content was empty.")
-        target = None if standing_fact else (container or backend.container)
-        if target is not None:
-            # Find the Memory first, so a failure here is known to have saved nothing.
-            try:
-                backend.container_id(target)
-            except ValueError as error:
-                return _error(f"Nothing was saved: {error}.")
-            except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-                return _failed(backend, "membase_save", error, container_named=True)
-        try:
-            backend.save(content, target, standing_fact)
-        except ValueError as error:
-            return _error(f"Nothing was saved: {error}.")
-        except membase.BadRequestError as error:
-            several = _several_memories(backend) if target is None and not standing_fact else None
-            if several:
-                return _error(
-                    f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
-                    "then call membase_save again with container set to its name."
-                )
-            return _failed(backend, "membase_save", error, container_named=target is not None)
-        except membase.APITimeoutError as error:
-            _note_failure(backend, "membase_save", error)
-            return _error(
-                "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
-                "after checking with membase_search that it is not already there."
-            )
-        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_save", error, container_named=target is not None)
-        if standing_fact:
-            return _ok("Saved as a standing fact in the user's Membase profile.")
-        where = f"the Memory '{memory_label(target)}'" if target else "Membase"
-        return _ok(f"Saved to {where}.")
+        return _guarded(self._backend, "membase_save", lambda: _save(self._backend, content, container, standing_fact))
 
-    return _as_tool(backend, membase_save, SAVE_DESCRIPTION)
-
-
-def _profile_tool(backend: ToolBackend) -> AgentTool:
-    def membase_profile(topic: str | None = None) -> dict[str, Any]:
+    @tool(name="membase_profile", description=PROFILE_DESCRIPTION)
+    def membase_profile(self, topic: str | None = None) -> dict[str, Any]:
         """Read the user's Membase profile.
 
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
-        wanted = query_text(topic) if topic and topic.strip() else None
+        return _guarded(self._backend, "membase_profile", lambda: _profile(self._backend, topic))
+
+
+def _guarded(backend: ToolBackend, tool_name: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Count the call, and answer plainly once the store is closed."""
+    backend.count(f"tool_calls.{tool_name}")
+    if backend.is_closed():
+        return _error(CLOSED_SENTENCE)
+    return call()
+
+
+def _search(backend: ToolBackend, query: str, container: str | None, limit: int | None) -> dict[str, Any]:
+    if not query.strip():
+        return _error("Nothing was searched: the query was empty.")
+    try:
+        count = backend.resolve_limit(limit, "limit")
+    except ValueError as error:
+        return _error(f"Nothing was searched: {error}.")
+    target = container or backend.container
+    text = query_text(query)
+    try:
+        answer = backend.search(text, count, target)
+    except ValueError as error:
+        return _error(f"Nothing was searched: {error}.")
+    except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+        return _failed(backend, "membase_search", error, container_named=target is not None)
+    reply = search_text(text, fit_to_budget(arrange(answer, backend.min_score), backend.max_recall_chars))
+    # When no Memory could answer, the search did not really happen: say so with an error status.
+    return _error(reply) if answer.none_answered else _ok(reply)
+
+
+def _save(backend: ToolBackend, content: str, container: str | None, standing_fact: bool) -> dict[str, Any]:
+    if not content.strip():
+        return _error("Nothing was saved: the content was empty.")
+    target = None if standing_fact else (container or backend.container)
+    if target is not None:
+        # Find the Memory first, so a failure here is known to have saved nothing.
         try:
-            return _ok(profile_text(backend.profile(wanted), wanted, backend.max_recall_chars))
+            backend.container_id(target)
+        except ValueError as error:
+            return _error(f"Nothing was saved: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return _failed(backend, "membase_profile", error)
+            return _failed(backend, "membase_save", error, container_named=True)
+    try:
+        backend.save(content, target, standing_fact)
+    except ValueError as error:
+        return _error(f"Nothing was saved: {error}.")
+    except membase.BadRequestError as error:
+        several = _several_memories(backend) if target is None and not standing_fact else None
+        if several:
+            return _error(
+                f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
+                "then call membase_save again with container set to its name."
+            )
+        return _failed(backend, "membase_save", error, container_named=target is not None)
+    except membase.APITimeoutError as error:
+        _note_failure(backend, "membase_save", error)
+        return _error(
+            "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
+            "after checking with membase_search that it is not already there."
+        )
+    except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+        return _failed(backend, "membase_save", error, container_named=target is not None)
+    if standing_fact:
+        return _ok("Saved as a standing fact in the user's Membase profile.")
+    where = f"the Memory '{memory_label(target)}'" if target else "Membase"
+    return _ok(f"Saved to {where}.")
 
-    return _as_tool(backend, membase_profile, PROFILE_DESCRIPTION)
 
-
-def _as_tool(backend: ToolBackend, function: Callable[..., dict[str, Any]], description: str) -> AgentTool:
-    """Make ``function`` a Strands tool that is counted, and answers plainly once the store is closed."""
-
-    @functools.wraps(function)  # keeps the signature and docstring Strands builds the tool's schema from
-    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        backend.count(f"tool_calls.{function.__name__}")
-        if backend.is_closed():
-            return _error(CLOSED_SENTENCE)
-        return function(*args, **kwargs)
-
-    return tool(name=function.__name__, description=description)(counted)
+def _profile(backend: ToolBackend, topic: str | None) -> dict[str, Any]:
+    wanted = query_text(topic) if topic and topic.strip() else None
+    try:
+        return _ok(profile_text(backend.profile(wanted), wanted, backend.max_recall_chars))
+    except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+        return _failed(backend, "membase_profile", error)
 
 
 def _several_memories(backend: ToolBackend) -> str | None:
