@@ -471,3 +471,24 @@ def test_a_pool_without_idle_time_starts_a_thread_per_call():
     assert second is not first
     second.join(5)
     assert pool.threads == 0
+
+
+async def test_a_wait_cancelled_within_its_budget_leaves_nothing_behind_on_the_loop(gates):
+    loop = asyncio.get_running_loop()
+    problems: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: problems.append(context))
+    gate = gates.new()
+    future = start_daemon(lambda: gate.wait(10) and "late", name="membase-test[cancelled]")
+
+    waiting = asyncio.create_task(wait_for_future(future, 0.2))
+    await asyncio.sleep(0)  # the task is now waiting
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0.4)  # past the budget: its timer, had it stayed, would have fired by now
+    gate.set()
+    assert await asyncio.wrap_future(future) == "late"
+    await asyncio.sleep(0.05)  # the worker's wake-up reaches this loop
+
+    assert problems == []
+    assert not future.cancelled()
