@@ -128,8 +128,8 @@ def run(plan: Plan) -> Section:
         results = {}
         for mode, reuse in (("fresh store per turn", False), ("store reused per user (`MembaseStorePool`)", True)):
             server.reset()
+            gc.collect()  # first: collecting the previous mode's stores closes their clients on library threads
             no_library_threads()
-            gc.collect()
             with thread_peak() as threads:
                 started = time.perf_counter()
                 counts = asyncio.run(_users(plan, server.url, reuse))
@@ -202,8 +202,8 @@ def _run_server_pattern(plan: Plan, section: Section) -> dict[bool, PatternRun]:
     try:
         for agent_per_turn in (False, True):
             server.reset()
+            gc.collect()  # first: collecting the previous mode's stores closes their clients on library threads
             no_library_threads()
-            gc.collect()
             with thread_peak() as threads:
                 started = time.perf_counter()
                 counts = asyncio.run(_server_pattern(plan, server.url, agent_per_turn))

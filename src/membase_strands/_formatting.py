@@ -59,12 +59,12 @@ class Passage:
         """Every Memory this passage came from, the one it scored best in first."""
         return (self.memory, *self.also_in)
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
         return "".join(f"[{memory}] " for memory in self.memories)
 
-    @property
+    @functools.cached_property
     def score(self) -> float | None:
         """Membase's score for the passage, or ``None`` when it has no usable one."""
         value = self.metadata.get("score")
