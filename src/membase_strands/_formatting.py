@@ -48,6 +48,17 @@ class Passage:
     metadata: dict[str, Any] = field(default_factory=dict)
     also_in: tuple[str, ...] = ()
     """Other Memories that returned the same text (see :func:`arrange`)."""
+    label: str = field(init=False, repr=False, compare=False)
+    """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
+    score: float | None = field(init=False, repr=False, compare=False)
+    """Membase's score for the passage, or ``None`` when it has no usable one."""
+
+    def __post_init__(self) -> None:
+        # Read several times per recall (ordering, the budget, the entries): worked out once, here.
+        object.__setattr__(self, "label", "".join(f"[{memory}] " for memory in self.memories))
+        value = self.metadata.get("score")
+        usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        object.__setattr__(self, "score", float(value) if usable and isinstance(value, (int, float)) else None)
 
     @functools.cached_property
     def text(self) -> str:
@@ -58,19 +69,6 @@ class Passage:
     def memories(self) -> tuple[str, ...]:
         """Every Memory this passage came from, the one it scored best in first."""
         return (self.memory, *self.also_in)
-
-    @functools.cached_property
-    def label(self) -> str:
-        """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
-        return "".join(f"[{memory}] " for memory in self.memories)
-
-    @functools.cached_property
-    def score(self) -> float | None:
-        """Membase's score for the passage, or ``None`` when it has no usable one."""
-        value = self.metadata.get("score")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
 
 
 @dataclass(frozen=True)
@@ -194,7 +192,7 @@ def _fold(passages: list[Passage]) -> list[Passage]:
     by_start: dict[str, list[int]] = {}  # the shortest start -> where the passages starting so are shown
     for passage in passages:
         size = _FOLD_START
-        mine = {size: _normalised_start(passage.content, size)}
+        mine = {size: _normalised_start(passage, size)}
         alike = by_start.get(mine[size], [])
         at = None
         while alike:
@@ -202,7 +200,7 @@ def _fold(passages: list[Passage]) -> list[Passage]:
                 at = alike[0]
                 break
             size *= 4
-            mine[size] = _normalised_start(passage.content, size)
+            mine[size] = _normalised_start(passage, size)
             alike = [index for index in alike if _start_of(shown[index], starts[index], size) == mine[size]]
         if at is None:
             by_start.setdefault(mine[_FOLD_START], []).append(len(shown))
@@ -215,7 +213,7 @@ def _fold(passages: list[Passage]) -> list[Passage]:
 
 def _start_of(passage: Passage, known: dict[int, str], size: int) -> str:
     if size not in known:
-        known[size] = _normalised_start(passage.content, size)
+        known[size] = _normalised_start(passage, size)
     return known[size]
 
 
@@ -227,13 +225,16 @@ def _normalised(text: str) -> str:
     return " ".join(text.split())
 
 
-def _normalised_start(content: str, size: int) -> str:
-    """The first ``size`` characters of the cleaned, whitespace-normalised ``content``, reading little more.
+def _normalised_start(passage: Passage, size: int) -> str:
+    """The first ``size`` characters of the passage's whitespace-normalised text, reading little more.
 
     Shorter than ``size`` only when that is the whole normalised text. The normalised cleaned start of
     a text is a start of its normalised cleaned text (a word the cut splits is only a start of that
     word), so reading further only lengthens it.
     """
+    content = passage.content
+    if len(content) <= size:  # the usual passage: clean it whole, once (Passage.text keeps it for the budget)
+        return _normalised(passage.text)[:size]
     read = size
     while True:
         head = content[:read]
@@ -285,7 +286,11 @@ def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
     used = 0
     for passage in answer.passages:
         room = limit - used - len(passage.label)
-        text, fits = _clean_within(passage.content, room)
+        known: str | None = vars(passage).get("text")  # cleaned already (while folding), or not yet
+        if known is not None:
+            text, fits = known, 0 <= room and len(known) <= room
+        else:
+            text, fits = _clean_within(passage.content, room)
         if fits:
             vars(passage)["text"] = text  # what Passage.text computes; cleaned once, here
             kept.append(passage)
