@@ -1,16 +1,21 @@
 """What the scenarios share: the run's plan, statistics, CPU load, waits, offline clients and agents.
 
-Everything here is offline. A client is the real ``membase.Membase`` over ``httpx.MockTransport``; an
-agent is the real ``strands.Agent`` with the testing kit's scripted model. Every wait is bounded.
+Everything here is offline. A client is the real ``membase.Membase`` over ``httpx.MockTransport``, or
+over real sockets to the loopback server (``_server.py``) in a child process; an agent is the real
+``strands.Agent`` with the testing kit's scripted model. Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -157,6 +162,25 @@ def others_share(start: CpuSample, end: CpuSample) -> float:
     return max(0.0, others / (wall * cores)) if wall > 0 else 0.0
 
 
+@contextmanager
+def busy_processes(count: int = 2, limit_s: float = 600.0) -> Iterator[None]:
+    """``count`` processes spinning on the CPU while inside (each ends by itself after ``limit_s``), stopped by pid."""
+    spinners = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import time\nend = time.time() + {limit_s}\nwhile time.time() < end: pass"]
+        )
+        for _ in range(count)
+    ]
+    try:
+        time.sleep(0.2)  # let them reach the CPU before the measurement starts
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(10)
+
+
 # --- Waits --------------------------------------------------------------------------------------
 
 
@@ -175,9 +199,85 @@ def membase_threads(prefix: str = "membase-") -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
 
 
+def no_library_threads(timeout: float = 15.0) -> bool:
+    """Wait (bounded) until none of the library's threads is alive, idle workers included (they retire when idle),
+    so the next measurement starts from the same place whatever ran before it."""
+    return wait_until(lambda: not any(t.name.startswith("membase-") for t in threading.enumerate()), timeout=timeout)
+
+
 def wait_for_threads(prefix: str, at_most: int = 0, timeout: float = 15.0) -> bool:
     """Wait (polling every millisecond, bounded) until at most ``at_most`` threads named ``prefix...`` live."""
     return wait_until(lambda: len(membase_threads(prefix)) <= at_most, timeout=timeout, step=0.001)
+
+
+# --- The loopback server and threads ------------------------------------------------------------
+
+
+class ServerProcess:
+    """The loopback server (``_server.py``) in a child process, with its connection counters."""
+
+    def __init__(self, latency_ms: float) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, str(BENCHMARKS / "_server.py"), str(latency_ms)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline().split()
+        if len(line) != 2 or line[0] != "PORT":
+            self.stop()
+            raise RuntimeError(f"the loopback server did not start: {line!r}")
+        self.url = f"http://127.0.0.1:{line[1]}"
+
+    def _control(self, method: str, path: str) -> dict[str, int]:
+        request = urllib.request.Request(self.url + path, method=method, headers={"Connection": "close"}, data=b"")
+        if method == "GET":
+            request.data = None
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            result: dict[str, int] = json.loads(answer.read())
+            return result
+
+    def stats(self) -> dict[str, int]:
+        """Connections accepted and requests answered since the last reset."""
+        return self._control("GET", "/_stats")
+
+    def reset(self) -> None:
+        """Zero the counters."""
+        self._control("POST", "/_reset")
+
+    def stop(self) -> None:
+        """Close the server's stdin (it serves until then) and wait for it, killing it if it lingers."""
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(5)
+
+
+@contextmanager
+def thread_peak() -> Iterator[dict[str, int]]:
+    """Samples the process's threads every millisecond while inside: all of them (the sampler included) and the
+    library's own (named ``membase-...``, at work or waiting for work), at their peaks."""
+    seen = {"baseline": threading.active_count(), "peak": 0, "library_peak": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            seen["peak"] = max(seen["peak"], threading.active_count())
+            library = sum(1 for t in threading.enumerate() if t.name.startswith("membase-"))
+            seen["library_peak"] = max(seen["library_peak"], library)
+            done.wait(0.001)
+
+    sampler = threading.Thread(target=sample, name="bench-sampler", daemon=True)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join(5)
 
 
 # --- Clients and agents -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContext
 from strands.types.content import Message
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _writes
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _workers, _writes
 from membase_strands._counters import Counters
 from membase_strands._writes import Part, WriteRecord
 from membase_strands.testing import hang, status
@@ -890,7 +890,11 @@ async def test_record_counts_every_cancelled_wait_and_a_write_saved_after_it_is_
 
 @pytest.fixture
 def no_thread_for_one_write(monkeypatch) -> list[str]:
-    """The next membase write thread fails to start, as when the process is out of threads."""
+    """The next membase write thread fails to start, as when the process is out of threads.
+
+    Out of threads, no worker waits for work either: every call needs a thread of its own.
+    """
+    monkeypatch.setattr(_workers, "_POOL", _workers.WorkerPool(idle_seconds=0))
     refused: list[str] = []
     start = threading.Thread.start
 

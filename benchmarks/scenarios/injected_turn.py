@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 from report import Section, fmt
-from support import Plan, async_turns_ms, fixed_answer, make_agent, median, mock_client, sync_turn_ms
+from support import Plan, async_turns_ms, fixed_answer, make_agent, median, mock_client, sync_turn_ms, time_calls_us
 
 from membase_strands import MembaseMemoryStore
 
 NUMBER = 2
+TOOLS_AGAIN_TARGET_US = 50.0
 
 
 def run(plan: Plan) -> Section:
@@ -66,4 +68,42 @@ def run(plan: Plan) -> Section:
     section.notes.append(
         f"Memory was injected into the model's input: {'yes' if injected else 'NO (check the setup)'}."
     )
+    _building(plan, section)
     return section
+
+
+def _building(plan: Plan, section: Section) -> None:
+    """What building an Agent over the store costs the store: its tools, the first time and again."""
+    count = 200 if plan.quick else 1000
+    with mock_client(fixed_answer) as client:
+        stores = [MembaseMemoryStore(client=client) for _ in range(count)]
+        first: list[float] = []
+        for store in stores:
+            started = time.perf_counter_ns()
+            store.get_tools()
+            first.append((time.perf_counter_ns() - started) / 1000)
+        again = time_calls_us(stores[0].get_tools, count * 10)
+        agent_ms = [time_calls_us(lambda: make_agent(stores[0]), 1)[0] / 1000 for _ in range(count // 10)]
+        for store in stores:
+            store.close()
+    first_us, again_us = median(first), median(again)
+    section.extra += [
+        f"Building an `Agent` over the store: the store's share is its tools (`get_tools()`), asked for by every "
+        f"`Agent` built over it (an app that builds an agent per request asks on every request). Medians of {count} "
+        "stores and of repeated calls.",
+        "",
+        "| step | median |",
+        "| --- | --- |",
+        f"| `get_tools()` of a new store (binds the three tools to it) | {fmt(first_us)} µs |",
+        f"| `get_tools()` again on a store that built them (the same tool objects) | {fmt(again_us)} µs |",
+        f"| a whole `Agent(model, memory_manager=MemoryManager(stores=[store]))` | {fmt(median(agent_ms))} ms |",
+        "",
+    ]
+    section.figure("first_tools_us", "get_tools() of a new store", first_us, "µs", floor=20)
+    section.figure("tools_again_us", "get_tools() again on the same store", again_us, "µs", floor=5)
+    section.figure("agent_build_ms", "building an Agent over the store", median(agent_ms), "ms", floor=0.5)
+    section.target(
+        f"`get_tools()` on a store that already built them: at most {TOOLS_AGAIN_TARGET_US:g} µs",
+        again_us <= TOOLS_AGAIN_TARGET_US,
+        f"{fmt(again_us)} µs (the first call on a new store: {fmt(first_us)} µs)",
+    )

@@ -1,97 +1,30 @@
-"""Section 4, many users over real HTTP: a fresh store per turn against one store per user.
+"""Section 4, many users over real HTTP: a fresh store per turn against one store per user, then a server.
 
 A loopback server in a child process (``benchmarks/_server.py``) answers the Membase routes after a
 few milliseconds and counts the TCP connections it accepts. Many users' turns run through
-``strands.Agent`` on one event loop, a bounded number of users at a time.
+``strands.Agent`` on one event loop, a bounded number of users at a time. Then the server pattern:
+every user at once on one loop, each with its pooled store, with an agent kept per user or built per turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
-import subprocess
-import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 
 from report import Section, fmt
 from strands import Agent
 from strands.memory import MemoryManager
-from support import BENCHMARKS, QUESTION, Plan
+from support import QUESTION, Plan, ServerProcess, no_library_threads, thread_peak
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands.testing import ScriptedModel
 
 NUMBER = 4
 SERVER_LATENCY_MS = 3.0
-
-
-class ServerProcess:
-    """The loopback server (``_server.py``) in a child process, with its connection counters."""
-
-    def __init__(self, latency_ms: float) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, str(BENCHMARKS / "_server.py"), str(latency_ms)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self._process.stdout is not None
-        line = self._process.stdout.readline().split()
-        if len(line) != 2 or line[0] != "PORT":
-            self.stop()
-            raise RuntimeError(f"the loopback server did not start: {line!r}")
-        self.url = f"http://127.0.0.1:{line[1]}"
-
-    def _control(self, method: str, path: str) -> dict[str, int]:
-        request = urllib.request.Request(self.url + path, method=method, headers={"Connection": "close"}, data=b"")
-        if method == "GET":
-            request.data = None
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            result: dict[str, int] = json.loads(answer.read())
-            return result
-
-    def stats(self) -> dict[str, int]:
-        """Connections accepted and requests answered since the last reset."""
-        return self._control("GET", "/_stats")
-
-    def reset(self) -> None:
-        """Zero the counters."""
-        self._control("POST", "/_reset")
-
-    def stop(self) -> None:
-        """Close the server's stdin (it serves until then) and wait for it, killing it if it lingers."""
-        if self._process.stdin is not None:
-            self._process.stdin.close()
-        try:
-            self._process.wait(10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(5)
-
-
-@contextmanager
-def thread_peak() -> Iterator[dict[str, int]]:
-    """Samples ``threading.active_count()`` every millisecond (the sampler included) while inside."""
-    seen = {"baseline": threading.active_count(), "peak": 0}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            seen["peak"] = max(seen["peak"], threading.active_count())
-            done.wait(0.001)
-
-    sampler = threading.Thread(target=sample, name="bench-sampler", daemon=True)
-    sampler.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        sampler.join(5)
+PATTERN_LATENCY_MS = 20.0
+PATTERN_THREADS_TARGET = 8
 
 
 async def _users(plan: Plan, url: str, reuse: bool) -> dict[str, float]:
@@ -129,6 +62,39 @@ async def _users(plan: Plan, url: str, reuse: bool) -> dict[str, float]:
     return counts
 
 
+async def _server_pattern(plan: Plan, url: str, agent_per_turn: bool) -> dict[str, float]:
+    """Every user at once on this loop, each with its pooled store; an Agent kept per user or built per turn."""
+    counts = {"turns": 0.0, "injected": 0.0, "store_build_s": 0.0, "agent_build_s": 0.0}
+    pool = MembaseStorePool(lambda user_id: user_id, base_url=url)
+
+    async def user(number: int) -> None:
+        agent, model = None, ScriptedModel()
+        for _ in range(plan.user_turns):
+            started = time.perf_counter()
+            store = pool.store_for(f"user-{number}")  # per request, as an app serving many users does
+            built = time.perf_counter()
+            counts["store_build_s"] += built - started
+            if agent is None or agent_per_turn:
+                model = ScriptedModel()
+                agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
+                counts["agent_build_s"] += time.perf_counter() - built
+            agent.messages.clear()
+            model.calls.clear()
+            await agent.invoke_async(QUESTION)
+            counts["turns"] += 1
+            counts["injected"] += model.memory_block() is not None
+
+    try:
+        await asyncio.gather(*(user(n) for n in range(plan.users)))
+    finally:
+        pool.close()
+    return counts
+
+
+def _threads_cell(threads: dict[str, int]) -> str:
+    return f"{threads['peak']} (library {threads['library_peak']}, baseline {threads['baseline']})"
+
+
 def run(plan: Plan) -> Section:
     """Run every user's turns twice, with a fresh store per turn and with one store per user."""
     total = plan.users * plan.user_turns
@@ -162,7 +128,8 @@ def run(plan: Plan) -> Section:
         results = {}
         for mode, reuse in (("fresh store per turn", False), ("store reused per user (`MembaseStorePool`)", True)):
             server.reset()
-            gc.collect()
+            gc.collect()  # first: collecting the previous mode's stores closes their clients on library threads
+            no_library_threads()
             with thread_peak() as threads:
                 started = time.perf_counter()
                 counts = asyncio.run(_users(plan, server.url, reuse))
@@ -176,7 +143,7 @@ def run(plan: Plan) -> Section:
                 stats["connections"],
                 fmt(stats["connections"] / plan.users),
                 stats["requests"],
-                f"{threads['peak']} (baseline {threads['baseline']})",
+                _threads_cell(threads),
                 f"{counts['injected']:.0f}/{total}",
                 fmt(counts["store_build_s"]),
                 fmt(counts["agent_build_s"]),
@@ -188,6 +155,7 @@ def run(plan: Plan) -> Section:
             section.figure(f"{key}_peak_threads", f"peak threads, {name}", threads["peak"], "threads", floor=4)
     finally:
         server.stop()
+    pattern = _run_server_pattern(plan, section)
     wall_fresh, fresh_stats, fresh_counts = results[False]
     wall_reused, reused_stats, reused_counts = results[True]
     section.target(
@@ -205,10 +173,82 @@ def run(plan: Plan) -> Section:
     section.notes.append(_where_the_time_goes(plan, requests, wall_fresh, wall_reused, fresh_counts, reused_counts))
     section.notes.append(
         "Peak threads count the whole client process: the main thread, the sampler, Strands' per-Agent "
-        "initialisation thread and one `membase-recall` daemon thread per recall in flight (at most one per "
-        "concurrent user). The server's threads are in its own process."
+        "initialisation thread and the library's worker threads (one per Membase call in flight, each kept "
+        "a few seconds for the next call; 'library' counts them at their peak). The server's threads are in "
+        "its own process."
     )
+    _pattern_targets(plan, section, pattern)
     return section
+
+
+@dataclass(frozen=True)
+class PatternRun:
+    """One mode of the server pattern: its wall time, the server's counts, the turns' counts, threads at peak."""
+
+    wall: float
+    stats: dict[str, int]
+    counts: dict[str, float]
+    threads: dict[str, int]
+
+    @property
+    def turns_per_s(self) -> float:
+        return self.counts["turns"] / self.wall
+
+
+def _run_server_pattern(plan: Plan, section: Section) -> dict[bool, PatternRun]:
+    """The server pattern's two modes (Agent per user, Agent per turn) on a slower server; rows and figures."""
+    server = ServerProcess(PATTERN_LATENCY_MS)
+    runs = {}
+    try:
+        for agent_per_turn in (False, True):
+            server.reset()
+            gc.collect()  # first: collecting the previous mode's stores closes their clients on library threads
+            no_library_threads()
+            with thread_peak() as threads:
+                started = time.perf_counter()
+                counts = asyncio.run(_server_pattern(plan, server.url, agent_per_turn))
+                wall = time.perf_counter() - started
+            run = runs[agent_per_turn] = PatternRun(wall, server.stats(), counts, threads)
+            how = "a new `Agent` per turn" if agent_per_turn else "one `Agent` per user"
+            section.row(
+                f"server pattern: all {plan.users} users at once, {PATTERN_LATENCY_MS:g} ms server, {how}",
+                fmt(wall),
+                fmt(run.turns_per_s),
+                run.stats["connections"],
+                fmt(run.stats["connections"] / plan.users),
+                run.stats["requests"],
+                _threads_cell(threads),
+                f"{counts['injected']:.0f}/{counts['turns']:.0f}",
+                fmt(counts["store_build_s"]),
+                fmt(counts["agent_build_s"]),
+            )
+            key = "pattern_per_turn" if agent_per_turn else "pattern"
+            name = f"server pattern, {'Agent per turn' if agent_per_turn else 'Agent per user'}"
+            section.figure(f"{key}_turns_s", f"turns/s, {name}", run.turns_per_s, "turns/s", better="higher", floor=20)
+            section.figure(f"{key}_peak_threads", f"peak threads, {name}", threads["peak"], "threads", floor=4)
+            section.figure(
+                f"{key}_library_threads", f"peak library threads, {name}", threads["library_peak"], "threads", floor=4
+            )
+    finally:
+        server.stop()
+    return runs
+
+
+def _pattern_targets(plan: Plan, section: Section, runs: dict[bool, PatternRun]) -> None:
+    for agent_per_turn, run in runs.items():
+        how = "a new Agent per turn" if agent_per_turn else "one Agent per user"
+        section.target(
+            f"server pattern with {how}: at most {PATTERN_THREADS_TARGET} threads at peak",
+            run.threads["peak"] <= PATTERN_THREADS_TARGET,
+            f"{run.threads['peak']} at peak, {run.threads['library_peak']} of them the library's "
+            f"({run.turns_per_s:.0f} turns/s)",
+        )
+        section.target(
+            f"server pattern with {how}: one connection per user, every turn injected",
+            run.stats["connections"] <= plan.users and run.counts["injected"] == run.counts["turns"],
+            f"{run.stats['connections']} connections for {plan.users} users; "
+            f"{run.counts['injected']:.0f}/{run.counts['turns']:.0f} injected",
+        )
 
 
 def _where_the_time_goes(

@@ -1,19 +1,21 @@
 """Section 1, recall overhead: what ``await store.search(q)`` adds to the ``client.search(q, limit=5)`` it wraps.
 
-Both run on a zero-latency ``httpx.MockTransport`` answering a fixed three-passage body. The store's
-time covers its hand-off to a daemon thread and back, the parse and the ``MemoryEntry``s. The same
-trials then time the recall step by step (the bare hand-off, the request on a fresh thread and on a
-long-lived worker, the parse), and a missed target adds cProfile tables.
+First on a zero-latency ``httpx.MockTransport`` answering a fixed three-passage body: the store's time
+covers its hand-off to a worker thread and back, the parse and the ``MemoryEntry``s. The same trials
+then time the recall step by step (the bare hand-off, the request on the store's workers and on a
+fresh thread per call, the parse), and a missed target adds cProfile tables. Then over real sockets:
+the loopback server (``_server.py``) in a child process, with keep-alive, calls interleaved one by one,
+quiet and beside two busy processes. Last, the store's own code on a 50 x 1 MB answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import gc
 import json
 import pstats
-import queue
 import sys
 import threading
 import time
@@ -26,12 +28,29 @@ from typing import Any, TypeVar
 import membase
 from report import Section, fmt, spread, this_machine
 from strands.memory import MemoryEntry
-from support import QUESTION, SEARCH_BODY, Plan, fixed_answer, median, mock_client, time_calls_us
+from support import (
+    QUESTION,
+    SEARCH_BODY,
+    Plan,
+    ServerProcess,
+    busy_processes,
+    fixed_answer,
+    median,
+    mock_client,
+    time_calls_us,
+)
 
 from membase_strands import MembaseMemoryStore
+from membase_strands.testing import API_KEY
 
 NUMBER = 1
 OVERHEAD_TARGET_US = 150.0
+LOOPBACK_TARGET_US = 200.0
+SLOW_CALL_US = 2000.0
+SLOW_SHARE_TARGET = 0.05
+BIG_PASSAGES = 50
+BIG_PASSAGE_CHARS = 1024 * 1024
+BIG_ANSWER_TARGET_MS = 15.0
 
 T = TypeVar("T")
 
@@ -46,53 +65,55 @@ class RecallSteps:
     """A parsed answer -> the entries the manager injects."""
     parse: Callable[[Any], Any]
     """A decoded search answer -> a parsed one."""
-    start_daemon: Callable[[Callable[[], object], str], Future[object]]
-    """The store's hand-off: run a function on a new daemon thread (the name is the thread's)."""
+    shown: Callable[[Any, int], list[MemoryEntry]]
+    """A decoded search answer and a limit -> the entries the store injects: everything the store does with an
+    answer (parse, order and fold, cut to the limit and the recall budget, entries)."""
+    submit: Callable[[Callable[[], object], str], Future[object]]
+    """The store's hand-off: run a function on its worker threads (the name is the worker's while it runs)."""
     wait: Callable[[Future[object], float | None], Awaitable[object]]
-    """Await such a thread's future on the running loop, within a budget."""
+    """Await such a call's future on the running loop, within a budget."""
 
 
 def recall_steps(client: membase.Membase) -> RecallSteps:
     """The store's own pieces of one recall of :data:`QUESTION` with a limit of 5, through the library's
     internal door to Membase (the gateway) over ``client``: the one place the benchmarks use private modules."""
-    from membase_strands._formatting import memory_entries, parse_search
+    from dataclasses import replace
+
+    from membase_strands._formatting import arrange, fit_to_budget, memory_entries, parse_search
     from membase_strands._gateway import MembaseGateway
-    from membase_strands._threads import start_daemon, wait_for_future
+    from membase_strands._options import DEFAULT_RECALL_CHARS
+    from membase_strands._workers import start_daemon, wait_for_future
+
+    def shown(body: Any, limit: int) -> list[MemoryEntry]:
+        # What store.search does with an answer once the request is back (see MembaseMemoryStore.search),
+        # with the store's defaults: no floor, the default recall budget.
+        answer = arrange(parse_search(body))
+        answer = replace(answer, passages=answer.passages[: max(0, limit - len(answer.unsearched))])
+        return memory_entries(fit_to_budget(answer, DEFAULT_RECALL_CHARS))
 
     gateway = MembaseGateway(client=client)
     return RecallSteps(
         request=lambda: gateway.search(QUESTION, 5, None, retry=False),
         entries=memory_entries,
         parse=parse_search,
-        start_daemon=lambda fn, name: start_daemon(fn, name=name),
+        shown=shown,
+        submit=lambda fn, name: start_daemon(fn, name=name),
         wait=wait_for_future,
     )
 
 
-class Worker:
-    """One long-lived daemon thread fed by a queue: what a reused recall worker would cost."""
+def fresh_thread(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` on a new daemon thread of its own: how the store ran each recall before it had workers."""
+    future: Future[T] = Future()
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="bench-worker", daemon=True)
-        self._thread.start()
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as error:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(error)
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._queue.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(5)
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as error:  # noqa: BLE001 - handed to the waiter
-                future.set_exception(error)
+    threading.Thread(target=run, name="bench-fresh", daemon=True).start()
+    return future
 
 
 async def _store_calls_us(store: MembaseMemoryStore, count: int) -> list[float]:
@@ -118,10 +139,10 @@ def _on_caller(steps: RecallSteps) -> None:
     steps.entries(steps.request())
 
 
-def _decomposition_trial(steps: RecallSteps, client: membase.Membase, worker: Worker, count: int) -> dict[str, float]:
+def _decomposition_trial(steps: RecallSteps, client: membase.Membase, count: int) -> dict[str, float]:
     """Where a recall's time goes, step by step (per-call medians in µs)."""
-    inside_daemon: list[float] = []
     inside_worker: list[float] = []
+    inside_fresh: list[float] = []
 
     def timed(into: list[float]) -> Callable[[], object]:
         def request() -> object:
@@ -132,30 +153,18 @@ def _decomposition_trial(steps: RecallSteps, client: membase.Membase, worker: Wo
 
         return request
 
-    async def via_worker() -> list[float]:
-        # What store.search would cost with one long-lived worker: the same request and parse, handed
-        # to the worker, then the entries built on the loop.
-        times = []
-        for _ in range(count):
-            started = time.perf_counter_ns()
-            answer = await steps.wait(worker.submit(steps.request), 8.0)
-            steps.entries(answer)
-            times.append((time.perf_counter_ns() - started) / 1000)
-        return times
-
-    def via_daemon(fn: Callable[[], object], name: str) -> Callable[[], Future[object]]:
-        return lambda: steps.start_daemon(fn, name)
+    def via_worker(fn: Callable[[], object], name: str) -> Callable[[], Future[object]]:
+        return lambda: steps.submit(fn, name)
 
     return {
         "caller": median(time_calls_us(lambda: _on_caller(steps), count)),
-        "noop": median(asyncio.run(_future_calls_us(steps, via_daemon(lambda: None, "bench-noop"), count))),
-        "daemon": median(
-            asyncio.run(_future_calls_us(steps, via_daemon(timed(inside_daemon), "bench-request"), count))
+        "noop": median(asyncio.run(_future_calls_us(steps, via_worker(lambda: None, "membase-bench[noop]"), count))),
+        "worker": median(
+            asyncio.run(_future_calls_us(steps, via_worker(timed(inside_worker), "membase-bench[request]"), count))
         ),
-        "worker": median(asyncio.run(_future_calls_us(steps, lambda: worker.submit(timed(inside_worker)), count))),
-        "projected": median(asyncio.run(via_worker())),
-        "inside_daemon": median(inside_daemon),
+        "fresh": median(asyncio.run(_future_calls_us(steps, lambda: fresh_thread(timed(inside_fresh)), count))),
         "inside_worker": median(inside_worker),
+        "inside_fresh": median(inside_fresh),
     }
 
 
@@ -183,19 +192,19 @@ def run(plan: Plan) -> Section:
         "`httpx.MockTransport` that answers a fixed three-passage JSON body (no word matching). "
         f"{plan.recall_trials} trials x {plan.recall_calls} calls each, after a warm-up; each figure is the "
         "median over trials of the per-trial median per call. The store's time includes its hand-off to a "
-        "daemon thread and back, the parse and the `MemoryEntry` formatting.",
+        "worker thread and back, the parse and the `MemoryEntry` formatting.",
         ["path", "median µs/call", "per-trial medians"],
     )
     with mock_client(fixed_answer) as client:
         store = MembaseMemoryStore(client=client)  # default recall_timeout=8.0
         unboxed = MembaseMemoryStore(client=client, recall_timeout=None)
-        worker = Worker()
         try:
-            _measure(plan, section, client, store, unboxed, worker)
+            _measure(plan, section, client, store, unboxed)
         finally:
-            worker.stop()
             store.close()
             unboxed.close()
+    _loopback(plan, section)
+    _big_answer(plan, section)
     return section
 
 
@@ -205,7 +214,6 @@ def _measure(
     client: membase.Membase,
     store: MembaseMemoryStore,
     unboxed: MembaseMemoryStore,
-    worker: Worker,
 ) -> None:
     def raw_call() -> object:
         return client.search(QUESTION, limit=5)
@@ -221,7 +229,7 @@ def _measure(
         raw.append(median(time_calls_us(raw_call, plan.recall_calls)))
         boxed.append(median(asyncio.run(_store_calls_us(store, plan.recall_calls))))
         none.append(median(asyncio.run(_store_calls_us(unboxed, plan.recall_calls))))
-        trials.append(_decomposition_trial(steps, client, worker, max(100, plan.recall_calls // 2)))
+        trials.append(_decomposition_trial(steps, client, max(100, plan.recall_calls // 2)))
     raw_us, store_us, none_us = median(raw), median(boxed), median(none)
     added = store_us - raw_us
     section.row("raw `client.search(q, limit=5)`", fmt(raw_us), spread(raw))
@@ -245,44 +253,38 @@ def _measure(
         section.row(label, fmt(step[key]), spread([t[key] for t in trials]))
 
     handoff = step["noop"]
-    fresh = step["inside_daemon"] - raw_us
+    on_worker = step["inside_worker"] - raw_us
     parse = step["caller"] - raw_us
-    rest = added - handoff - fresh - parse
-    projected = step["projected"] - raw_us
+    rest = added - handoff - on_worker - parse
     section.row("*where the time goes (same trials):*", "", "")
     row("store code on the caller's thread, no hand-off (request, parse, entries)", "caller")
-    row("thread hand-off of a no-op (`start_daemon` + `wait_for_future`)", "noop")
-    row("raw request via `start_daemon` + `wait_for_future`", "daemon")
-    row("... the request's own time inside that fresh thread", "inside_daemon")
-    row("raw request via one long-lived worker thread (queue)", "worker")
-    row("... the request's own time inside that worker", "inside_worker")
-    row("store's recall via one long-lived worker (request + parse there, entries on the loop)", "projected")
-    section.figure("handoff_us", "thread hand-off of a no-op", handoff, "µs", floor=15)
+    row("hand-off of a no-op to the store's workers (`start_daemon` + `wait_for_future`)", "noop")
+    row("raw request through the store's workers", "worker")
+    row("... the request's own time on the worker", "inside_worker")
+    row("raw request on a fresh thread per call (the store before it had workers)", "fresh")
+    row("... the request's own time on that fresh thread", "inside_fresh")
+    section.figure("handoff_us", "hand-off of a no-op to a worker", handoff, "µs", floor=15)
     section.figure("parse_us", "parse and MemoryEntry formatting", parse, "µs", floor=10)
-    section.figure("worker_added_us", "store's recall via a long-lived worker, added", projected, "µs", floor=15)
+    section.figure("fresh_thread_us", "raw request on a fresh thread per call", step["fresh"], "µs", better="info")
     machine = this_machine()
-    why_fresh = " (a new thread state and frame stack, caches that are cold where it runs)" if fresh > 0 else ""
     section.notes.append(
-        f"Attribution of the {fmt(added)} µs the store adds: starting a thread and waking the loop "
-        f"{fmt(handoff)} µs; the same SDK request runs {_slower(fresh)} on a fresh thread than on the caller's"
-        f"{why_fresh}; parsing the answer and building the `MemoryEntry`s {fmt(parse)} µs; the rest "
-        f"({fmt(rest)} µs): the parse also runs on the fresh thread, the context copy, the guard's lock, the "
-        "limit check, and noise."
+        f"Attribution of the {fmt(added)} µs the store adds: handing the call to a waiting worker and waking the "
+        f"loop {fmt(handoff)} µs; the same SDK request runs {_slower(on_worker)} on the worker than on the "
+        f"caller's thread; parsing the answer and building the `MemoryEntry`s {fmt(parse)} µs; the rest "
+        f"({fmt(rest)} µs): the parse also runs on the worker, the context copy, the guard's lock, the limit "
+        "check, and noise."
     )
     section.notes.append(
-        f"With one long-lived worker thread instead of a thread per recall, the same recall would add "
-        f"{fmt(projected)} µs instead of {fmt(added)} ({fmt(step['worker'])} µs per raw request through "
-        f"the worker against {fmt(step['daemon'])} µs through `start_daemon`). Through a reused worker "
-        f"the bare request is {_slower(step['worker'] - raw_us)} than on the caller's thread on {machine}."
+        f"A raw request costs {fmt(step['worker'])} µs through the store's workers against {fmt(step['fresh'])} µs "
+        f"on a fresh thread per call (what the store did before it had workers), on {machine}."
     )
     why = f"adds {fmt(added)} µs (x{store_us / raw_us:.2f} the raw call)"
     if added > OVERHEAD_TARGET_US:
         # The reason, written beside the miss: the time box itself needs the request off the event loop.
         why += (
-            f". Left so: the recall must run off the event loop on a daemon thread (the time box), and that "
-            f"hand-off costs {fmt(handoff)} µs on {machine}, with the SDK call {_slower(fresh)} on the fresh "
-            f"thread; the store's own code adds {fmt(parse)} µs, and even a reused worker thread would add "
-            f"{fmt(projected)} µs"
+            f". Left so: the recall must run off the event loop (the time box), and handing it to a worker and "
+            f"back costs {fmt(handoff)} µs on {machine}, with the SDK call {_slower(on_worker)} on the worker; "
+            f"the store's own code adds {fmt(parse)} µs"
         )
     met = section.target(
         f"the store adds at most {OVERHEAD_TARGET_US:.0f} µs median per recall, thread hand-off included",
@@ -293,6 +295,159 @@ def _measure(
         section.extra += _profiles(plan, store, steps)
 
 
+# --- Over real sockets ----------------------------------------------------------------------------
+
+
+async def _interleaved_us(
+    raw: membase.Membase, store: MembaseMemoryStore, count: int
+) -> tuple[list[float], list[float]]:
+    """``count`` raw calls and ``count`` recalls, one of each in turn (which goes first alternates), in µs."""
+    raw_us: list[float] = []
+    store_us: list[float] = []
+    for index in range(count):
+        for which in ("raw", "store") if index % 2 else ("store", "raw"):
+            started = time.perf_counter_ns()
+            if which == "raw":
+                raw.search(QUESTION, limit=5)
+            else:
+                await store.search(QUESTION)
+            (raw_us if which == "raw" else store_us).append((time.perf_counter_ns() - started) / 1000)
+    return raw_us, store_us
+
+
+def _loopback_trials(
+    raw: membase.Membase, store: MembaseMemoryStore, trials: int, count: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-trial medians (raw, store) and every call's time (raw, store)."""
+    raw_medians, store_medians, raw_all, store_all = [], [], [], []
+    for _ in range(trials):
+        gc.collect()
+        raw_us, store_us = asyncio.run(_interleaved_us(raw, store, count))
+        raw_medians.append(median(raw_us))
+        store_medians.append(median(store_us))
+        raw_all += raw_us
+        store_all += store_us
+    return raw_medians, store_medians, raw_all, store_all
+
+
+def _over(times: list[float], limit_us: float = SLOW_CALL_US) -> float:
+    return sum(t > limit_us for t in times) / len(times) if times else float("nan")
+
+
+def _loopback(plan: Plan, section: Section) -> None:
+    """The same comparison over real sockets with keep-alive, quiet and beside two busy processes."""
+    count = max(100, plan.recall_calls // 2)
+    server = ServerProcess(0.0)
+    raw = membase.Membase(api_key=API_KEY, base_url=server.url)  # the SDK's own httpx.Client, keep-alive
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=server.url)
+    try:
+        asyncio.run(_interleaved_us(raw, store, 200))  # warm-up: connections open, workers waiting
+        raw_medians, store_medians, raw_all, store_all = _loopback_trials(raw, store, plan.recall_trials, count)
+        with busy_processes(2):
+            busy = _loopback_trials(raw, store, max(2, plan.recall_trials // 2), count)
+    finally:
+        store.close()
+        raw.close()
+        server.stop()
+    raw_us, store_us = median(raw_medians), median(store_medians)
+    added = median([s - r for s, r in zip(store_medians, raw_medians, strict=True)])
+    busy_raw, busy_store = _over(busy[2]), _over(busy[3])
+    section.row(f"*over real sockets (loopback server, keep-alive), {count} interleaved pairs per trial:*", "", "")
+    section.row("raw `client.search(q, limit=5)`", fmt(raw_us), spread(raw_medians))
+    section.row("`await store.search(q)`", fmt(store_us), spread(store_medians))
+    section.row(
+        "**store adds** (median of per-trial differences)",
+        f"**{fmt(added)}**",
+        spread([s - r for s, r in zip(store_medians, raw_medians, strict=True)]),
+    )
+    section.row(
+        f"calls over {SLOW_CALL_US / 1000:g} ms, quiet: raw / store",
+        f"{_over(raw_all) * 100:.1f} % / {_over(store_all) * 100:.1f} %",
+        "",
+    )
+    section.row(
+        f"calls over {SLOW_CALL_US / 1000:g} ms beside two busy processes: raw / store",
+        f"{busy_raw * 100:.1f} % / {busy_store * 100:.1f} %",
+        f"medians {fmt(median(busy[0]))} / {fmt(median(busy[1]))} µs",
+    )
+    section.figure("loopback_raw_us", "raw client.search over loopback", raw_us, "µs", better="info", floor=50)
+    section.figure(
+        "loopback_store_us", "store.search over loopback", store_us, "µs", floor=50, reference="1.loopback_raw_us"
+    )
+    section.figure("loopback_added_us", "store adds over raw, loopback", added, "µs", floor=30)
+    section.figure(
+        "loopback_busy_slow_pct", "recalls over 2 ms beside two busy processes", busy_store * 100, "%", floor=2
+    )
+    section.target(
+        f"over loopback the store adds at most {LOOPBACK_TARGET_US:.0f} µs median per recall",
+        added <= LOOPBACK_TARGET_US,
+        f"adds {fmt(added)} µs to a raw call of {fmt(raw_us)} µs",
+    )
+    section.target(
+        f"beside two busy processes at most {SLOW_SHARE_TARGET * 100:.0f} % of recalls take over "
+        f"{SLOW_CALL_US / 1000:g} ms",
+        busy_store <= SLOW_SHARE_TARGET,
+        f"{busy_store * 100:.1f} % of recalls (raw calls: {busy_raw * 100:.1f} %)",
+    )
+
+
+# --- A large answer -------------------------------------------------------------------------------
+
+
+def big_answer() -> bytes:
+    """50 passages of 1 MB each (plain text with line breaks, each its own), as Membase would send them."""
+    line = "We chose Postgres for the ledger after weighing replication, backups and cost.\n"
+    text = line * (BIG_PASSAGE_CHARS // len(line) + 1)
+    results = [
+        {"content": f"Passage {i}: {text}"[:BIG_PASSAGE_CHARS], "container": "ctr_main", "container_name": "Main"}
+        for i in range(BIG_PASSAGES)
+    ]
+    return json.dumps({"results": results, "containers": [{"id": "ctr_main", "name": "Main"}]}).encode()
+
+
+def _big_answer(plan: Plan, section: Section) -> None:
+    """The store's own code on a 50 x 1 MB answer under the default recall budget, against the JSON parse."""
+    body = big_answer()
+    megabytes = len(body) / (1024 * 1024)
+    with mock_client(fixed_answer) as client:
+        store = MembaseMemoryStore(client=client)  # the default max_recall_chars
+        steps = recall_steps(client)
+        with contextlib.closing(store):
+            decoded = json.loads(body)
+            steps.shown(decoded, BIG_PASSAGES)  # warm-up
+            repeats = 3 if plan.quick else 7
+            store_ms, json_ms = [], []
+            for _ in range(repeats):
+                gc.collect()
+                started = time.perf_counter()
+                decoded = json.loads(body)  # what the SDK does with the answer (httpx's response.json())
+                parsed = time.perf_counter()
+                entries = steps.shown(decoded, BIG_PASSAGES)
+                json_ms.append((parsed - started) * 1000)
+                store_ms.append((time.perf_counter() - parsed) * 1000)
+    shown_chars = sum(len(entry.content) for entry in entries)
+    own, parse = median(store_ms), median(json_ms)
+    section.row(
+        f"*a {BIG_PASSAGES} x 1 MB answer ({megabytes:.0f} MB), default recall budget, {repeats} runs:*", "", ""
+    )
+    section.row("the SDK's JSON parse of the answer (ms)", fmt(parse), spread(json_ms))
+    section.row("the store's own code on the parsed answer (ms)", fmt(own), spread(store_ms))
+    section.row(
+        "... per MB of answer: store / JSON parse (µs)",
+        f"{fmt(own / megabytes * 1000)} / {fmt(parse / megabytes * 1000)}",
+        "",
+    )
+    section.figure("big_answer_ms", f"store's own code on a {BIG_PASSAGES} x 1 MB answer", own, "ms", floor=2)
+    section.figure("big_answer_json_ms", f"JSON parse of a {BIG_PASSAGES} x 1 MB answer", parse, "ms", better="info")
+    section.target(
+        f"a {BIG_PASSAGES} x 1 MB answer costs at most {BIG_ANSWER_TARGET_MS:g} ms in the store's own code, and "
+        "less per MB than parsing its JSON",
+        own <= BIG_ANSWER_TARGET_MS and own <= parse,
+        f"{fmt(own)} ms ({fmt(own / megabytes * 1000)} µs per MB) against {fmt(parse)} ms to parse the JSON; "
+        f"{len(entries)} entry of {shown_chars:,} characters shown",
+    )
+
+
 def _profiles(plan: Plan, store: MembaseMemoryStore, steps: RecallSteps) -> list[str]:
     """cProfile tables of the recall, of the store's code without the hand-off, and of its formatting alone."""
     profiler = cProfile.Profile()
@@ -301,8 +456,7 @@ def _profiles(plan: Plan, store: MembaseMemoryStore, steps: RecallSteps) -> list
     profiler.disable()
     threads_seen = (
         "On Python 3.12+ cProfile is built on `sys.monitoring` and records every thread, so this covers "
-        "the event loop and the recall thread; `lock.acquire` is mostly `Thread.start()` waiting for the "
-        "new thread to start and hand back the GIL."
+        "the event loop and the worker thread; `lock.acquire` is mostly the worker waiting for its next call."
         if sys.version_info >= (3, 12)
         else "Before Python 3.12 cProfile records only the event-loop thread."
     )

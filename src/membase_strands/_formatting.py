@@ -8,6 +8,13 @@ framed notice, never text that reads like a remembered fact.
 Before anything is cut to the entry limit or the recall budget, :func:`arrange` puts the passages
 best first across Memories, shows a passage that several Memories returned once, and drops those
 scored below the store's relevance floor.
+
+An answer can be far larger than what the model is shown (50 passages of a megabyte each, against a
+recall budget of 20,000 characters), so no step here reads text it is about to drop: a passage is
+cleaned when it is shown, and only as far as the budget reaches; folding compares the start of
+passages and reads on only where two starts are the same. Cleaning maps each character on its own
+(kept, dropped or replaced), so the cleaned start of a text is the start of the cleaned text and
+the output is the same as cleaning everything first.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ _REASON_LIMIT = 200
 _BRACKETS = str.maketrans({"[": "(", "]": ")"})
 # C0 controls but newline and tab, DEL, and the C1 controls (terminal escapes such as CSI U+009B).
 _NEEDS_CLEANING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-_DROP = {c: None for c in [*range(32), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]+")  # str.translate would take ten times as long
 
 
 @dataclass(frozen=True)
@@ -36,28 +43,32 @@ class Passage:
     """One passage Membase returned, with the Memory it came from."""
 
     memory: str
-    text: str
+    content: str
+    """The passage as Membase sent it; :attr:`text` is what the model reads."""
     metadata: dict[str, Any] = field(default_factory=dict)
     also_in: tuple[str, ...] = ()
     """Other Memories that returned the same text (see :func:`arrange`)."""
+    label: str = field(init=False, repr=False, compare=False)
+    """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
+    score: float | None = field(init=False, repr=False, compare=False)
+    """Membase's score for the passage, or ``None`` when it has no usable one."""
+
+    def __post_init__(self) -> None:
+        # Read several times per recall (ordering, the budget, the entries): worked out once, here.
+        object.__setattr__(self, "label", "".join(f"[{memory}] " for memory in self.memories))
+        value = self.metadata.get("score")
+        usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        object.__setattr__(self, "score", float(value) if usable and isinstance(value, (int, float)) else None)
+
+    @functools.cached_property
+    def text(self) -> str:
+        """The passage without control characters or unpaired surrogates, cleaned on first use."""
+        return clean_text(self.content)
 
     @property
     def memories(self) -> tuple[str, ...]:
         """Every Memory this passage came from, the one it scored best in first."""
         return (self.memory, *self.also_in)
-
-    @property
-    def label(self) -> str:
-        """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
-        return "".join(f"[{memory}] " for memory in self.memories)
-
-    @property
-    def score(self) -> float | None:
-        """Membase's score for the passage, or ``None`` when it has no usable one."""
-        value = self.metadata.get("score")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ def clean_text(text: str) -> str:
     """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
     if not _NEEDS_CLEANING.search(text):  # the common case, on the recall hot path
         return text
-    return sendable(text).translate(_DROP)
+    return _CONTROL.sub("", sendable(text))
 
 
 def parse_search(body: Any) -> SearchAnswer:
@@ -116,17 +127,20 @@ def parse_search(body: Any) -> SearchAnswer:
 
     passages = []
     for hit in results:
-        if not isinstance(hit, dict) or not isinstance(hit.get("content"), str) or not hit["content"].strip():
+        content = hit.get("content") if isinstance(hit, dict) else None
+        # isspace() stops at the first other character; strip() could copy a whole passage to find out.
+        if not isinstance(content, str) or not content or content.isspace():
             continue
         container = hit.get("container") if isinstance(hit.get("container"), str) else None
         name = hit.get("container_name") or (names.get(container) if container else None) or container or "Membase"
         metadata = {key: value for key, value in hit.items() if key != "content"}
-        passages.append(Passage(memory=memory_label(str(name)), text=clean_text(hit["content"]), metadata=metadata))
+        # Not cleaned here: most of a large answer is never shown (see fit_to_budget).
+        passages.append(Passage(memory=memory_label(str(name)), content=content, metadata=metadata))
 
     unsearched = [
         Unsearched(
             memory=memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
-            reason=clip(clean_text(str(row["error"])), _REASON_LIMIT) or "no reason given",
+            reason=_clip_start(str(row["error"]), _REASON_LIMIT) or "no reason given",
         )
         for row in rows
         if row.get("error")
@@ -167,15 +181,31 @@ def arrange(answer: SearchAnswer, min_score: float | None = None) -> SearchAnswe
 
 
 def _fold(passages: list[Passage]) -> list[Passage]:
-    """One passage per text (whitespace normalised), the first copy kept, naming every Memory that returned it."""
-    firsts: dict[str, int] = {}
+    """One passage per text (whitespace normalised), the first copy kept, naming every Memory that returned it.
+
+    Passages are told apart by the start of their normalised text. Only while a passage starts like
+    some shown ones is it read further (four times as far each time), and so are they, each as far as
+    once: a passage is read to where it differs from every other, never to its end unless it is a copy.
+    """
     shown: list[Passage] = []
+    starts: list[dict[int, str]] = []  # for each shown passage, its normalised starts read so far, by length
+    by_start: dict[str, list[int]] = {}  # the shortest start -> where the passages starting so are shown
     for passage in passages:
-        key = " ".join(passage.text.split())
-        at = firsts.get(key)
+        size = _FOLD_START
+        mine = {size: _normalised_start(passage, size)}
+        alike = by_start.get(mine[size], [])
+        at = None
+        while alike:
+            if len(mine[size]) < size:  # the whole normalised text, and theirs are the same: a copy
+                at = alike[0]
+                break
+            size *= 4
+            mine[size] = _normalised_start(passage, size)
+            alike = [index for index in alike if _start_of(shown[index], starts[index], size) == mine[size]]
         if at is None:
-            firsts[key] = len(shown)
+            by_start.setdefault(mine[_FOLD_START], []).append(len(shown))
             shown.append(passage)
+            starts.append(mine)
         elif passage.memory not in shown[at].memories:
             shown[at] = replace(shown[at], also_in=(*shown[at].also_in, passage.memory))
     return shown
@@ -187,6 +217,39 @@ def at_most(answer: SearchAnswer, limit: int) -> SearchAnswer:
     Apply it to passages in the order they are shown, so the best ones are the ones kept.
     """
     return answer if len(answer.passages) <= limit else replace(answer, passages=answer.passages[:limit])
+
+
+def _start_of(passage: Passage, known: dict[int, str], size: int) -> str:
+    if size not in known:
+        known[size] = _normalised_start(passage, size)
+    return known[size]
+
+
+_FOLD_START = 256
+"""How much of a passage's normalised text tells passages apart before any is read further."""
+
+
+def _normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _normalised_start(passage: Passage, size: int) -> str:
+    """The first ``size`` characters of the passage's whitespace-normalised text, reading little more.
+
+    Shorter than ``size`` only when that is the whole normalised text. The normalised cleaned start of
+    a text is a start of its normalised cleaned text (a word the cut splits is only a start of that
+    word), so reading further only lengthens it.
+    """
+    content = passage.content
+    if len(content) <= size:  # the usual passage: clean it whole, once (Passage.text keeps it for the budget)
+        return _normalised(passage.text)[:size]
+    read = size
+    while True:
+        head = content[:read]
+        normal = _normalised(clean_text(head))
+        if len(normal) >= size or len(head) == len(content):
+            return normal[:size]
+        read *= 4
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
@@ -230,16 +293,66 @@ def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
     kept: list[Passage] = []
     used = 0
     for passage in answer.passages:
-        size = len(passage.label) + len(passage.text)
-        if used + size <= limit:
+        room = limit - used - len(passage.label)
+        known: str | None = vars(passage).get("text")  # cleaned already (while folding), or not yet
+        if known is not None:
+            text, fits = known, 0 <= room and len(known) <= room
+        else:
+            text, fits = _clean_within(passage.content, room)
+        if fits:
+            vars(passage)["text"] = text  # what Passage.text computes; cleaned once, here
             kept.append(passage)
-            used += size
+            used += len(passage.label) + len(text)
         elif not kept:
             room = max(0, limit - len(passage.label) - len(CUT_MARKER))
-            cut = passage.text[:room].rstrip() + CUT_MARKER
-            kept.append(replace(passage, text=cut, metadata={**passage.metadata, "cut": True}))
+            cut = text[:room].rstrip() + CUT_MARKER
+            kept.append(_with_text(replace(passage, content=cut, metadata={**passage.metadata, "cut": True}), cut))
             used = limit
     return replace(answer, passages=kept)
+
+
+_CLEAN_STEP = 4096
+
+
+def _clean_within(content: str, room: int) -> tuple[str, bool]:
+    """The cleaned ``content`` and ``True`` if it is at most ``room`` characters long.
+
+    Otherwise ``False`` and a cleaned start of it longer than ``room`` (or the whole cleaned text): the
+    text beyond is never read.
+    """
+    if room < 0:
+        return "", False
+    if len(content) <= room:  # cleaning only ever removes characters
+        return clean_text(content), True
+    pieces: list[str] = []
+    cleaned = read = 0
+    while read < len(content) and cleaned <= room:
+        step = max(room - cleaned + 1, _CLEAN_STEP)
+        piece = clean_text(content[read : read + step])
+        pieces.append(piece)
+        cleaned += len(piece)
+        read += step
+    return "".join(pieces), read >= len(content) and cleaned <= room
+
+
+def _with_text(passage: Passage, text: str) -> Passage:
+    vars(passage)["text"] = text  # the cached value of Passage.text, known already
+    return passage
+
+
+def _clip_start(text: str, limit: int) -> str:
+    """``clip(clean_text(text), limit)``, reading only as much of ``text`` as that needs.
+
+    Folding a start of a text gives a start of the folded text; once that start is longer than
+    ``limit``, the rest of the text cannot change what is kept.
+    """
+    read = 4 * limit
+    while True:
+        head = text[:read]
+        cleaned = clean_text(head)
+        if len(head) == len(text) or len(_normalised(cleaned)) > limit:
+            return clip(cleaned, limit)
+        read *= 4
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:

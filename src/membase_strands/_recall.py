@@ -30,7 +30,7 @@ from membase.client import DEFAULT_TIMEOUT
 from . import _telemetry
 from ._counters import Counters
 from ._failures import detail_of
-from ._threads import start_daemon, wait_for_future
+from ._workers import start_daemon, wait_for_future
 from .errors import MembaseRecallTimeout
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from typing import Any
 from . import _exit, _telemetry
 from ._counters import Counters
 from ._failures import describe_failure, detail_of
-from ._threads import start_daemon, wait_for_future
+from ._workers import start_daemon, wait_for_future
 from .errors import MembaseWriteTimeout
 
 logger = logging.getLogger(__name__)

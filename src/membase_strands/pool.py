@@ -24,7 +24,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from . import _options
-from ._threads import start_daemon
+from ._workers import start_daemon
 from .store import MembaseMemoryStore
 
 logger = logging.getLogger(__name__)

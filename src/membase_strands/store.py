@@ -27,8 +27,8 @@ from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
 from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
-from ._threads import start_daemon, wait_for_future
 from ._tools import ToolContext, build_tools
+from ._workers import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
@@ -390,18 +390,23 @@ class MembaseMemoryStore:
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``, built once per store."""
         if self._tools is None:
-            context = ToolContext(
-                gateway=self._gateway,
-                counters=self._counters,
-                store_name=self.name,
-                container=self._container,
-                default_limit=self._default_limit,
-                max_recall_chars=self._max_recall_chars,
-                min_score=self._min_score,
-                is_closed=lambda: self._closed,
-            )
-            self._tools = build_tools(context, self._tool_names)
+            built = build_tools(self._tool_context(), self._tool_names)
+            with self._setup_lock:  # agents built at the same moment all get the tools kept first
+                if self._tools is None:
+                    self._tools = built
         return list(self._tools)
+
+    def _tool_context(self) -> ToolContext:
+        return ToolContext(
+            gateway=self._gateway,
+            counters=self._counters,
+            store_name=self.name,
+            container=self._container,
+            default_limit=self._default_limit,
+            max_recall_chars=self._max_recall_chars,
+            min_score=self._min_score,
+            is_closed=lambda: self._closed,
+        )
 
     # --- Lifecycle ----------------------------------------------------------------------------
 

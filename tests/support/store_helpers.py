@@ -14,6 +14,7 @@ from strands import Agent
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore
+from membase_strands._workers import IDLE_NAME
 from membase_strands.testing import InMemoryMembase, Responder, ScriptedModel, Step
 
 T = TypeVar("T")
@@ -60,8 +61,12 @@ async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
 
 
 def membase_threads(prefix: str = "membase-") -> list[threading.Thread]:
-    """The live threads the library started (their names start with ``prefix``)."""
-    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+    """The library's threads at work whose names start with ``prefix``.
+
+    A worker thread carries the name of the call it runs; an idle worker (waiting for the next call,
+    retiring after a few seconds) does no work for anyone and is not counted.
+    """
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.name != IDLE_NAME and t.is_alive()]
 
 
 class Gates:
