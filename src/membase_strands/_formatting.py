@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strands.memory import MemoryEntry
 
 from ._failures import BadResponseError
-from ._text import clip, sendable
+from ._text import clean_text, clip
 
 _NAME_LIMIT = 80
 _REASON_LIMIT = 200
 _BRACKETS = str.maketrans({"[": "(", "]": ")"})
-# C0 controls but newline and tab, DEL, and the C1 controls (terminal escapes such as CSI U+009B).
-_NEEDS_CLEANING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]+")  # str.translate would take ten times as long
 
 
 @dataclass(frozen=True)
@@ -99,13 +95,6 @@ class SearchAnswer:
 def memory_label(name: str) -> str:
     """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
     return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
-
-
-def clean_text(text: str) -> str:
-    """Text without control characters (newlines and tabs stay) or unpaired surrogates."""
-    if not _NEEDS_CLEANING.search(text):  # the common case, on the recall hot path
-        return text
-    return _CONTROL.sub("", sendable(text))
 
 
 def parse_search(body: Any) -> SearchAnswer:
