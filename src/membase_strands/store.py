@@ -612,11 +612,6 @@ class MembaseMemoryStore:
         return parts
 
 
-if TYPE_CHECKING:
-    # mypy checks here that the store satisfies the protocol the MemoryManager is typed against.
-    _as_memory_store: MemoryStore = MembaseMemoryStore()
-
-
 def _close_unused(close_client: Callable[[], None], store_name: str) -> None:
     """Close the client of a store nothing uses any more; called when the store is garbage-collected.
 
@@ -641,3 +636,8 @@ def _close_unused(close_client: Callable[[], None], store_name: str) -> None:
         start_daemon(close, name=f"membase-close[{store_name}]")
     except RuntimeError:
         close()  # no thread to be had (the interpreter is shutting down, or at its thread limit)
+
+
+if TYPE_CHECKING:
+    # mypy checks here that the store satisfies the protocol the MemoryManager is typed against.
+    _as_memory_store: MemoryStore = MembaseMemoryStore()
