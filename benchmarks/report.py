@@ -217,7 +217,7 @@ def machine() -> dict[str, str]:
         "Python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
         "Packages": ", ".join(versions),
         "Date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "Commit": _commit(),
+        "Commit": checkout(),
     }
 
 
@@ -227,7 +227,8 @@ def this_machine() -> str:
     return f"this {cpus}-CPU {'virtual machine' if _virtual() else 'machine'}"
 
 
-def _commit() -> str:
+def checkout() -> str:
+    """The commit the run measured, and whether the checkout had uncommitted changes."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=True

@@ -20,7 +20,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import membase
 from strands import Agent
 from strands.memory import MemoryManager
 
+from benchmarks.report import checkout
 from membase_strands import MembaseMemoryStore, injection_config
 from membase_strands.testing import ScriptedModel, StandInLLM
 from tests.support.local_engine import ServedEngine, engine_unavailable
@@ -263,21 +263,7 @@ def machine() -> list[tuple[str, str]]:
             versions.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
             versions.append(f"{name} (not installed)")
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-        commit = f"{head}{' with uncommitted changes' if dirty else ''}"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = checkout()
     return [
         ("CPU", cpu),
         ("Cores", f"{os.cpu_count()} logical, {usable} usable by this process"),
