@@ -163,16 +163,7 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.flush()
-        deadline = time.monotonic() + limit
-        for byte in body:
-            if time.monotonic() > deadline:
-                break
-            try:
-                handler.wfile.write(bytes([byte]))
-                handler.wfile.flush()
-            except OSError:
-                break  # the client gave up and closed the connection
-            time.sleep(every)
+        _send_slowly(handler, body, every, limit)
         handler.close_connection = True
 
     return act
@@ -189,18 +180,23 @@ def drip_headers(every: float = 0.2, limit: float = LIMIT) -> RawAction:
         handler.close_connection = True
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         filler = b"X-Drip: " + b"d" * 4096 + b"\r\n"
-        deadline = time.monotonic() + limit
-        for byte in head + filler * 64:
-            if time.monotonic() > deadline:
-                break
-            try:
-                handler.wfile.write(bytes([byte]))
-                handler.wfile.flush()
-            except OSError:
-                break  # the client gave up and closed the connection
-            time.sleep(every)
+        _send_slowly(handler, head + filler * 64, every, limit)
 
     return act
+
+
+def _send_slowly(handler: _Handler, data: bytes, every: float, limit: float) -> None:
+    """Write ``data`` one byte every ``every`` seconds, for at most ``limit`` seconds or until the client leaves."""
+    deadline = time.monotonic() + limit
+    for byte in data:
+        if time.monotonic() > deadline:
+            return
+        try:
+            handler.wfile.write(bytes([byte]))
+            handler.wfile.flush()
+        except OSError:
+            return  # the client gave up and closed the connection
+        time.sleep(every)
 
 
 def reset(handler: _Handler) -> None:
