@@ -129,9 +129,11 @@ class WorkerPool:
             while task is not None:
                 if thread.name != task[3]:
                     thread.name = task[3]
-                _run(task)
                 # Nothing of the call may outlive it here: its closure can hold a store, a client or an answer.
+                # _run takes the call out of the box, so its frame holds the only reference.
+                box = [task]
                 task = None
+                _run(box)
                 thread.name = IDLE_NAME
                 task = self._next_task(worker)
         finally:
@@ -167,16 +169,18 @@ def _forget_threads_in_child(pool: WorkerPool) -> Callable[[], None]:
     return forget
 
 
-def _run(task: _Task) -> None:
-    fn, context, future, _ = task
+def _run(box: list[_Task]) -> None:
+    fn, context, future, _ = box.pop()
     try:
         if not future.set_running_or_notify_cancel():
             return  # cancelled before it started
         try:
             result = context.run(fn)
         except BaseException as error:  # noqa: BLE001 - handed to whoever awaits the future
+            del fn, context  # released before whoever waits wakes up (a closure can hold a store)
             future.set_exception(error)
         else:
+            del fn, context
             future.set_result(result)
     except Exception as error:  # noqa: BLE001 - a future settled by someone else must not end the worker
         logger.warning("reason=<%s> | could not settle a background call's future", type(error).__name__)
