@@ -441,8 +441,14 @@ async def test_watching_writes_for_exit_keeps_no_store_alive():
     assert membase.saved() == [GREEN_TEA]
     gone = weakref.ref(store)
     del store, agent
-    gc.collect()
-    assert gone() is None
+
+    def collected() -> bool:
+        gc.collect()
+        return gone() is None
+
+    # The background thread that ran the write lets go of it just after the write's caller wakes: wait
+    # (bounded) for that, not for a fixed time. A store the exit watch kept would never be collected.
+    assert await until(collected)
 
 
 # --- Interpreter exit, for real: a subprocess -----------------------------------------------------------
