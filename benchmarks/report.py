@@ -153,7 +153,7 @@ class Section:
     def console(self) -> str:
         """The section as the run prints it."""
         out = [f"== {self.number}. {self.title} ({self.seconds:.1f} s, other processes {self.others * 100:.0f} % CPU)"]
-        widths = [max(len(h), *(len(r[i]) for r in self.rows)) for i, h in enumerate(self.headers)] if self.rows else []
+        widths = [max([len(h), *(len(r[i]) for r in self.rows)]) for i, h in enumerate(self.headers)]
         if self.headers:
             out.append("  " + "  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True)))
             out += [
