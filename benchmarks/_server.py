@@ -8,8 +8,9 @@ Run as its own process so its threads and CPU time stay out of the client's figu
 It prints ``PORT <n>`` once listening on 127.0.0.1, then serves until its standard input closes
 (or 15 minutes pass). HTTP/1.1 with keep-alive and Content-Length on every answer, TCP_NODELAY, and
 one answer per write, so neither Nagle nor delayed ACKs add latency. Every accepted TCP connection
-is counted; ``GET /_stats`` answers the counts and ``POST /_reset`` zeroes them (the connections
-that carry these control requests are not counted).
+is counted, and so is every one open now (``open_now``, back down as soon as the client closes it);
+``GET /_stats`` answers the counts and ``POST /_reset`` zeroes them (the connections that carry these
+control requests are counted in neither).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             super().finish()
         finally:
-            with STATS.lock:
-                STATS.open_now -= 1
+            if not self.control:  # a control connection left the counts when its request was read
+                with STATS.lock:
+                    STATS.open_now -= 1
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
         pass
@@ -125,6 +127,7 @@ class Handler(BaseHTTPRequestHandler):
             self.control = True
             with STATS.lock:
                 STATS.connections -= 1
+                STATS.open_now -= 1
 
     def _membase(self, body: bytes) -> None:
         with STATS.lock:

@@ -153,7 +153,7 @@ class Section:
     def console(self) -> str:
         """The section as the run prints it."""
         out = [f"== {self.number}. {self.title} ({self.seconds:.1f} s, other processes {self.others * 100:.0f} % CPU)"]
-        widths = [max(len(h), *(len(r[i]) for r in self.rows)) for i, h in enumerate(self.headers)] if self.rows else []
+        widths = [max([len(h), *(len(r[i]) for r in self.rows)]) for i, h in enumerate(self.headers)]
         if self.headers:
             out.append("  " + "  ".join(h.ljust(w) for h, w in zip(self.headers, widths, strict=True)))
             out += [
@@ -188,13 +188,39 @@ def _virtual() -> bool:
     return "hypervisor" in _cpuinfo()
 
 
-def machine() -> dict[str, str]:
-    """CPU model, cores, RAM, OS, Python, package versions, date and commit, as measured now."""
+def cpu_model() -> str:
+    """The CPU's model name, marked ``(virtual machine)`` under a hypervisor."""
     cpu = platform.processor() or "unknown"
     for line in _cpuinfo().splitlines():
         if line.startswith("model name"):
             cpu = line.split(":", 1)[1].strip()
             break
+    return f"{cpu}{' (virtual machine)' if _virtual() else ''}"
+
+
+def cores() -> str:
+    """The logical CPUs, and how many of them this process may use."""
+    return f"{os.cpu_count()} logical, {_usable_cpus()} usable by this process"
+
+
+def os_name() -> str:
+    """The operating system, its release and the architecture."""
+    return f"{platform.system()} {platform.release()} ({platform.machine()})"
+
+
+def package_versions(names: Sequence[str] = PACKAGES) -> str:
+    """``name version`` of each package, or ``name (not installed)``, comma-separated."""
+    versions = []
+    for name in names:
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    return ", ".join(versions)
+
+
+def machine() -> dict[str, str]:
+    """CPU model, cores, RAM, OS, Python, package versions, date and commit, as measured now."""
     ram = "unknown"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -203,19 +229,13 @@ def machine() -> dict[str, str]:
                 break
     except OSError:
         pass
-    versions = []
-    for name in PACKAGES:
-        try:
-            versions.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{name} (not installed)")
     return {
-        "CPU": f"{cpu}{' (virtual machine)' if _virtual() else ''}",
-        "Cores": f"{os.cpu_count()} logical, {_usable_cpus()} usable by this process",
+        "CPU": cpu_model(),
+        "Cores": cores(),
         "RAM": ram,
-        "OS": f"{platform.system()} {platform.release()} ({platform.machine()})",
+        "OS": os_name(),
         "Python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
-        "Packages": ", ".join(versions),
+        "Packages": package_versions(),
         "Date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "Commit": checkout(),
     }

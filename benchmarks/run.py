@@ -1,4 +1,4 @@
-"""Benchmarks for membase-strands: recall overhead, agent turns, stalls, many users, memory, capture.
+"""Benchmarks for membase-strands: recall overhead, agent turns, stalls, many users, memory, capture, idle sockets.
 
     uv run python benchmarks/run.py            # the full run; writes benchmarks/RESULTS.md
     uv run python benchmarks/run.py --quick    # a few iterations, under a minute (CI's smoke run)
@@ -21,6 +21,7 @@ from report import RESULTS, ROOT, Section, machine, previous_figures, render
 from scenarios import (
     hung_capture,
     idle_memory,
+    idle_sockets,
     injected_turn,
     many_users,
     recall_overhead,
@@ -36,6 +37,7 @@ SECTIONS: dict[int, Callable[[Plan], Section]] = {
     many_users.NUMBER: many_users.run,
     idle_memory.NUMBER: idle_memory.run,
     hung_capture.NUMBER: hung_capture.run,
+    idle_sockets.NUMBER: idle_sockets.run,
 }
 """The measuring sections by number; the comparison with the previous run (section 7) always follows them."""
 

@@ -65,6 +65,8 @@ class Plan:
     concurrency: int
     rss_count: int
     rss_trials: int
+    idle_users: int
+    idle_s: float
     capture: tuple[tuple[float | None, float, int], ...]  # (write_timeout, simulated attempt s, runs)
 
 
@@ -81,6 +83,8 @@ FULL = Plan(
     concurrency=20,
     rss_count=1000,
     rss_trials=2,
+    idle_users=1000,
+    idle_s=10.0,
     capture=((1.0, 10.0, 2), (DEFAULT_WRITE_TIMEOUT, 10.0, 1), (None, 10.0, 1)),
 )
 QUICK = Plan(
@@ -96,6 +100,8 @@ QUICK = Plan(
     concurrency=10,
     rss_count=100,
     rss_trials=1,
+    idle_users=100,
+    idle_s=6.0,
     capture=((0.3, 1.0, 1), (None, 1.0, 1)),
 )
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import os
 import platform
 import re
 import statistics
@@ -25,7 +24,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ import membase
 from strands import Agent
 from strands.memory import MemoryManager
 
-from benchmarks.report import checkout
+from benchmarks.report import checkout, cores, cpu_model, os_name, package_versions
 from membase_strands import MembaseMemoryStore, injection_config
 from membase_strands.testing import ScriptedModel, StandInLLM
 from tests.support.local_engine import ServedEngine, engine_unavailable
@@ -246,32 +244,14 @@ def _raw_scores(client: Any, questions: list[Question], notes: dict[str, Any]) -
 
 
 def machine() -> list[tuple[str, str]]:
-    cpu = platform.processor() or "unknown"
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), cpu)
-        cpu += " (virtual machine)" if "hypervisor" in info else ""
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 0
-    versions = []
-    for name in PACKAGES:
-        try:
-            versions.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            versions.append(f"{name} (not installed)")
-    commit = checkout()
     return [
-        ("CPU", cpu),
-        ("Cores", f"{os.cpu_count()} logical, {usable} usable by this process"),
-        ("OS", f"{platform.system()} {platform.release()} ({platform.machine()})"),
+        ("CPU", cpu_model()),
+        ("Cores", cores()),
+        ("OS", os_name()),
         ("Python", f"{platform.python_implementation()} {platform.python_version()}"),
-        ("Packages", ", ".join(versions)),
+        ("Packages", package_versions(PACKAGES)),
         ("Date", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-        ("Commit", commit),
+        ("Commit", checkout()),
     ]
 
 
