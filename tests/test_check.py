@@ -13,10 +13,10 @@ import httpx
 import pytest
 from membase.requirements import local_unavailable
 
-from membase_strands import _client as membase_client
 from membase_strands import check
 from membase_strands.check import run_check
 from membase_strands.testing import API_KEY, InMemoryMembase, refuse_connection, status
+from tests.support.store_helpers import route_hosted_clients
 
 CLI_KEY = "mb_cli_key_Zq8_n3ver_printed"
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
@@ -230,11 +230,7 @@ def cli(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]
     monkeypatch.setenv("MEMBASE_API_KEY", CLI_KEY)
     world = Cli(fake)
 
-    def routed_http_client(base_url: str) -> httpx.Client:
-        world.base_urls.append(base_url)
-        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(world.handle))
-
-    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
+    world.base_urls = route_hosted_clients(monkeypatch, world.handle).base_urls
     yield world
 
 

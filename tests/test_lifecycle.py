@@ -36,7 +36,7 @@ from membase_strands import _client as membase_client
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, hang, status
 from membase_strands.testing._membase import error
 from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
-from tests.support.store_helpers import FACT, QUESTION, make_agent, until
+from tests.support.store_helpers import FACT, QUESTION, HostedClients, make_agent, route_hosted_clients, until
 
 MEMORIES = ("POST", "/v1/memories")
 GREEN_TEA = "I like green tea."
@@ -292,11 +292,7 @@ def memberships(monkeypatch: pytest.MonkeyPatch, connection_pools: list[httpx.Cl
         fake = by_key.get(request.headers.get("authorization", "").removeprefix("Bearer "))
         return fake.handle(request) if fake is not None else error(403, "unauthorized", "unknown key")
 
-    def routed_http_client(base_url: str) -> httpx.Client:
-        connection_pools.append(httpx.Client(base_url=base_url, transport=httpx.MockTransport(handle)))
-        return connection_pools[-1]
-
-    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
+    route_hosted_clients(monkeypatch, handle, HostedClients(blocking=connection_pools))
     return fakes
 
 

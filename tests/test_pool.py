@@ -30,11 +30,10 @@ from membase.requirements import local_unavailable
 
 import membase_strands.pool as pool_module
 from membase_strands import MembaseMemoryStore, MembaseStorePool
-from membase_strands import _client as membase_client
 from membase_strands.testing import InMemoryMembase, hang
 from membase_strands.testing._membase import error
 from tests.support.loopback import LoopbackMembase
-from tests.support.store_helpers import QUESTION, client_of, make_agent, routed, wait_until
+from tests.support.store_helpers import QUESTION, client_of, make_agent, route_hosted_clients, routed, wait_until
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,10 +73,7 @@ class Users:
 def route_users(monkeypatch: pytest.MonkeyPatch, users: Users) -> Users:
     """Route every hosted ``membase.Membase`` built from here on to the fake of the user whose key it holds."""
 
-    def routed_http_client(base_url: str) -> httpx.Client:
-        return httpx.Client(base_url=base_url, transport=httpx.MockTransport(users.handle))
-
-    monkeypatch.setattr(membase_client, "new_http_client", routed_http_client)
+    route_hosted_clients(monkeypatch, users.handle)
     return users
 
 

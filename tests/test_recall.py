@@ -8,7 +8,8 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import pytest
 from strands import Agent
@@ -16,6 +17,7 @@ from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
 from membase_strands._recall import RecallSkipped, TimeBoxedRecall
+from membase_strands._workers import start_daemon
 from membase_strands.testing import API_KEY, ScriptedModel, hang, status
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
@@ -229,7 +231,14 @@ def test_a_recall_error_that_echoes_the_key_does_not_log_it(fake, make_store, ca
     assert not any(API_KEY in m for m in messages(caplog))
 
 
+T = TypeVar("T")
+
 # --- TimeBoxedRecall ----------------------------------------------------------------------------
+
+
+def on_worker(request: Callable[[], T]) -> Callable[[], Future[T]]:
+    """What the gateway hands the time box for a store without the I/O loop: the call, started on a worker."""
+    return lambda: start_daemon(request, name="membase-recall[unit]")
 
 
 class Counter:
@@ -253,8 +262,8 @@ async def test_a_recall_within_budget_returns_its_answer_and_holds_no_guard():
     recall = TimeBoxedRecall("unit")
     request = Counter()
 
-    assert await recall.run(request, 5.0) == "answer"
-    assert await recall.run(request, 5.0) == "answer"
+    assert await recall.run(on_worker(request), 5.0) == "answer"
+    assert await recall.run(on_worker(request), 5.0) == "answer"
     assert request.calls == 2
     assert not recall.waking
 
@@ -263,10 +272,10 @@ async def test_an_error_within_budget_is_raised_and_holds_no_guard():
     recall = TimeBoxedRecall("unit")
 
     with pytest.raises(ValueError, match="boom"):
-        await recall.run(Counter(result=ValueError("boom")), 5.0)
+        await recall.run(on_worker(Counter(result=ValueError("boom"))), 5.0)
 
     assert not recall.waking
-    assert await recall.run(Counter(), 5.0) == "answer"
+    assert await recall.run(on_worker(Counter()), 5.0) == "answer"
 
 
 async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(gates, caplog):
@@ -276,7 +285,7 @@ async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(
     late = Counter(stall)
 
     with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
-        await recall.run(late, BUDGET)
+        await recall.run(on_worker(late), BUDGET)
     assert recall.waking
     # INFO: the manager logs the raised timeout as its warning.
     assert any("ran out of time" in m for m in messages(caplog, logging.INFO))
@@ -285,14 +294,14 @@ async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(
     skipped = Counter()
     started = time.monotonic()
     with pytest.raises(RecallSkipped, match="still running"):
-        await recall.run(skipped, BUDGET)
+        await recall.run(on_worker(skipped), BUDGET)
     assert time.monotonic() - started < 1.0
     assert skipped.calls == 0
 
     stall.set()
     assert wait_until(lambda: not recall.waking)
     assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
-    assert await recall.run(skipped, 5.0) == "answer"
+    assert await recall.run(on_worker(skipped), 5.0) == "answer"
     assert skipped.calls == 1
 
 
@@ -304,7 +313,7 @@ async def test_concurrent_healthy_runs_both_execute():
         barrier.wait()
         return threading.current_thread().name
 
-    names = await asyncio.gather(recall.run(request, 6.0), recall.run(request, 6.0))
+    names = await asyncio.gather(recall.run(on_worker(request), 6.0), recall.run(on_worker(request), 6.0))
 
     assert names == ["membase-recall[unit]", "membase-recall[unit]"]
     assert not recall.waking
@@ -316,7 +325,7 @@ async def test_a_late_failure_is_logged_at_warning(gates, caplog):
     stall = gates.new()
 
     with pytest.raises(MembaseRecallTimeout):
-        await recall.run(Counter(stall, result=ConnectionError("host went away")), BUDGET)
+        await recall.run(on_worker(Counter(stall, result=ConnectionError("host went away"))), BUDGET)
     stall.set()
 
     assert wait_until(lambda: not recall.waking)
@@ -333,7 +342,7 @@ async def test_no_budget_waits_as_long_as_the_request_takes():
         time.sleep(0.5)
         return "late but welcome"
 
-    assert await recall.run(slow, None) == "late but welcome"
+    assert await recall.run(on_worker(slow), None) == "late but welcome"
     assert not recall.waking
 
 
@@ -343,12 +352,12 @@ def test_a_timed_out_run_does_not_hold_asyncio_run(gates):
 
     started = time.monotonic()
     with pytest.raises(MembaseRecallTimeout):
-        asyncio.run(recall.run(Counter(stall), BUDGET))
+        asyncio.run(recall.run(on_worker(Counter(stall)), BUDGET))
     assert time.monotonic() - started < BUDGET + SLACK
     # The loop is gone; the late request finishes later without anyone waiting for it.
     stall.set()
     assert wait_until(lambda: not recall.waking)
-    assert asyncio.run(recall.run(Counter(), 5.0)) == "answer"
+    assert asyncio.run(recall.run(on_worker(Counter()), 5.0)) == "answer"
 
 
 def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
@@ -357,13 +366,13 @@ def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
     gate = threading.Event()
     try:
         with pytest.raises(MembaseRecallTimeout):
-            asyncio.run(box.run(lambda: gate.wait(10), 0.05))
+            asyncio.run(box.run(on_worker(lambda: gate.wait(10)), 0.05))
         assert box.waking
         now[0] = 89.0
         assert box.waking
         now[0] = 91.0  # one SDK attempt later the guard lets recalls through again
         assert not box.waking
-        assert asyncio.run(box.run(lambda: "answer", 1.0)) == "answer"
+        assert asyncio.run(box.run(on_worker(lambda: "answer"), 1.0)) == "answer"
     finally:
         gate.set()
 
@@ -393,12 +402,17 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DEBUG) -> list[str]:
-    """Messages at ``level`` or above from every logger, except what other tests' stores log from their own
+    """Messages at ``level`` or above from every logger, except what other tests' stores log from the library's
     background threads (a late request of an earlier test may end during this one)."""
     return [
         f"{r.name}: {r.getMessage()}"
         for r in caplog.records
-        if r.levelno >= level and (not r.threadName.startswith("membase-") or f"[{store}]" in r.threadName)
+        if r.levelno >= level
+        and (
+            not r.threadName.startswith("membase-")
+            or f"[{store}]" in r.threadName
+            or f"store=<{store}>" in r.getMessage()  # the I/O loop's thread serves every store
+        )
     ]
 
 

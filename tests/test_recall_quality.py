@@ -18,9 +18,8 @@ import httpx
 import pytest
 
 from membase_strands import MembaseMemoryStore, check
-from membase_strands import _client as membase_client
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
-from tests.support.store_helpers import make_agent
+from tests.support.store_helpers import make_agent, route_hosted_clients
 
 QUESTION = "Which database runs the billing ledger?"
 MEMORIES = [
@@ -382,11 +381,7 @@ def cli_fake(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator
     for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("MEMBASE_API_KEY", API_KEY)
-    monkeypatch.setattr(
-        membase_client,
-        "new_http_client",
-        lambda base_url: httpx.Client(base_url=base_url, transport=httpx.MockTransport(fake.handle)),
-    )
+    route_hosted_clients(monkeypatch, fake.handle)
     yield fake
 
 

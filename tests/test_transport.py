@@ -167,6 +167,9 @@ def test_membase_search_against_a_dripping_server_ends_each_attempt_at_its_deadl
 def test_a_late_recall_ends_at_its_deadline_even_when_the_headers_drip(loopback, stores, monkeypatch, caplog) -> None:
     # A store that builds its own client; its timeout is the deadline.
     monkeypatch.setattr(membase_client, "new_http_client", lambda url: httpx.Client(base_url=url, timeout=DEADLINE))
+    monkeypatch.setattr(
+        membase_client, "new_async_http_client", lambda url: httpx.AsyncClient(base_url=url, timeout=DEADLINE)
+    )
     caplog.set_level(logging.INFO, logger="membase_strands")
     loopback.on("POST", "/v1/search", drip_headers(every=DRIP_EVERY, limit=DRIP_FOR))
     store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, recall_timeout=0.2)
@@ -295,3 +298,31 @@ async def test_search_keeps_at_most_max_search_results_when_a_server_sends_too_m
     entries = await make_store().search("ledger", {"max_search_results": 3})
 
     assert [e.content for e in entries] == [f"[Main] Passage {i} about the ledger." for i in range(3)]
+
+
+# --- Idle connections --------------------------------------------------------------------------------
+
+
+def test_a_stores_idle_connections_close_after_their_keep_alive_expiry_without_another_request(
+    loopback, stores, monkeypatch
+) -> None:
+    # Both of a store's clients, with a short keep-alive: the recall's (awaited) and the tools' (blocking).
+    limits = httpx.Limits(keepalive_expiry=0.3)
+    monkeypatch.setattr(membase_client, "new_http_client", lambda url: httpx.Client(base_url=url, limits=limits))
+    monkeypatch.setattr(
+        membase_client, "new_async_http_client", lambda url: httpx.AsyncClient(base_url=url, limits=limits)
+    )
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url)
+    stores.append(store)
+    agent, model = make_agent(store, [ToolCall("membase_save", {"content": NOTE}), "Saved."])
+
+    agent(QUESTION)
+    assert model.memory_block(0) is not None and loopback.fake.saved() == [NOTE]
+    assert loopback.connections == 2  # one per client, each kept alive after its request
+
+    assert wait_until(lambda: loopback.open_connections == 0, timeout=SLACK), "an idle connection stayed open"
+    assert loopback.connections == 2  # closed by the sweep, not by a request that found it expired
+
+    agent.messages.clear()
+    agent(QUESTION)  # and the store goes on as before, on a new connection
+    assert model.memory_block(2) is not None

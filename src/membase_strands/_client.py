@@ -39,6 +39,7 @@ import membase
 from membase.client import DEFAULT_TIMEOUT
 
 from ._failures import BadResponseError
+from ._io_loop import IO, PoolSweep
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,16 @@ def build_client(
 
 def new_http_client(base_url: str) -> httpx.Client:
     """The connection pool for one hosted store: the SDK's timeout, and TLS settings shared by all stores."""
-    return httpx.Client(base_url=base_url, timeout=DEFAULT_TIMEOUT, verify=_shared_ssl_context())
+    return httpx.Client(base_url=base_url, timeout=DEFAULT_TIMEOUT, verify=shared_ssl_context())
+
+
+def new_async_http_client(base_url: str) -> httpx.AsyncClient:
+    """The connection pool for one hosted store's awaited calls (``_async_http``), set up as :func:`new_http_client`."""
+    return httpx.AsyncClient(base_url=base_url, timeout=DEFAULT_TIMEOUT, verify=shared_ssl_context())
 
 
 @functools.cache
-def _shared_ssl_context() -> ssl.SSLContext:
+def shared_ssl_context() -> ssl.SSLContext:
     """httpx's default TLS settings (certifi's CA bundle, SSL_CERT_FILE/SSL_CERT_DIR honoured), built once."""
     return httpx.create_ssl_context()
 
@@ -385,16 +391,18 @@ def guard_pools(http: httpx.Client) -> list[httpcore.ConnectionPool]:
         if not isinstance(pool, httpcore.ConnectionPool) or not isinstance(backend, httpcore.NetworkBackend):
             continue
         if not isinstance(backend, _GuardedBackend):
-            pool._network_backend = _GuardedBackend(backend)
+            pool._network_backend = _GuardedBackend(backend, PoolSweep(pool))
         pools.append(pool)
     return pools
 
 
 class _GuardedBackend(httpcore.NetworkBackend):
-    """Opens connections whose streams keep to the current attempt's deadline and to this process."""
+    """Opens connections whose streams keep to the current attempt's deadline and to this process, and has the
+    I/O loop close them once idle past their keep-alive expiry."""
 
-    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+    def __init__(self, backend: httpcore.NetworkBackend, sweep: PoolSweep) -> None:
         self._backend = backend
+        self._sweep = sweep
 
     def connect_tcp(
         self,
@@ -405,13 +413,17 @@ class _GuardedBackend(httpcore.NetworkBackend):
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.NetworkStream:
         timeout = _time_left(timeout, httpcore.ConnectTimeout)
-        return _GuardedStream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+        stream = _GuardedStream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+        IO.watch(self._sweep)
+        return stream
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None
     ) -> httpcore.NetworkStream:
         timeout = _time_left(timeout, httpcore.ConnectTimeout)
-        return _GuardedStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+        stream = _GuardedStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+        IO.watch(self._sweep)
+        return stream
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)

@@ -6,7 +6,9 @@ Membase's answers: parsed search answers, a 2xx whose body cannot be read, and e
 key masked. The store, the tools, the setup check and the benchmarks all call Membase through it;
 none of them touches the SDK client or the store's internals.
 
-Everything here blocks: the store runs these calls on its own threads, within its time budgets.
+Everything here blocks, except the ``start_...`` calls, which return a future at once: the automatic
+recall and the set-up check of a hosted store run on the I/O loop (``_io_loop``, ``_async_http``),
+anything else on a worker thread (``_workers``). The store waits for those within its time budgets.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import membase
 
+from ._async_http import AsyncMembaseHTTP
 from ._client import UNREADABLE, build_client, readable_answers, unreadable_reason, without_retries
 from ._containers import Container, ContainerResolver, parse_containers
 from ._failures import redact, without_secret
 from ._formatting import SearchAnswer, parse_search
 from ._text import sendable
+from ._workers import start_daemon
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +55,12 @@ class MembaseGateway:
         self._once = without_retries(self._client)
         self._resolver = ContainerResolver()
         self._local = local
+        # A hosted client the gateway built: its budgeted calls are awaited on the I/O loop, not a thread each.
+        self._async = (
+            AsyncMembaseHTTP(self.base_url, self._client.api_key)
+            if self._close_client is not None and self.hosted and local is None
+            else None
+        )
 
     # --- What it is connected to ---------------------------------------------------------------
 
@@ -82,12 +93,21 @@ class MembaseGateway:
 
     def closer(self) -> Callable[[], None] | None:
         """How to close the client the gateway built, without holding the gateway; ``None`` for a client passed in."""
-        return self._close_client
+        close_client, awaited = self._close_client, self._async
+        if close_client is None or awaited is None:
+            return close_client
+
+        def close_both() -> None:
+            awaited.close()
+            close_client()
+
+        return close_both
 
     def close(self) -> None:
         """Close the client if the gateway built it; a client passed in is left open."""
-        if self._close_client is not None:
-            self._close_client()
+        closer = self.closer()
+        if closer is not None:
+            closer()
 
     def after_fork_in_child(self) -> None:
         """Forget what a parent's threads may have been in the middle of (the client resets its own pool)."""
@@ -115,6 +135,40 @@ class MembaseGateway:
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
         return parse_search(body)
+
+    def start_search(self, query: str, limit: int, container: str | None, *, retry: bool) -> Future[SearchAnswer]:
+        """Start :meth:`search` and return its future at once: awaited on the I/O loop for a hosted store in
+        one attempt, else on a worker thread named for the recall."""
+        awaited = self._async
+        if awaited is None or retry:
+            return start_daemon(
+                lambda: self.search(query, limit, container, retry=retry), name=f"membase-recall[{self._store_name}]"
+            )
+
+        async def search() -> SearchAnswer:
+            async def send(container_id: str | None) -> Any:
+                body: dict[str, Any] = {"q": sendable(query)}  # the SDK's search body, in its order
+                if container_id is not None:
+                    body["container"] = container_id
+                body["limit"] = limit
+                return await awaited.request("POST", "/v1/search", json=body)
+
+            with readable_answers():
+                answer = await self._resolver.call_async(self._list_awaited, container, send)
+            return parse_search(answer)
+
+        return awaited.io.submit(search)
+
+    def start_memories_in_reach(self) -> Future[list[Container]]:
+        """Start :meth:`memories_in_reach` and return its future at once (on the I/O loop for a hosted store)."""
+        if self._async is None:
+            return start_daemon(self.memories_in_reach, name=f"membase-check[{self._store_name}]")
+        return self._async.io.submit(self._list_awaited)
+
+    async def _list_awaited(self) -> list[Container]:
+        assert self._async is not None
+        with readable_answers():
+            return parse_containers(await self._async.request("GET", "/v1/containers"))
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (or, with ``static``, a standing fact), in one attempt.

@@ -8,7 +8,7 @@ for the next turn. A recall whose task is cancelled (a web server does that when
 disconnects) leaves its request running the same way, and lets the ``CancelledError`` through.
 
 While such a late request is still running, further recalls skip at once with
-:class:`RecallSkipped` instead of piling more threads and requests onto a memory that is not
+:class:`RecallSkipped` instead of piling more requests onto a memory that is not
 answering yet, for at most one SDK attempt from the late request's start. A skip is not a failure:
 the store turns it into "no memory this turn" and logs it at DEBUG only, so a long stall does not
 write a warning per turn. Recalls that finish within the budget never hold the guard, so healthy
@@ -30,7 +30,7 @@ from membase.client import DEFAULT_TIMEOUT
 from . import _telemetry
 from ._counters import Counters
 from ._failures import detail_of
-from ._workers import start_daemon, wait_for_future
+from ._workers import wait_for_future
 from .errors import MembaseRecallTimeout
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class RecallSkipped(Exception):
 
 
 class TimeBoxedRecall:
-    """Runs blocking recall requests on daemon threads within a time budget, one late request at a time."""
+    """Waits for recall requests (running on the I/O loop or a worker thread) within a time budget, one late
+    request at a time."""
 
     def __init__(
         self,
@@ -58,7 +59,7 @@ class TimeBoxedRecall:
         """Create the time box for one store.
 
         Args:
-            store_name: The store's name, for log lines and thread names.
+            store_name: The store's name, for log lines.
             counters: Where to count timeouts, skips and late completions.
             redact: Masks secrets in the text of a late failure before it is logged.
             is_closed: Whether the store was closed, so a late request that fails because its
@@ -87,22 +88,22 @@ class TimeBoxedRecall:
         oldest_that_counts = self._clock() - self._hold_limit
         return any(started > oldest_that_counts for started in self._late.values())
 
-    async def run(self, request: Callable[[], T], budget: float | None) -> T:
-        """Run ``request`` off the event loop and wait at most ``budget`` seconds for it.
+    async def run(self, start: Callable[[], Future[T]], budget: float | None) -> T:
+        """Start a request off the event loop and wait at most ``budget`` seconds for it.
 
         Args:
-            request: The blocking Membase call.
+            start: Starts the Membase call (on the I/O loop or a worker thread) and returns its future.
             budget: Seconds to wait, or ``None`` to wait as long as the request takes.
 
         Returns:
-            What ``request`` returned.
+            What the request returned.
 
         Raises:
             RecallSkipped: A late request is still running; nothing was sent.
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
             asyncio.CancelledError: The caller's task was cancelled; the request goes on in the
                 background and holds the guard like a late one.
-            Exception: Whatever ``request`` raised within the budget.
+            Exception: Whatever the request raised within the budget.
         """
         with self._lock:
             if self._guard_up():
@@ -113,7 +114,7 @@ class TimeBoxedRecall:
                     "time or was cancelled) is still running"
                 )
         started = self._clock()
-        future = start_daemon(request, name=f"membase-recall[{self._store_name}]")
+        future = start()
         try:
             return await wait_for_future(future, budget)
         except asyncio.TimeoutError:
@@ -151,7 +152,6 @@ class TimeBoxedRecall:
         def release(done: Future[object]) -> None:
             with self._lock:
                 self._late.pop(done, None)
-            self._counters.add("recall_late_completions")
             elapsed = self._clock() - started
             error = done.exception()
             closed = error is not None and self._is_closed()
@@ -185,5 +185,7 @@ class TimeBoxedRecall:
                     elapsed,
                     self._redact(detail_of(error)),
                 )
+            # Last, so whoever sees the count finds the outcome already logged and traced.
+            self._counters.add("recall_late_completions")
 
         late.add_done_callback(release)

@@ -1,5 +1,10 @@
 """Blocking Membase calls on persistent daemon worker threads, awaited with a budget from any event loop.
 
+What runs here: captured writes, the closing of clients, and the recall and set-up check of a store
+that was given its client (``client=``) or runs the local engine. A store that builds its hosted
+client from a key awaits its recall on the I/O loop instead (``_io_loop``), so a server with many
+users mid-turn needs no thread per request.
+
 Why daemon threads, not ``asyncio.to_thread``: a synchronous ``agent("...")`` runs on a fresh
 ``asyncio.run`` loop, and ``asyncio.run`` joins the loop's default-executor threads before it
 returns. A Membase request that outlives its budget would then hold the user's call anyway. A daemon

@@ -130,15 +130,21 @@ class MembaseStorePool:
         """Close every store the pool handed out that is still alive. Safe to call twice.
 
         The stores close side by side, each letting its captured writes still running finish first, so
-        this returns within one ``write_timeout`` however many stores there are. A store still waiting for
-        its writes then finishes closing in the background. This blocks the calling thread meanwhile: from
-        async code, use :meth:`aclose` (or ``async with``).
+        this returns within about one ``write_timeout`` however many stores there are. This blocks the
+        calling thread meanwhile: from async code, use :meth:`aclose` (or ``async with``).
         """
         stores = self._close_pool()
         if not stores:
             return
-        # Each store's close() waits up to its write_timeout for its own writes; side by side, they all
-        # fit in one budget. Daemon threads: a close still waiting must not hold up the interpreter's exit.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            # Side by side on a loop of this thread's own: no thread per store.
+            asyncio.run(self._close_side_by_side(stores))
+            return
+        # Called from async code (which should await aclose()): each store's close() on a thread of its own
+        # waits up to its write_timeout for its own writes; side by side, they all fit in one budget. Daemon
+        # threads: a close still waiting must not hold up the interpreter's exit.
         budget = (
             self._store_options.get("write_timeout", _options.DEFAULT_WRITE_TIMEOUT) or _options.WAIT_WITHOUT_BUDGET
         )
@@ -167,8 +173,11 @@ class MembaseStorePool:
         counted.
         """
         stores = self._close_pool()
-        if not stores:
-            return
+        if stores:
+            await self._close_side_by_side(stores)
+
+    @staticmethod
+    async def _close_side_by_side(stores: list[MembaseMemoryStore]) -> None:
         outcomes = await asyncio.gather(*(store.aclose() for store in stores), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):

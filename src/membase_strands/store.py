@@ -198,7 +198,7 @@ class MembaseMemoryStore:
             if check is None or (check.done() and check.exception() is not None):
                 # A check still running (Membase slow to answer) is shared, never started twice; one that
                 # ended late with an answer is used below; one that failed tells nothing, so ask again.
-                check = start_daemon(self._gateway.memories_in_reach, name=f"membase-check[{self.name}]")
+                check = self._gateway.start_memories_in_reach()
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
@@ -284,7 +284,7 @@ class MembaseMemoryStore:
             return []
         try:
             answer = await self._recall.run(
-                lambda: self._gateway.search(text, limit, self._container, retry=retry), self._recall_timeout
+                lambda: self._gateway.start_search(text, limit, self._container, retry=retry), self._recall_timeout
             )
         except RecallSkipped:
             _telemetry.annotate("skipped", reason="memory waking")
@@ -491,8 +491,8 @@ class MembaseMemoryStore:
             finally:
                 closed.set_result(None)
 
-        if self._gateway.closer() is None:
-            release()
+        if self._gateway.closer() is None or self._gateway.hosted:
+            release()  # nothing to close, or a hosted client: quick, no thread needed
             return closed
         try:
             return start_daemon(release, name=f"membase-close[{self.name}]")

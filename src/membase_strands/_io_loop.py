@@ -1,0 +1,262 @@
+"""One event loop on one daemon thread, where hosted stores send their automatic recall.
+
+Why: the SDK blocks, so a recall on a worker thread holds that thread for the whole request. A web
+server with 200 users mid-turn against a Membase answering in 20 ms needed up to 200 threads (and the
+GIL hand-offs between them cost the loop a share of its time). Awaited on one loop, the same requests
+need one thread (measured in ``benchmarks/``, section 4).
+
+The loop serves every store in the process and every caller's loop (each synchronous ``agent(...)``
+brings a new one), so a request that outlives its caller's time box runs on to the end here, as it
+would on a worker thread. Calls come in from any thread through :func:`submit` and go back as
+``concurrent.futures.Future``; the caller's context variables (the tracing span) go with them.
+
+The thread is started by the first call and retires once it has had nothing to do for
+:data:`IDLE_SECONDS` (no call running, no pooled connection left open), so it is never kept alive by
+an idle process. While it runs it sweeps the connection pools of the clients registered with it
+(:func:`register_sweep`) every :data:`SWEEP_SECONDS`, closing keep-alive connections whose expiry has
+passed: an idle store holds no socket for longer than its keep-alive expiry plus one sweep.
+
+After ``os.fork()`` the child has no such thread: it starts its own on its first call, and clients
+built for the parent's loop are built again (see ``_async_http``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Protocol, TypeVar
+
+import httpcore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+THREAD_NAME = "membase-io"
+"""The name of the loop's thread."""
+IDLE_SECONDS = 2.0
+"""How long the loop has nothing to do (no call, no open pooled connection) before its thread retires."""
+SWEEP_SECONDS = 1.0
+"""How often the loop closes pooled connections whose keep-alive expiry has passed."""
+
+
+class Sweepable(Protocol):
+    """A client with a connection pool the loop keeps tidy."""
+
+    async def sweep(self) -> int:
+        """Close the pooled connections whose keep-alive expiry has passed; how many stay open."""
+
+    async def retire(self) -> None:
+        """The loop is stopping: close the client (it holds no open connection by then)."""
+
+
+class IOLoop:
+    """A lazily started event loop on a daemon thread that retires when idle; safe to call from any thread."""
+
+    def __init__(self, idle_seconds: float = IDLE_SECONDS, sweep_seconds: float = SWEEP_SECONDS) -> None:
+        """Create the loop's holder; no thread starts until the first call.
+
+        Args:
+            idle_seconds: How long the loop has nothing to do before its thread retires.
+            sweep_seconds: How often expired keep-alive connections are closed.
+        """
+        self._idle_seconds = idle_seconds
+        self._sweep_seconds = sweep_seconds
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread_id: int | None = None
+        self._generation = 0
+        self._calls = 0  # submitted and not finished; the loop retires only at zero (read and written under the lock)
+        self._clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()  # the current loop's
+        if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+            os.register_at_fork(after_in_child=_forget_loop_in_child(self))
+
+    @property
+    def generation(self) -> int:
+        """Which loop is current: grows each time a new loop starts (after retiring, or in a forked child)."""
+        return self._generation
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop's thread is running now."""
+        return self._loop is not None
+
+    def on_loop_thread(self) -> bool:
+        """Whether the caller is the loop's own thread (which must never wait for the loop)."""
+        return threading.get_ident() == self._thread_id
+
+    def submit(self, make: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
+        """Run the coroutine ``make()`` on the loop (starting it if need be); a future for its outcome.
+
+        Raises:
+            RuntimeError: The loop's thread could not be started ("can't start new thread").
+        """
+        future: Future[T] = Future()
+        context = contextvars.copy_context()
+        with self._lock:
+            loop = self._loop if self._loop is not None else self._start()
+            self._calls += 1
+            generation = self._generation
+
+        def start() -> None:
+            if not future.set_running_or_notify_cancel():
+                self._finished(generation)
+                return
+            try:
+                # A task copies the current context when it is made: made inside the caller's, it runs in a copy.
+                task = context.run(loop.create_task, make())
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits, so nobody waits forever
+                self._finished(generation)
+                future.set_exception(error)
+                return
+            task.add_done_callback(lambda done: self._settle(future, done, generation))
+
+        loop.call_soon_threadsafe(start)
+        return future
+
+    def register_sweep(self, client: Sweepable) -> None:
+        """Sweep ``client``'s pool while the current loop runs, and retire it with that loop (held weakly).
+
+        Call it from a coroutine running on the loop, for a client built there.
+        """
+        self._clients.add(client)
+
+    def watch(self, client: Sweepable) -> None:
+        """:meth:`register_sweep` from any thread, starting the loop if need be (for a blocking client's pool)."""
+        if client in self._clients:
+            return
+
+        async def register() -> None:
+            self._clients.add(client)
+
+        self.submit(register)
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        """Called with the lock held."""
+        loop = asyncio.new_event_loop()
+        clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()  # a client is bound to the loop it was built on
+        thread = threading.Thread(target=self._run, args=(loop, clients), name=THREAD_NAME, daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            loop.close()
+            raise
+        self._loop = loop
+        self._generation += 1
+        self._clients = clients
+        return loop
+
+    def _run(self, loop: asyncio.AbstractEventLoop, clients: weakref.WeakSet[Sweepable]) -> None:
+        self._thread_id = threading.get_ident()
+        asyncio.set_event_loop(loop)
+        tending = loop.create_task(self._tend(loop, clients))  # held here: a loop keeps only weak references to tasks
+        try:
+            loop.run_forever()
+        finally:
+            del tending
+            loop.close()
+
+    async def _tend(self, loop: asyncio.AbstractEventLoop, clients: weakref.WeakSet[Sweepable]) -> None:
+        """Sweep the pools now and then; stop the loop once it has been idle long enough."""
+        idle_since: float | None = None
+        while True:
+            await asyncio.sleep(self._sweep_seconds)
+            open_connections = 0
+            for client in list(clients):
+                try:
+                    open_connections += await client.sweep()
+                except Exception as error:  # noqa: BLE001 - one client's pool must not stop the others' sweeps
+                    logger.debug("reason=<%s> | could not sweep a connection pool", type(error).__name__)
+            busy = open_connections > 0 or self._calls > 0
+            now = time.monotonic()
+            idle_since = None if busy else (idle_since if idle_since is not None else now)
+            if idle_since is None or now - idle_since < self._idle_seconds:
+                continue
+            with self._lock:
+                if self._calls or self._loop is not loop:
+                    idle_since = None
+                    continue
+                self._loop = None  # from here on a new call starts a new loop; none can reach this one
+            for client in list(clients):
+                with contextlib.suppress(Exception):
+                    await client.retire()
+            loop.stop()
+            return
+
+    def _settle(self, future: Future[T], task: asyncio.Task[T], generation: int) -> None:
+        self._finished(generation)
+        try:
+            if task.cancelled():
+                future.set_exception(RuntimeError("the Membase call was cancelled: its event loop stopped"))
+            elif (error := task.exception()) is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(task.result())
+        except InvalidStateError:
+            pass  # settled by someone else; nothing is waiting on this outcome any more
+
+    def _finished(self, generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._calls -= 1
+
+
+class PoolSweep:
+    """Keeps one httpcore connection pool, blocking or async, free of connections past their keep-alive expiry."""
+
+    __slots__ = ("__weakref__", "_pool")
+
+    def __init__(self, pool: httpcore.ConnectionPool | httpcore.AsyncConnectionPool) -> None:
+        """Sweep ``pool``."""
+        self._pool = pool
+
+    async def sweep(self) -> int:
+        """Close the pool's expired connections; how many stay open.
+
+        httpcore closes them only when the pool is next used: this runs the pool's own clean-up (private,
+        so a pool without it, from another httpcore, is left as it is and counted as empty).
+        """
+        pool = self._pool
+        tidy = getattr(pool, "_assign_requests_to_connections", None)
+        close = getattr(pool, "_close_connections", None)
+        lock = getattr(pool, "_optional_thread_lock", None)
+        if tidy is None or close is None or lock is None:
+            return 0
+        with lock:
+            closing = tidy()
+        closed = close(closing)  # a blocking pool closes its sockets at once; an async one is awaited
+        if inspect.isawaitable(closed):
+            await closed
+        return len(pool.connections)
+
+    async def retire(self) -> None:
+        """Nothing to do: the pool outlives the loop (it is empty by the time the loop retires)."""
+
+
+def _forget_loop_in_child(io: IOLoop) -> Callable[[], None]:
+    """After ``os.fork()`` in the child: the loop's thread does not exist there, so nothing may be handed to it."""
+    ref = weakref.ref(io)
+
+    def forget() -> None:
+        alive = ref()
+        if alive is not None:
+            alive._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+            alive._loop = None
+            alive._calls = 0
+            alive._generation += 1
+            alive._clients = weakref.WeakSet()
+
+    return forget
+
+
+IO = IOLoop()
+"""The process's loop: every hosted store sends its automatic recall through it."""
