@@ -6,8 +6,10 @@ reached the fake Membase.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -672,6 +674,49 @@ def test_get_tools_again_is_cheap(make_store) -> None:
 
     # Building them again took about 3 ms a call; the target is 50 µs. A loaded machine gets 20 times that.
     assert elapsed < 1.0, f"{elapsed * 1000:.0f} µs per get_tools() of a store that already built them"
+
+
+def test_every_store_answers_its_own_tool_calls_though_the_tools_share_one_template() -> None:
+    fakes = {user: InMemoryMembase() for user in ("alice", "bob")}
+    for user, fake in fakes.items():
+        fake.remember(f"{user} keeps the ledger on Postgres.")
+    stores = {user: fake.store() for user, fake in fakes.items()}
+    try:
+        for user, store in stores.items():
+            agent, model = make_agent(store, [ToolCall("membase_search", {"query": "ledger"}), FINAL], injection=False)
+            agent("Where is my ledger?")
+            text = result_text(model.tool_results()[-1])
+            assert f"{user} keeps the ledger" in text
+            assert ("bob" if user == "alice" else "alice") not in text
+        assert [len(fake.sent("POST", "/v1/search")) for fake in fakes.values()] == [1, 1]
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def test_a_store_whose_tools_were_built_first_is_not_kept_alive_by_the_others(fake: InMemoryMembase) -> None:
+    first = fake.store()
+    first.get_tools()
+    gone = threading.Event()
+    weakref.finalize(first, gone.set)
+    later = fake.store()
+    later.get_tools()
+
+    del first
+    gc.collect()
+
+    assert gone.is_set()
+    later.close()
+
+
+def test_each_stores_tool_spec_is_its_own(fake: InMemoryMembase) -> None:
+    one, two = fake.store(), fake.store()
+    spec = one.get_tools()[0].tool_spec
+
+    spec["description"] = "changed by someone's registry"
+
+    assert two.get_tools()[0].tool_spec["description"] != spec["description"]
+    assert fake.store().get_tools()[0].tool_spec["description"] != spec["description"]
 
 
 def test_the_tools_still_work_for_every_agent_built_on_the_store(fake: InMemoryMembase, make_store) -> None:

@@ -8,15 +8,19 @@ is deliberately no tool to delete or forget anything.
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import membase
 from strands import tool
-from strands.types.tools import AgentTool
+from strands.tools.decorator import DecoratedFunctionTool
+from strands.types.tools import AgentTool, ToolSpec
 
 from . import _telemetry
 from ._containers import names_in_reach
@@ -194,7 +198,48 @@ def _as_tool(context: ToolContext, function: Callable[..., dict[str, Any]], desc
             operation.default_outcome("ok" if result.get("status") == "success" else "error")
             return result
 
-    return tool(name=function.__name__, description=description)(counted)
+    template = _template(function, description)
+    if template is None:
+        return tool(name=function.__name__, description=description)(counted)
+    spec, metadata = template
+    # The spec is the store's own copy: nothing one agent's registry does to it can reach another store's tools.
+    return DecoratedFunctionTool(function.__name__, copy.deepcopy(spec), counted, metadata)
+
+
+_TEMPLATES: dict[tuple[str, str], tuple[ToolSpec, Any] | None] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def _template(function: Callable[..., dict[str, Any]], description: str) -> tuple[ToolSpec, Any] | None:
+    """The tool's spec and argument model, made once per process; ``None`` where Strands does not expose them.
+
+    Decorating a function costs milliseconds (Strands builds a pydantic model from its signature), and
+    every store's tool has the same signature: a server that builds a store per user pays it once, not
+    per user. The template is made from a stand-in with the function's signature and docstring, so it
+    holds no store.
+    """
+    key = (function.__name__, description)
+    with _TEMPLATES_LOCK:
+        if key in _TEMPLATES:
+            return _TEMPLATES[key]
+    decorated = tool(name=function.__name__, description=description)(_stand_in(function))
+    metadata = getattr(decorated, "_metadata", None)  # private in Strands: without it, each store decorates its own
+    made = (decorated.tool_spec, metadata) if metadata is not None else None
+    with _TEMPLATES_LOCK:
+        return _TEMPLATES.setdefault(key, made)
+
+
+def _stand_in(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A function with ``function``'s name, docstring and signature that holds nothing of it and is never called."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a tool template is never called")
+
+    stand_in.__name__ = stand_in.__qualname__ = function.__name__
+    stand_in.__doc__ = function.__doc__
+    stand_in.__annotations__ = dict(function.__annotations__)
+    stand_in.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    return stand_in
 
 
 def _several_memories(context: ToolContext) -> str | None:
