@@ -12,6 +12,7 @@ figure means and which module measures it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -28,7 +29,7 @@ from scenarios import (
     regression,
     stalled_memory,
 )
-from support import BUSY_SHARE, FULL, QUICK, Plan, cpu_sample, others_share
+from support import BEFORE_PERFORMANCE_WORK, BUSY_SHARE, FULL, QUICK, Plan, cpu_sample, others_share
 
 SECTIONS: dict[int, Callable[[Plan], Section]] = {
     recall_overhead.NUMBER: recall_overhead.run,
@@ -59,8 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=TEXT",
         help="why figure KEY regressed (repeatable); recorded in RESULTS.md",
     )
+    parser.add_argument(
+        "--before",
+        default=None,
+        metavar="REV",
+        help="compare section 4's server pattern with the library at this commit ('' for none; full runs default "
+        f"to {BEFORE_PERFORMANCE_WORK}, the last commit before the performance work)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.before is not None:
+        plan = dataclasses.replace(plan, before=args.before or None)
     mode = "quick" if args.quick else "full"
     chosen = [int(n) for n in args.sections.split(",") if n.strip()] or list(SECTIONS)
     write = not args.no_write and not args.sections

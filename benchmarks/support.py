@@ -68,6 +68,11 @@ class Plan:
     idle_users: int
     idle_s: float
     capture: tuple[tuple[float | None, float, int], ...]  # (write_timeout, simulated attempt s, runs)
+    before: str | None = None  # a commit whose library section 4's server pattern is compared with, or None
+
+
+BEFORE_PERFORMANCE_WORK = "f9dee63"
+"""The last commit before the performance work (issue 13): a thread per recall, the tools decorated per store."""
 
 
 FULL = Plan(
@@ -86,6 +91,7 @@ FULL = Plan(
     idle_users=1000,
     idle_s=10.0,
     capture=((1.0, 10.0, 2), (DEFAULT_WRITE_TIMEOUT, 10.0, 1), (None, 10.0, 1)),
+    before=BEFORE_PERFORMANCE_WORK,
 )
 QUICK = Plan(
     quick=True,

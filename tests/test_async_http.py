@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -11,12 +13,13 @@ from typing import Any
 import httpx
 import membase
 import pytest
+import trustme
 
 from membase_strands import _client
-from membase_strands._async_http import AsyncMembaseHTTP
+from membase_strands._async_http import RECENTLY_USED_SECONDS, AsyncMembaseHTTP
 from membase_strands._io_loop import IOLoop
 from membase_strands.testing import API_KEY
-from tests.support.loopback import LoopbackMembase, drip, ok_json, reset
+from tests.support.loopback import LoopbackMembase, closing, drip, ok_json, reset
 from tests.support.store_helpers import route_hosted_clients, wait_until
 
 SEARCH = {"q": "Which database?", "container": "ctr_main", "limit": 5}
@@ -32,6 +35,21 @@ def io() -> IOLoop:
 @pytest.fixture
 def loopback() -> Iterator[LoopbackMembase]:
     with LoopbackMembase() as server:
+        yield server
+
+
+@pytest.fixture
+def tls_loopback(monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopbackMembase]:
+    """The loopback server over TLS, with a certificate from a throwaway authority that the awaited client trusts."""
+    authority = trustme.CA()
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(served)
+    trusted = ssl.create_default_context()
+    authority.configure_trust(trusted)
+    monkeypatch.setattr(
+        _client, "new_async_http_client", functools.partial(_client.new_async_http_client, verify=trusted)
+    )
+    with LoopbackMembase(tls=served) as server:
         yield server
 
 
@@ -104,7 +122,9 @@ def test_an_empty_2xx_answer_is_none_and_an_unreadable_one_raises_like_the_sdk(i
 
 
 def test_a_dripping_answer_ends_at_the_clients_timeout_with_the_sdks_timeout_error(io, loopback, monkeypatch):
-    monkeypatch.setattr(_client, "new_async_http_client", lambda url: httpx.AsyncClient(base_url=url, timeout=DEADLINE))
+    monkeypatch.setattr(
+        _client, "new_async_http_client", functools.partial(_client.new_async_http_client, timeout=DEADLINE)
+    )
     loopback.on("POST", "/v1/search", drip(every=0.1, limit=20 * DEADLINE))
     http = AsyncMembaseHTTP(loopback.url, API_KEY, io=io)
 
@@ -142,7 +162,7 @@ def test_a_connection_idle_past_its_keep_alive_expiry_is_closed_without_another_
     monkeypatch.setattr(
         _client,
         "new_async_http_client",
-        lambda url: httpx.AsyncClient(base_url=url, limits=httpx.Limits(keepalive_expiry=0.3)),
+        functools.partial(_client.new_async_http_client, limits=httpx.Limits(keepalive_expiry=0.3)),
     )
     loopback.on("POST", "/v1/search", ok_json({"results": []}))
     http = AsyncMembaseHTTP(loopback.url, API_KEY, io=io)
@@ -150,7 +170,9 @@ def test_a_connection_idle_past_its_keep_alive_expiry_is_closed_without_another_
     call(http, "POST", "/v1/search", json=SEARCH)
     assert loopback.open_connections == 1
 
-    assert wait_until(lambda: loopback.open_connections == 0, timeout=SLACK), "the idle connection stayed open"
+    # A pool used within RECENTLY_USED_SECONDS is left to tidy itself at its next request; then the sweep comes.
+    idle_for = RECENTLY_USED_SECONDS + SLACK
+    assert wait_until(lambda: loopback.open_connections == 0, timeout=idle_for), "the idle connection stayed open"
     assert wait_until(lambda: not io.running, timeout=SLACK)  # and with nothing left to do, the loop retired
 
 
@@ -179,3 +201,46 @@ def test_many_threads_share_one_client_per_store(io, monkeypatch):
 
     assert errors == []
     assert len(built.awaited) == 1
+
+
+def test_over_tls_requests_share_one_connection_and_get_their_answers(io, tls_loopback):
+    tls_loopback.on("POST", "/v1/search", ok_json({"results": [{"content": "first"}]}))
+    tls_loopback.on("POST", "/v1/search", ok_json({"results": [{"content": "second"}]}))
+    http = AsyncMembaseHTTP(tls_loopback.url, API_KEY, io=io)
+
+    assert call(http, "POST", "/v1/search", json=SEARCH)["results"][0]["content"] == "first"
+    assert call(http, "POST", "/v1/search", json=SEARCH)["results"][0]["content"] == "second"
+
+    assert tls_loopback.url.startswith("https://")
+    assert tls_loopback.connections == 1
+    http.close()
+    assert wait_until(lambda: tls_loopback.open_connections == 0, timeout=SLACK)
+
+
+def test_over_tls_a_certificate_nobody_vouched_for_is_a_connection_error(io, loopback):
+    with LoopbackMembase(tls=_self_vouched()) as untrusted:
+        http = AsyncMembaseHTTP(untrusted.url, API_KEY, io=io)
+
+        with pytest.raises(membase.APIConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+            call(http, "POST", "/v1/search", json=SEARCH)
+        assert untrusted.fake.sent() == []
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_connection_the_server_closed_after_answering_is_not_reused(io, loopback, tls_loopback, scheme):
+    server = tls_loopback if scheme == "https" else loopback
+    server.on("POST", "/v1/search", closing(ok_json({"results": []})))
+    http = AsyncMembaseHTTP(server.url, API_KEY, io=io)
+    call(http, "POST", "/v1/search", json=SEARCH)
+    assert wait_until(lambda: server.open_connections == 0, timeout=SLACK)
+
+    assert call(http, "POST", "/v1/search", json=SEARCH)["results"] == []  # on a new connection, no error
+
+    assert server.connections == 2
+
+
+def _self_vouched() -> ssl.SSLContext:
+    """A server context whose certificate comes from an authority no client was told to trust."""
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    trustme.CA().issue_cert("127.0.0.1").configure_cert(served)
+    return served

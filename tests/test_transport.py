@@ -7,6 +7,7 @@ The dripping and cut answers come from the real loopback HTTP server (``tests/su
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 
 import membase_strands._client as membase_client
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
+from membase_strands._async_http import RECENTLY_USED_SECONDS
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
 from tests.support.loopback import LoopbackMembase, drip, drip_headers, raw_answer
 from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, wait_until
@@ -168,7 +170,9 @@ def test_a_late_recall_ends_at_its_deadline_even_when_the_headers_drip(loopback,
     # A store that builds its own client; its timeout is the deadline.
     monkeypatch.setattr(membase_client, "new_http_client", lambda url: httpx.Client(base_url=url, timeout=DEADLINE))
     monkeypatch.setattr(
-        membase_client, "new_async_http_client", lambda url: httpx.AsyncClient(base_url=url, timeout=DEADLINE)
+        membase_client,
+        "new_async_http_client",
+        functools.partial(membase_client.new_async_http_client, timeout=DEADLINE),
     )
     caplog.set_level(logging.INFO, logger="membase_strands")
     loopback.on("POST", "/v1/search", drip_headers(every=DRIP_EVERY, limit=DRIP_FOR))
@@ -310,7 +314,7 @@ def test_a_stores_idle_connections_close_after_their_keep_alive_expiry_without_a
     limits = httpx.Limits(keepalive_expiry=0.3)
     monkeypatch.setattr(membase_client, "new_http_client", lambda url: httpx.Client(base_url=url, limits=limits))
     monkeypatch.setattr(
-        membase_client, "new_async_http_client", lambda url: httpx.AsyncClient(base_url=url, limits=limits)
+        membase_client, "new_async_http_client", functools.partial(membase_client.new_async_http_client, limits=limits)
     )
     store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url)
     stores.append(store)
@@ -320,7 +324,8 @@ def test_a_stores_idle_connections_close_after_their_keep_alive_expiry_without_a
     assert model.memory_block(0) is not None and loopback.fake.saved() == [NOTE]
     assert loopback.connections == 2  # one per client, each kept alive after its request
 
-    assert wait_until(lambda: loopback.open_connections == 0, timeout=SLACK), "an idle connection stayed open"
+    idle_for = RECENTLY_USED_SECONDS + SLACK  # a pool used as recently as that is left to tidy itself
+    assert wait_until(lambda: loopback.open_connections == 0, timeout=idle_for), "an idle connection stayed open"
     assert loopback.connections == 2  # closed by the sweep, not by a request that found it expired
 
     agent.messages.clear()

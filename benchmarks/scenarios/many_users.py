@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from report import Section, fmt
+from report import ROOT, Section, fmt, spread
 from strands import Agent
 from strands.memory import MemoryManager
-from support import QUESTION, Plan, ServerProcess, no_library_threads, thread_peak
+from support import QUESTION, Plan, ServerProcess, median, no_library_threads, thread_peak
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands.testing import ScriptedModel
@@ -25,6 +32,9 @@ NUMBER = 4
 SERVER_LATENCY_MS = 3.0
 PATTERN_LATENCY_MS = 20.0
 PATTERN_THREADS_TARGET = 8
+SPEEDUP_TARGET = 1.2
+BEFORE_ROUNDS = 3
+PROBE = Path(__file__).resolve().parent.parent / "_pattern_probe.py"
 
 
 async def _users(plan: Plan, url: str, reuse: bool) -> dict[str, float]:
@@ -50,7 +60,7 @@ async def _users(plan: Plan, url: str, reuse: bool) -> dict[str, float]:
                     await agent.invoke_async(QUESTION)
                 finally:
                     if pool is None:
-                        store.close()
+                        await store.aclose()
                 counts["turns"] += 1
                 counts["injected"] += model.memory_block() is not None
 
@@ -58,7 +68,7 @@ async def _users(plan: Plan, url: str, reuse: bool) -> dict[str, float]:
         await asyncio.gather(*(user(n) for n in range(plan.users)))
     finally:
         if pool is not None:
-            pool.close()
+            await pool.aclose()
     return counts
 
 
@@ -87,7 +97,10 @@ async def _server_pattern(plan: Plan, url: str, agent_per_turn: bool) -> dict[st
     try:
         await asyncio.gather(*(user(n) for n in range(plan.users)))
     finally:
-        pool.close()
+        if hasattr(pool, "aclose"):
+            await pool.aclose()
+        else:  # the library before it had aclose() (the before-and-after probe runs it too)
+            pool.close()
     return counts
 
 
@@ -178,6 +191,7 @@ def run(plan: Plan) -> Section:
         "its own process."
     )
     _pattern_targets(plan, section, pattern)
+    _before_and_after(plan, section)
     return section
 
 
@@ -269,3 +283,75 @@ def _where_the_time_goes(
         f"{fmt(reused['agent_build_s'])} s, while the server's {SERVER_LATENCY_MS:g} ms for each of {requests} "
         f"requests comes to about {fmt(waiting)} s of waiting with {plan.concurrency} users at a time."
     )
+
+
+def _before_and_after(plan: Plan, section: Section) -> None:
+    """The server pattern on the library at ``plan.before`` and as it is now, one process each, interleaved."""
+    if not plan.before:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", plan.before, "src"], capture_output=True, check=True
+        )
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        sources = {plan.before: Path(tmp) / "src", "now": ROOT / "src"}
+        server = ServerProcess(PATTERN_LATENCY_MS)
+        try:
+            for agent_per_turn in (False, True):
+                runs = _interleaved_probes(plan, server, sources, agent_per_turn)
+                _before_and_after_rows(plan, section, runs, agent_per_turn)
+        finally:
+            server.stop()
+
+
+def _interleaved_probes(
+    plan: Plan, server: ServerProcess, sources: dict[str, Path], agent_per_turn: bool
+) -> dict[str, list[dict[str, float]]]:
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in sources}
+    labels = list(sources)
+    for round_ in range(BEFORE_ROUNDS):
+        for label in labels if round_ % 2 == 0 else labels[::-1]:
+            server.reset()
+            command = [sys.executable, str(PROBE), str(sources[label]), server.url, str(plan.users)]
+            command += [str(plan.user_turns), "1" if agent_per_turn else "0"]
+            probe = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+            result = json.loads(probe.stdout.strip().splitlines()[-1])
+            if Path(result["src"]).resolve() != sources[label].resolve():
+                raise RuntimeError(f"the probe loaded membase_strands from {result['src']}, not {sources[label]}")
+            result.update(server.stats())
+            runs[label].append(result)
+    return runs
+
+
+def _before_and_after_rows(
+    plan: Plan, section: Section, runs: dict[str, list[dict[str, float]]], agent_per_turn: bool
+) -> None:
+    how = "a new `Agent` per turn" if agent_per_turn else "one `Agent` per user"
+    before, now = (median_of(runs[label], "turns_s") for label in runs)
+    for label, results in runs.items():
+        name = f"the library at {label}" if label != "now" else "the library now"
+        section.row(
+            f"server pattern, {how}, {name} ({BEFORE_ROUNDS} runs, one process each, interleaved)",
+            "",
+            f"{fmt(median_of(results, 'turns_s'))} ({spread([r['turns_s'] for r in results])})",
+            f"{median_of(results, 'connections'):.0f}",
+            fmt(median_of(results, "connections") / plan.users),
+            f"{median_of(results, 'requests'):.0f}",
+            f"{median_of(results, 'peak_threads'):.0f} (library {median_of(results, 'library_threads'):.0f})",
+            f"{median_of(results, 'injected'):.0f}/{median_of(results, 'turns'):.0f}",
+            "",
+            "",
+        )
+    key = "pattern_per_turn" if agent_per_turn else "pattern"
+    section.figure(f"{key}_speedup", f"turns/s now over {plan.before}, {how}", now / before, "x", better="higher")
+    section.target(
+        f"server pattern with {how}: at least {SPEEDUP_TARGET:g} x the turns per second of {plan.before} "
+        "(before the performance work)",
+        now >= SPEEDUP_TARGET * before,
+        f"x{now / before:.2f}: {fmt(now)} turns/s against {fmt(before)} (medians of {BEFORE_ROUNDS} interleaved runs)",
+    )
+
+
+def median_of(results: list[dict[str, float]], key: str) -> float:
+    return median([float(result[key]) for result in results])

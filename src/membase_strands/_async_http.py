@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import httpcore
@@ -28,6 +29,8 @@ from ._io_loop import IO, IOLoop, PoolSweep
 
 _USER_AGENT = f"unibaseio-membase-python/{membase.__version__}"
 
+RECENTLY_USED_SECONDS = 2.0
+"""A pool that sent a request this recently is left to tidy itself at its next request."""
 CLOSE_WAIT = 2.0
 """The longest :meth:`AsyncMembaseHTTP.close` waits for the loop to close the connections."""
 
@@ -72,7 +75,9 @@ class AsyncMembaseHTTP:
             ValueError: A 2xx answer is not valid UTF-8 or not JSON (as the SDK lets it through).
             RuntimeError: The store was closed.
         """
-        client = self._client_here()
+        pooled = self._client_here()
+        pooled.last_used = time.monotonic()
+        client = pooled.client
         try:
             response = await asyncio.wait_for(
                 client.request(method, path, json=json, params=params, headers=self._headers),
@@ -110,7 +115,7 @@ class AsyncMembaseHTTP:
         if pooled is not None and pooled.generation == self._io.generation:
             await pooled.retire()
 
-    def _client_here(self) -> httpx.AsyncClient:
+    def _client_here(self) -> _PooledClient:
         """The client for the loop this runs on, built on first use (on the loop's thread)."""
         if self._closed:
             raise RuntimeError("Cannot send a request, as the client has been closed.")
@@ -120,24 +125,33 @@ class AsyncMembaseHTTP:
             # Looked up at call time, like the blocking client's, so tests can route both to a fake.
             pooled = self._pooled = _PooledClient(_client.new_async_http_client(self._base_url), self._io.generation)
             self._io.register_sweep(pooled)
-        return pooled.client
+        return pooled
 
 
 class _PooledClient:
     """An ``httpx.AsyncClient`` built on one loop, which the loop sweeps and retires."""
 
-    __slots__ = ("__weakref__", "client", "generation", "_sweep")
+    __slots__ = ("__weakref__", "client", "generation", "last_used", "_sweep")
 
     def __init__(self, client: httpx.AsyncClient, generation: int) -> None:
         self.client = client
         self.generation = generation
+        self.last_used = time.monotonic()
         transport = getattr(client, "_transport", None)
         pool = getattr(transport, "_pool", None) if isinstance(transport, httpx.AsyncHTTPTransport) else None
         self._sweep = PoolSweep(pool) if isinstance(pool, httpcore.AsyncConnectionPool) else None
 
     async def sweep(self) -> int:
-        """Close the pooled connections whose keep-alive expiry has passed; how many stay open."""
-        return 0 if self._sweep is None else await self._sweep.sweep()
+        """Close the pooled connections whose keep-alive expiry has passed; how many stay open.
+
+        A pool in use tidies itself (httpcore closes expired connections on each request), and checking a
+        connection costs about as much as a request's own bookkeeping: only a pool idle for a while is swept.
+        """
+        if self._sweep is None:
+            return 0
+        if time.monotonic() - self.last_used < RECENTLY_USED_SECONDS:
+            return self._sweep.open_connections
+        return await self._sweep.sweep()
 
     async def retire(self) -> None:
         """Close the client."""

@@ -38,6 +38,7 @@ import httpx
 import membase
 from membase.client import DEFAULT_TIMEOUT
 
+from ._asyncio_net import asyncio_backend
 from ._failures import BadResponseError
 from ._io_loop import IO, PoolSweep
 
@@ -99,9 +100,18 @@ def new_http_client(base_url: str) -> httpx.Client:
     return httpx.Client(base_url=base_url, timeout=DEFAULT_TIMEOUT, verify=shared_ssl_context())
 
 
-def new_async_http_client(base_url: str) -> httpx.AsyncClient:
-    """The connection pool for one hosted store's awaited calls (``_async_http``), set up as :func:`new_http_client`."""
-    return httpx.AsyncClient(base_url=base_url, timeout=DEFAULT_TIMEOUT, verify=shared_ssl_context())
+def new_async_http_client(base_url: str, **options: Any) -> httpx.AsyncClient:
+    """The connection pool for one hosted store's awaited calls (``_async_http``), set up as :func:`new_http_client`,
+    on plain ``asyncio`` sockets where it can be (see ``_asyncio_net``). ``options`` go to ``httpx.AsyncClient``."""
+    options.setdefault("timeout", DEFAULT_TIMEOUT)
+    options.setdefault("verify", shared_ssl_context())
+    client = httpx.AsyncClient(base_url=base_url, **options)
+    backend = asyncio_backend()
+    transport = getattr(client, "_transport", None)
+    pool = getattr(transport, "_pool", None) if isinstance(transport, httpx.AsyncHTTPTransport) else None
+    if backend is not None and isinstance(pool, httpcore.AsyncConnectionPool) and hasattr(pool, "_network_backend"):
+        pool._network_backend = backend  # private in httpcore: a pool built another way keeps its own backend
+    return client
 
 
 @functools.cache
@@ -414,7 +424,7 @@ class _GuardedBackend(httpcore.NetworkBackend):
     ) -> httpcore.NetworkStream:
         timeout = _time_left(timeout, httpcore.ConnectTimeout)
         stream = _GuardedStream(self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
-        IO.watch(self._sweep)
+        self._watch()
         return stream
 
     def connect_unix_socket(
@@ -422,11 +432,17 @@ class _GuardedBackend(httpcore.NetworkBackend):
     ) -> httpcore.NetworkStream:
         timeout = _time_left(timeout, httpcore.ConnectTimeout)
         stream = _GuardedStream(self._backend.connect_unix_socket(path, timeout, socket_options))
-        IO.watch(self._sweep)
+        self._watch()
         return stream
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
+
+    def _watch(self) -> None:
+        try:
+            IO.watch(self._sweep)
+        except RuntimeError as error:  # no thread to be had: the connection still works, it is only not swept
+            logger.debug("reason=<%s> | could not have an idle connection swept", error)
 
 
 class _GuardedStream(httpcore.NetworkStream):

@@ -219,6 +219,11 @@ class PoolSweep:
         """Sweep ``pool``."""
         self._pool = pool
 
+    @property
+    def open_connections(self) -> int:
+        """How many connections the pool holds."""
+        return len(self._pool.connections)
+
     async def sweep(self) -> int:
         """Close the pool's expired connections; how many stay open.
 
@@ -236,7 +241,7 @@ class PoolSweep:
         closed = close(closing)  # a blocking pool closes its sockets at once; an async one is awaited
         if inspect.isawaitable(closed):
             await closed
-        return len(pool.connections)
+        return self.open_connections
 
     async def retire(self) -> None:
         """Nothing to do: the pool outlives the loop (it is empty by the time the loop retires)."""
@@ -249,6 +254,12 @@ def _forget_loop_in_child(io: IOLoop) -> Callable[[], None]:
     def forget() -> None:
         alive = ref()
         if alive is not None:
+            parents = alive._loop
+            if parents is not None and hasattr(parents, "_closed"):
+                # Make the parent's loop inert here (asyncio's private flag; closing it would unregister the
+                # parent's sockets): the child shares its epoll instance with the parent, and a connection of
+                # the parent's collected in the child would otherwise unregister the parent's socket from it.
+                parents._closed = True
             alive._lock = threading.Lock()  # a thread of the parent may have held it at the fork
             alive._loop = None
             alive._calls = 0

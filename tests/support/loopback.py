@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -35,8 +36,8 @@ LIMIT = 30.0  # the longest any action here holds a connection
 class LoopbackMembase:
     """A :class:`InMemoryMembase` served over real sockets on 127.0.0.1."""
 
-    def __init__(self, fake: InMemoryMembase | None = None) -> None:
-        """Start serving on a free port; use as a context manager or call :meth:`close`."""
+    def __init__(self, fake: InMemoryMembase | None = None, tls: ssl.SSLContext | None = None) -> None:
+        """Start serving on a free port (over TLS with ``tls``); use as a context manager or call :meth:`close`."""
         self.fake = fake if fake is not None else InMemoryMembase()
         self._actions: dict[tuple[str, str], list[RawAction]] = {}
         self._lock = threading.Lock()
@@ -44,6 +45,10 @@ class LoopbackMembase:
         self.open_connections = 0
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
+        self._scheme = "http"
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+            self._scheme = "https"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="loopback-membase", daemon=True
         )
@@ -52,7 +57,7 @@ class LoopbackMembase:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{self._scheme}://{host}:{port}"
 
     def client(self, **kwargs: Any) -> membase.Membase:
         """A real ``membase.Membase`` client over a real socket to this server."""
@@ -89,6 +94,9 @@ class LoopbackMembase:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default of 5 overflows when tens of stores connect at once (each hosted store opens one
+    # connection for its recall and one for its writes), and an overflowing backlog can reset a connection.
+    request_queue_size = 256
     owner: LoopbackMembase
 
 
@@ -197,6 +205,16 @@ def _send_slowly(handler: _Handler, data: bytes, every: float, limit: float) -> 
         except OSError:
             return  # the client gave up and closed the connection
         time.sleep(every)
+
+
+def closing(then: RawAction) -> RawAction:
+    """Answer with ``then``, then close the connection (as a server does at its keep-alive limit)."""
+
+    def act(handler: _Handler) -> None:
+        then(handler)
+        handler.close_connection = True
+
+    return act
 
 
 def reset(handler: _Handler) -> None:
