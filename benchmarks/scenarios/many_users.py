@@ -186,9 +186,10 @@ def run(plan: Plan) -> Section:
     section.notes.append(_where_the_time_goes(plan, requests, wall_fresh, wall_reused, fresh_counts, reused_counts))
     section.notes.append(
         "Peak threads count the whole client process: the main thread, the sampler, Strands' per-Agent "
-        "initialisation thread and the library's worker threads (one per Membase call in flight, each kept "
-        "a few seconds for the next call; 'library' counts them at their peak). The server's threads are in "
-        "its own process."
+        "initialisation thread and the library's own ('library' counts them at their peak): the I/O loop's "
+        "`membase-io`, where every store built from a key awaits its recall, and worker threads for anything "
+        "else (writes, closing), each kept a few seconds for the next call. The server's threads are in its "
+        "own process."
     )
     _pattern_targets(plan, section, pattern)
     _before_and_after(plan, section)

@@ -1,11 +1,13 @@
 """Section 1, recall overhead: what ``await store.search(q)`` adds to the ``client.search(q, limit=5)`` it wraps.
 
-First on a zero-latency ``httpx.MockTransport`` answering a fixed three-passage body: the store's time
-covers its hand-off to a worker thread and back, the parse and the ``MemoryEntry``s. The same trials
+First on a zero-latency ``httpx.MockTransport`` answering a fixed three-passage body, with a store given
+that client (so its recall runs on a worker thread): the store's time covers its hand-off to the worker
+and back, the parse and the ``MemoryEntry``s. The same trials
 then time the recall step by step (the bare hand-off, the request on the store's workers and on a
 fresh thread per call, the parse), and a missed target adds cProfile tables. Then over real sockets:
 the loopback server (``_server.py``) in a child process, with keep-alive, calls interleaved one by one,
-quiet and beside two busy processes. Last, the store's own code on a 50 x 1 MB answer.
+quiet and beside two busy processes, for a store built from a key (its recall awaited on the I/O loop)
+and for a store given a client (on a worker). Last, the store's own code on a 50 x 1 MB answer.
 """
 
 from __future__ import annotations
@@ -191,8 +193,10 @@ def run(plan: Plan) -> Section:
         "`await store.search(q)` against the raw `client.search(q, limit=5)` it wraps, on a zero-latency "
         "`httpx.MockTransport` that answers a fixed three-passage JSON body (no word matching). "
         f"{plan.recall_trials} trials x {plan.recall_calls} calls each, after a warm-up; each figure is the "
-        "median over trials of the per-trial median per call. The store's time includes its hand-off to a "
-        "worker thread and back, the parse and the `MemoryEntry` formatting.",
+        "median over trials of the per-trial median per call. The store is given its client (`client=`), so "
+        "its recall runs on a worker thread: its time includes the hand-off to the worker and back, the parse "
+        "and the `MemoryEntry` formatting. (A store built from a key awaits its recall on the I/O loop "
+        "instead: timed below, over real sockets.)",
         ["path", "median µs/call", "per-trial medians"],
     )
     with mock_client(fixed_answer) as client:
