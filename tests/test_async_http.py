@@ -244,3 +244,16 @@ def _self_vouched() -> ssl.SSLContext:
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     trustme.CA().issue_cert("127.0.0.1").configure_cert(served)
     return served
+
+
+def test_over_tls_close_does_not_wait_for_a_close_notify_the_server_never_sends(io, tls_loopback):
+    # The loopback server closes its end without a TLS close_notify, as many servers and proxies do.
+    tls_loopback.on("POST", "/v1/search", ok_json({"results": []}))
+    http = AsyncMembaseHTTP(tls_loopback.url, API_KEY, io=io)
+    call(http, "POST", "/v1/search", json=SEARCH)
+
+    started = time.monotonic()
+    http.close()
+
+    assert time.monotonic() - started < 1.0  # waiting for the server's close_notify took the whole close budget
+    assert wait_until(lambda: tls_loopback.open_connections == 0, timeout=SLACK)

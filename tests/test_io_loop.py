@@ -40,6 +40,10 @@ class Pool:
         self.sweeps = 0
         self.retired = threading.Event()
 
+    @property
+    def open_connections(self) -> int:
+        return self.open
+
     async def sweep(self) -> int:
         self.sweeps += 1
         return self.open
@@ -49,23 +53,29 @@ class Pool:
 
 
 def test_calls_from_many_threads_run_on_one_thread_with_their_callers_context(io):
-    async def where() -> tuple[str, str]:
+    release = threading.Event()
+
+    async def where() -> tuple[int, str, str]:
         await asyncio.sleep(0)
-        return threading.current_thread().name, TRACE.get()
+        # Held until every caller has submitted, so all eight run on the same loop (it cannot retire meanwhile).
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        return threading.get_ident(), threading.current_thread().name, TRACE.get()
 
-    def caller(number: int) -> tuple[str, str]:
+    def caller(number: int) -> tuple[int, str, str]:
         TRACE.set(f"caller-{number}")
-        return io.submit(where).result(timeout=5)
+        return io.submit(where).result(timeout=15)
 
-    results: list[tuple[str, str]] = []
+    results: list[tuple[int, str, str]] = []
     threads = [threading.Thread(target=lambda n=n: results.append(caller(n))) for n in range(8)]
     for thread in threads:
         thread.start()
+    assert wait_until(lambda: io._calls == 8, timeout=5.0)
+    release.set()
     for thread in threads:
-        thread.join(10)
+        thread.join(15)
 
-    assert sorted(results) == sorted((THREAD_NAME, f"caller-{n}") for n in range(8))
-    assert len(io_threads()) >= 1
+    assert sorted(context for _, _, context in results) == sorted(f"caller-{n}" for n in range(8))
+    assert {(ident, name) for ident, name, _ in results} == {(results[0][0], THREAD_NAME)}
 
 
 def test_an_exception_reaches_the_caller_unchanged(io):
@@ -163,3 +173,33 @@ def test_the_shared_loop_is_not_started_by_importing_the_package():
     code = "import membase_strands, threading; print(sum(t.name == 'membase-io' for t in threading.enumerate()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "0"
+
+
+def test_a_pool_that_connects_again_after_the_loop_retired_is_swept_by_the_next_loop(io):
+    pool = Pool(open_connections=1)
+    io.watch(pool)
+    assert wait_until(lambda: pool.sweeps >= 1, timeout=5.0)
+    pool.open = 0
+    assert wait_until(lambda: not io.running, timeout=5.0)
+    swept_before = pool.sweeps
+
+    pool.open = 1  # it opened a connection again: the same pool registers again
+    io.watch(pool)
+
+    assert wait_until(lambda: pool.sweeps > swept_before, timeout=5.0), "the pool was not swept after the retirement"
+    assert io.running
+    pool.open = 0
+
+
+def test_the_loop_does_not_retire_while_a_watched_pool_holds_a_connection_it_has_not_swept_yet(io):
+    class Unswept(Pool):
+        async def sweep(self) -> int:
+            self.sweeps += 1
+            return 0  # as if the sweep ran just before the connection opened
+
+    pool = Unswept(open_connections=1)
+    io.watch(pool)
+
+    # The sweeps say "nothing open", but the pool holds a connection: the loop must not retire under it.
+    assert not wait_until(lambda: not io.running, timeout=4 * QUICK["idle_seconds"])
+    pool.open = 0

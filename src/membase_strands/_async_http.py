@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import httpcore
@@ -100,15 +101,23 @@ class AsyncMembaseHTTP:
 
         Safe from any thread.
         """
-        self._closed = True  # first: a request that starts on the loop after this sees it
-        pooled = self._pooled
-        if pooled is None or pooled.generation != self._io.generation:
-            return  # never used, or its loop retired (and closed it) or belongs to a forked parent
-        # On its own loop, so it cannot race a request there; that request fails as the blocking client's would.
-        closing = self._io.submit(self._close_here)
-        if not self._io.on_loop_thread():
+        closing = self.close_soon()
+        if not closing.done() and not self._io.on_loop_thread():
             with contextlib.suppress(Exception):
                 closing.result(timeout=CLOSE_WAIT)
+
+    def close_soon(self) -> Future[None]:
+        """Start closing (see :meth:`close`) and return at once; the future settles once the connections are closed."""
+        self._closed = True  # first: a request that starts on the loop after this sees it
+        pooled = self._pooled
+        if pooled is not None and pooled.generation != self._io.generation:
+            pooled = None  # its loop retired (and closed it), or it is a forked parent's
+        if pooled is None and not self._io.running:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        # On the loop, after anything already queued there: a request building the client right now included.
+        return self._io.submit(self._close_here)
 
     async def _close_here(self) -> None:
         pooled, self._pooled = self._pooled, None
@@ -140,6 +149,11 @@ class _PooledClient:
         transport = getattr(client, "_transport", None)
         pool = getattr(transport, "_pool", None) if isinstance(transport, httpx.AsyncHTTPTransport) else None
         self._sweep = PoolSweep(pool) if isinstance(pool, httpcore.AsyncConnectionPool) else None
+
+    @property
+    def open_connections(self) -> int:
+        """How many connections the client's pool holds."""
+        return 0 if self._sweep is None else self._sweep.open_connections
 
     async def sweep(self) -> int:
         """Close the pooled connections whose keep-alive expiry has passed; how many stay open.

@@ -58,18 +58,19 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             await asyncio.wait_for(self._writer.drain(), timeout)
 
     async def aclose(self) -> None:
-        self._writer.close()
-        with contextlib.suppress(Exception):  # closing: how the other end took it changes nothing here
-            await self._writer.wait_closed()
+        # At once, as httpcore's other backends close a socket: a TLS close would wait (up to 30 s) for the
+        # server's close_notify, and a server that never sends one would hold every request that closes an
+        # expired connection first.
+        self._writer.transport.abort()
 
     async def start_tls(
         self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
         try:
             with _mapped(httpcore.ConnectTimeout, httpcore.ConnectError):
-                await self._writer.start_tls(  # type: ignore[attr-defined] # Python 3.11+, see asyncio_backend()
-                    ssl_context, server_hostname=server_hostname, ssl_handshake_timeout=timeout
-                )
+                start_tls = self._writer.start_tls  # type: ignore[attr-defined] # Python 3.11+, see asyncio_backend()
+                # Bounded here, not by asyncio's handshake timeout, which ends in a connection error, not a timeout.
+                await asyncio.wait_for(start_tls(ssl_context, server_hostname=server_hostname), timeout)
         except Exception:
             await self.aclose()
             raise
@@ -88,7 +89,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             # httpcore asks this of an idle connection: readable means the server closed it (or it failed), so
             # it must not be reused. The loop reads what arrives into the reader, so the reader knows.
             reader = self._reader
-            return self._writer.transport.is_closing() or reader.at_eof() or reader.exception() is not None
+            unread = getattr(reader, "_buffer", b"")  # asyncio keeps what arrived there (private, hence getattr)
+            return (
+                self._writer.transport.is_closing() or reader.at_eof() or bool(unread) or reader.exception() is not None
+            )
         return None
 
 

@@ -10,11 +10,16 @@ brings a new one), so a request that outlives its caller's time box runs on to t
 would on a worker thread. Calls come in from any thread through :func:`submit` and go back as
 ``concurrent.futures.Future``; the caller's context variables (the tracing span) go with them.
 
-The thread is started by the first call and retires once it has had nothing to do for
-:data:`IDLE_SECONDS` (no call running, no pooled connection left open), so it is never kept alive by
-an idle process. While it runs it sweeps the connection pools of the clients registered with it
-(:func:`register_sweep`) every :data:`SWEEP_SECONDS`, closing keep-alive connections whose expiry has
-passed: an idle store holds no socket for longer than its keep-alive expiry plus one sweep.
+The thread is started by the first call (or the first connection a pool registers for sweeping) and
+retires once it has had nothing to do for :data:`IDLE_SECONDS` (no call running, no pooled connection
+left open), so it is never kept alive by an idle process. While it runs it sweeps the connection pools
+registered with it (:meth:`IOLoop.register_sweep`, :meth:`IOLoop.watch`) every :data:`SWEEP_SECONDS`,
+closing keep-alive connections whose expiry has passed: an idle store holds no socket for much longer
+than its keep-alive expiry. A blocking pool is swept on a worker thread, so a pool lock that is never
+released (a forked child's copy of one its parent held) cannot stop the loop.
+
+Host names are looked up on the library's daemon workers rather than asyncio's default executor, whose
+threads are joined at interpreter exit: a hung lookup must not hold the process open.
 
 After ``os.fork()`` the child has no such thread: it starts its own on its first call, and clients
 built for the parent's loop are built again (see ``_async_http``).
@@ -23,9 +28,10 @@ built for the parent's loop are built again (see ``_async_http``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
-import inspect
+import functools
 import logging
 import os
 import threading
@@ -37,6 +43,8 @@ from typing import Any, Protocol, TypeVar
 
 import httpcore
 
+from ._workers import start_daemon
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -47,10 +55,16 @@ IDLE_SECONDS = 2.0
 """How long the loop has nothing to do (no call, no open pooled connection) before its thread retires."""
 SWEEP_SECONDS = 1.0
 """How often the loop closes pooled connections whose keep-alive expiry has passed."""
+BLOCKING_SWEEP_WAIT = 1.0
+"""The longest the loop waits for a blocking pool's sweep on its worker; a pool that takes longer is skipped."""
 
 
 class Sweepable(Protocol):
     """A client with a connection pool the loop keeps tidy."""
+
+    @property
+    def open_connections(self) -> int:
+        """How many connections the pool holds now (safe from any thread)."""
 
     async def sweep(self) -> int:
         """Close the pooled connections whose keep-alive expiry has passed; how many stay open."""
@@ -76,7 +90,8 @@ class IOLoop:
         self._thread_id: int | None = None
         self._generation = 0
         self._calls = 0  # submitted and not finished; the loop retires only at zero (read and written under the lock)
-        self._clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()  # the current loop's
+        # The current loop's pools: replaced (under the lock) whenever a loop starts or retires.
+        self._clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()
         if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
             os.register_at_fork(after_in_child=_forget_loop_in_child(self))
 
@@ -131,18 +146,25 @@ class IOLoop:
         self._clients.add(client)
 
     def watch(self, client: Sweepable) -> None:
-        """:meth:`register_sweep` from any thread, starting the loop if need be (for a blocking client's pool)."""
-        if client in self._clients:
-            return
+        """:meth:`register_sweep` from any thread, starting the loop if need be (for a blocking client's pool).
+
+        Raises:
+            RuntimeError: The loop's thread could not be started.
+        """
+        with self._lock:
+            if self._loop is not None and client in self._clients:
+                return
 
         async def register() -> None:
-            self._clients.add(client)
+            self._clients.add(client)  # runs on the loop: the set is that loop's
 
         self.submit(register)
 
     def _start(self) -> asyncio.AbstractEventLoop:
         """Called with the lock held."""
-        loop = asyncio.new_event_loop()
+        # A selector loop whatever the global policy (uvloop, say): the fork reset below relies on asyncio's own.
+        loop = asyncio.SelectorEventLoop()
+        loop.set_default_executor(_DaemonExecutor())
         clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()  # a client is bound to the loop it was built on
         thread = threading.Thread(target=self._run, args=(loop, clients), name=THREAD_NAME, daemon=True)
         try:
@@ -163,6 +185,12 @@ class IOLoop:
             loop.run_forever()
         finally:
             del tending
+            with self._lock:
+                if self._loop is loop:  # stopped some other way than by retiring: the next call starts a new loop
+                    self._loop = None
+                    self._clients = weakref.WeakSet()
+                if self._thread_id == threading.get_ident():
+                    self._thread_id = None
             loop.close()
 
     async def _tend(self, loop: asyncio.AbstractEventLoop, clients: weakref.WeakSet[Sweepable]) -> None:
@@ -170,23 +198,21 @@ class IOLoop:
         idle_since: float | None = None
         while True:
             await asyncio.sleep(self._sweep_seconds)
-            open_connections = 0
-            for client in list(clients):
-                try:
-                    open_connections += await client.sweep()
-                except Exception as error:  # noqa: BLE001 - one client's pool must not stop the others' sweeps
-                    logger.debug("reason=<%s> | could not sweep a connection pool", type(error).__name__)
-            busy = open_connections > 0 or self._calls > 0
+            open_connections = await _sweep_all(clients)
             now = time.monotonic()
+            busy = open_connections > 0 or self._calls > 0
             idle_since = None if busy else (idle_since if idle_since is not None else now)
             if idle_since is None or now - idle_since < self._idle_seconds:
                 continue
             with self._lock:
-                if self._calls or self._loop is not loop:
+                # Checked again under the lock: a call or a connection (whose pool is already registered, so
+                # watch() would not register it again) may have come since the sweep.
+                if self._calls or self._loop is not loop or _open_connections(clients):
                     idle_since = None
                     continue
                 self._loop = None  # from here on a new call starts a new loop; none can reach this one
-            for client in list(clients):
+                self._clients = weakref.WeakSet()  # and a pool that connects again registers with that loop
+            for client in _members(clients):
                 with contextlib.suppress(Exception):
                     await client.retire()
             loop.stop()
@@ -210,6 +236,32 @@ class IOLoop:
                 self._calls -= 1
 
 
+def _members(clients: weakref.WeakSet[Sweepable]) -> list[Sweepable]:
+    """The pools in ``clients`` now. A pool collected on another thread can change the set mid-copy: copy again."""
+    for _ in range(3):
+        try:
+            return list(clients)
+        except RuntimeError:
+            continue
+    return []
+
+
+def _open_connections(clients: weakref.WeakSet[Sweepable]) -> int:
+    return sum(client.open_connections for client in _members(clients))
+
+
+async def _sweep_all(clients: weakref.WeakSet[Sweepable]) -> int:
+    """Sweep every pool; how many connections stay open (a pool that could not be swept counts as busy)."""
+    total = 0
+    for client in _members(clients):
+        try:
+            total += await client.sweep()
+        except Exception as error:  # noqa: BLE001 - one client's pool must not stop the others' sweeps
+            logger.debug("reason=<%s> | could not sweep a connection pool", type(error).__name__)
+            total += 1
+    return total
+
+
 class PoolSweep:
     """Keeps one httpcore connection pool, blocking or async, free of connections past their keep-alive expiry."""
 
@@ -228,23 +280,59 @@ class PoolSweep:
         """Close the pool's expired connections; how many stay open.
 
         httpcore closes them only when the pool is next used: this runs the pool's own clean-up (private,
-        so a pool without it, from another httpcore, is left as it is and counted as empty).
+        so a pool without it, from an httpcore before 1.0.3, is left as it is and counted as empty). A
+        blocking pool is swept on a worker thread, since it takes the pool's lock.
         """
         pool = self._pool
-        tidy = getattr(pool, "_assign_requests_to_connections", None)
-        close = getattr(pool, "_close_connections", None)
-        lock = getattr(pool, "_optional_thread_lock", None)
-        if tidy is None or close is None or lock is None:
-            return 0
-        with lock:
-            closing = tidy()
-        closed = close(closing)  # a blocking pool closes its sockets at once; an async one is awaited
-        if inspect.isawaitable(closed):
-            await closed
-        return self.open_connections
+        if isinstance(pool, httpcore.AsyncConnectionPool):
+            return await _tidy_async(pool)
+        swept = start_daemon(functools.partial(_tidy_blocking, pool), name="membase-sweep")
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(swept), BLOCKING_SWEEP_WAIT)
+        except asyncio.TimeoutError:
+            return self.open_connections  # its lock is held: try again at the next sweep
 
     async def retire(self) -> None:
         """Nothing to do: the pool outlives the loop (it is empty by the time the loop retires)."""
+
+
+def _clean_up(pool: Any) -> tuple[Callable[[], list[Any]], Callable[[list[Any]], Any], Any] | None:
+    tidy = getattr(pool, "_assign_requests_to_connections", None)
+    close = getattr(pool, "_close_connections", None)
+    lock = getattr(pool, "_optional_thread_lock", None)
+    return None if tidy is None or close is None or lock is None else (tidy, close, lock)
+
+
+async def _tidy_async(pool: httpcore.AsyncConnectionPool) -> int:
+    found = _clean_up(pool)
+    if found is None:
+        return 0
+    tidy, close, lock = found
+    with lock:
+        closing = tidy()
+    await close(closing)
+    return len(pool.connections)
+
+
+def _tidy_blocking(pool: httpcore.ConnectionPool) -> int:
+    found = _clean_up(pool)
+    if found is None:
+        return 0
+    tidy, close, lock = found
+    with lock:
+        closing = tidy()
+    close(closing)
+    return len(pool.connections)
+
+
+class _DaemonExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor (asyncio looks host names up on it): the library's daemon workers.
+
+    A ``ThreadPoolExecutor`` only because asyncio accepts nothing else; it never starts a thread of its own.
+    """
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return start_daemon(functools.partial(fn, *args, **kwargs), name="membase-resolve")
 
 
 def _forget_loop_in_child(io: IOLoop) -> Callable[[], None]:
@@ -262,6 +350,7 @@ def _forget_loop_in_child(io: IOLoop) -> Callable[[], None]:
                 parents._closed = True
             alive._lock = threading.Lock()  # a thread of the parent may have held it at the fork
             alive._loop = None
+            alive._thread_id = None
             alive._calls = 0
             alive._generation += 1
             alive._clients = weakref.WeakSet()

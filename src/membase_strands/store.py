@@ -482,8 +482,12 @@ class MembaseMemoryStore:
         self._gateway.close()
 
     def _release_client(self, closed: Future[None]) -> Future[None]:
-        """Close the client this store built on a thread of its own (a local engine may wait on its disk),
-        then settle ``closed``; the returned future carries the outcome of closing."""
+        """Close the client this store built without blocking the caller, then settle ``closed``; the returned
+        future carries the outcome of closing.
+
+        A hosted client's blocking half closes at once and its awaited half on the I/O loop; a local engine
+        closes on a thread of its own (it may wait on its disk).
+        """
 
         def release() -> None:
             try:
@@ -492,8 +496,15 @@ class MembaseMemoryStore:
                 closed.set_result(None)
 
         if self._gateway.closer() is None or self._gateway.hosted:
-            release()  # nothing to close, or a hosted client: quick, no thread needed
-            return closed
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            try:
+                closing = self._gateway.close_soon()
+            except BaseException:
+                closed.set_result(None)
+                raise
+            closing.add_done_callback(lambda _: closed.set_result(None))
+            return closing
         try:
             return start_daemon(release, name=f"membase-close[{self.name}]")
         except RuntimeError:
