@@ -296,32 +296,31 @@ class PoolSweep:
         """Nothing to do: the pool outlives the loop (it is empty by the time the loop retires)."""
 
 
-def _clean_up(pool: Any) -> tuple[Callable[[], list[Any]], Callable[[list[Any]], Any], Any] | None:
+def _take_expired(pool: Any) -> list[Any] | None:
+    """Take the pool's expired connections out of it, under its lock (httpcore's own clean-up, run now); the
+    connections to close, or ``None`` for a pool without that clean-up (httpcore before 1.0.3)."""
     tidy = getattr(pool, "_assign_requests_to_connections", None)
-    close = getattr(pool, "_close_connections", None)
     lock = getattr(pool, "_optional_thread_lock", None)
-    return None if tidy is None or close is None or lock is None else (tidy, close, lock)
+    if tidy is None or lock is None or not hasattr(pool, "_close_connections"):
+        return None
+    with lock:
+        closing: list[Any] = tidy()
+    return closing
 
 
 async def _tidy_async(pool: httpcore.AsyncConnectionPool) -> int:
-    found = _clean_up(pool)
-    if found is None:
+    closing = _take_expired(pool)
+    if closing is None:
         return 0
-    tidy, close, lock = found
-    with lock:
-        closing = tidy()
-    await close(closing)
+    await pool._close_connections(closing)
     return len(pool.connections)
 
 
 def _tidy_blocking(pool: httpcore.ConnectionPool) -> int:
-    found = _clean_up(pool)
-    if found is None:
+    closing = _take_expired(pool)
+    if closing is None:
         return 0
-    tidy, close, lock = found
-    with lock:
-        closing = tidy()
-    close(closing)
+    pool._close_connections(closing)
     return len(pool.connections)
 
 
