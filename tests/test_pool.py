@@ -749,3 +749,20 @@ def test_the_example_with_hosted_keys_gives_each_user_their_own_memory(users, ca
     for user in ("alice", "bob"):
         assert len(users.fakes[user].sent("POST", "/v1/search")) >= 1
     assert set(users.keys_seen) == {key_of("alice"), key_of("bob")}
+
+
+def test_close_leaves_the_calling_threads_own_event_loop_in_place(users):
+    mine = asyncio.new_event_loop()
+    asyncio.set_event_loop(mine)  # old-style code that runs its own loop with run_until_complete
+    try:
+        pool = MembaseStorePool(key_of)
+        store = pool.store_for("alice")
+
+        pool.close()
+
+        assert asyncio.get_event_loop_policy().get_event_loop() is mine
+        with pytest.raises(RuntimeError, match="closed"):
+            mine.run_until_complete(store.search(QUESTION))  # the store is closed; the caller's loop still runs
+    finally:
+        asyncio.set_event_loop(None)
+        mine.close()

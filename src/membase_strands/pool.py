@@ -139,8 +139,13 @@ class MembaseStorePool:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            # Side by side on a loop of this thread's own: no thread per store.
-            asyncio.run(self._close_side_by_side(stores))
+            # Side by side on a loop of our own: no thread per store. Not asyncio.run(), which would also
+            # replace (and then clear) this thread's current event loop under a caller that set one.
+            loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(self._close_side_by_side(stores))
+            finally:
+                loop.close()
             return
         # Called from async code (which should await aclose()): each store's close() on a thread of its own
         # waits up to its write_timeout for its own writes; side by side, they all fit in one budget. Daemon
