@@ -1,6 +1,7 @@
 """The fault matrix: every path through every fault injected at the transport.
 
-Paths: the automatic recall (an agent turn), the manager's ``search_memory`` tool, the three
+Paths: the automatic recall (an agent turn), for a store given its client (recall on a worker) and for
+one built from a key (``recall_hosted``: recall awaited on the I/O loop, its clients routed to the fake), the manager's ``search_memory`` tool, the three
 Membase tools, and the captured writes (``await store.add``, the manager's ``add_memory`` tool,
 ``add_messages`` on a synchronous turn with extraction). Faults: a hang past every budget,
 connection refused or reset, 5xx, 429 with and without ``Retry-After``, 4xx, 2xx answers that
@@ -106,7 +107,7 @@ def check_common(o: Outcome) -> None:
     assert errors == []
     # The model never reads a traceback; recall never hands it a raw HTML page.
     assert "Traceback" not in o.model_saw
-    if o.path in ("recall", "search_memory"):
+    if o.path in ("recall", "recall_hosted", "search_memory"):
         assert "<html" not in o.model_saw
 
 
@@ -214,6 +215,7 @@ def check_write(o: Outcome) -> None:
 
 CHECKS = {
     "recall": check_recall,
+    "recall_hosted": check_recall,
     "search_memory": check_search_memory,
     "membase_search": check_tool,
     "membase_save": check_tool,
@@ -274,12 +276,14 @@ def test_the_sdk_honours_retry_after_for_the_tools_but_recall_never_retries() ->
     assert outcome("membase_search", "429_retry_after").backoff_hints == ["7", "7"]
     assert outcome("membase_search", "429").backoff_hints == [None, None]
     assert outcome("recall", "429_retry_after").backoff_hints == []
+    assert outcome("recall_hosted", "429_retry_after").requests == outcome("recall", "429_retry_after").requests
     assert outcome("membase_save", "429_retry_after").backoff_hints == []
     assert outcome("add", "429_retry_after").backoff_hints == []
 
 
-def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late() -> None:
-    o = outcome("recall", "hang")
+@pytest.mark.parametrize("path", ["recall", "recall_hosted"])
+def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late(path: str) -> None:
+    o = outcome(path, "hang")
     messages = [r.getMessage() for r in o.records if r.name.startswith("membase_strands")]
     assert any("ran out of time" in m for m in messages)
     assert any("late recall failed" in m for m in messages)
@@ -287,8 +291,9 @@ def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late() -
     assert o.counters["recall_late_completions"] == 1
 
 
-def test_a_refused_recall_pauses_and_says_so_once() -> None:
-    o = outcome("recall", "403")
+@pytest.mark.parametrize("path", ["recall", "recall_hosted"])
+def test_a_refused_recall_pauses_and_says_so_once(path: str) -> None:
+    o = outcome(path, "403")
     paused = [r for r in o.records if "automatic recall paused" in r.getMessage()]
     assert len(paused) == 1
     # One warning for the refusal, the manager's (from the exception's text); the store's own line is INFO.

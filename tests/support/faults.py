@@ -13,6 +13,7 @@ patch) so its outcomes can be cached and compared across faults.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -29,7 +30,15 @@ import membase.client
 
 from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, Responder, ScriptedModel, ToolCall
-from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
+from tests.support.store_helpers import (
+    FACT,
+    QUESTION,
+    hosted_clients_routed,
+    make_agent,
+    membase_threads,
+    result_text,
+    wait_until,
+)
 
 # A marker every fault's server text carries, to spot server error text where it must not go.
 SERVER_TEXT = "SRV-DETAIL"
@@ -190,7 +199,7 @@ LIST_FAULTS_BY_ID = {fault.id: fault for fault in LIST_FAULTS}
 
 # --- Paths ---------------------------------------------------------------------------------------
 
-RECALL_PATHS = ("recall", "search_memory")
+RECALL_PATHS = ("recall", "recall_hosted", "search_memory")
 TOOL_PATHS = ("membase_search", "membase_save", "membase_profile")
 WRITE_PATHS = ("add", "add_memory", "add_messages")
 PATHS = (*RECALL_PATHS, *TOOL_PATHS, *WRITE_PATHS)
@@ -198,6 +207,7 @@ SAVE_PATHS = ("membase_save", *WRITE_PATHS)
 
 ROUTE = {
     "recall": ("POST", "/v1/search"),
+    "recall_hosted": ("POST", "/v1/search"),  # a store built from a key: its recall awaited on the I/O loop
     "search_memory": ("POST", "/v1/search"),
     "membase_search": ("POST", "/v1/search"),
     "membase_save": ("POST", "/v1/memories"),
@@ -345,8 +355,9 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
     method, route = ("GET", "/v1/containers") if pinned else ROUTE[path]
     fake.always(method, route, fault.make(gate, limit))
     hints: list[str | None] = []
+    hosted = path == "recall_hosted"
     options: dict[str, Any] = {
-        "client": fake.client(),
+        **({"api_key": API_KEY, "base_url": "https://membase.example"} if hosted else {"client": fake.client()}),
         "recall_timeout": RECALL_TIMEOUT,
         "write_timeout": WRITE_TIMEOUT,
     }
@@ -358,7 +369,8 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
         options["extraction"] = True
 
     outcome = Outcome(path=path, fault=fault, elapsed=0.0)
-    with capture_logs() as handler, instant_sdk_backoff(hints):
+    routed = hosted_clients_routed(fake.handle) if hosted else contextlib.nullcontext()
+    with capture_logs() as handler, instant_sdk_backoff(hints), routed:
         store = MembaseMemoryStore(**options)
         try:
             _drive(path, store, outcome)
@@ -386,7 +398,7 @@ def _drive(path: str, store: MembaseMemoryStore, outcome: Outcome) -> None:
 
     manager: dict[str, Any] = {}
     prompt = QUESTION
-    if path == "recall":
+    if path in ("recall", "recall_hosted"):
         script: list[str | ToolCall] = ["done"]
     elif path == "add_messages":
         script, prompt = ["Noted."], SAVED_NOTE

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from unittest import mock
 
 import httpx
 import membase
@@ -63,7 +66,22 @@ def route_hosted_clients(
     The clients are recorded in ``record`` (or a new :class:`HostedClients`), which is returned.
     """
     built = record if record is not None else HostedClients()
+    for name, builder in _routed_builders(handle, built).items():
+        monkeypatch.setattr(_client, name, builder)
+    return built
 
+
+@contextmanager
+def hosted_clients_routed(handle: Responder) -> Iterator[HostedClients]:
+    """:func:`route_hosted_clients` for code without pytest's ``monkeypatch`` (undone on leaving)."""
+    built = HostedClients()
+    with contextlib.ExitStack() as patches:
+        for name, builder in _routed_builders(handle, built).items():
+            patches.enter_context(mock.patch.object(_client, name, builder))
+        yield built
+
+
+def _routed_builders(handle: Responder, built: HostedClients) -> dict[str, Callable[[str], Any]]:
     async def off_the_loop(request: httpx.Request) -> httpx.Response:
         return await asyncio.to_thread(handle, request)
 
@@ -76,9 +94,7 @@ def route_hosted_clients(
         built.awaited.append(httpx.AsyncClient(base_url=base_url, transport=httpx.MockTransport(off_the_loop)))
         return built.awaited[-1]
 
-    monkeypatch.setattr(_client, "new_http_client", blocking)
-    monkeypatch.setattr(_client, "new_async_http_client", awaited)
-    return built
+    return {"new_http_client": blocking, "new_async_http_client": awaited}
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, step: float = 0.02) -> bool:
