@@ -112,12 +112,15 @@ class AsyncMembaseHTTP:
         pooled = self._pooled
         if pooled is not None and pooled.generation != self._io.generation:
             pooled = None  # its loop retired (and closed it), or it is a forked parent's
-        if pooled is None and not self._io.running:
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
-        # On the loop, after anything already queued there: a request building the client right now included.
-        return self._io.submit(self._close_here)
+        if pooled is not None or self._io.running:
+            try:
+                # On the loop, after anything already queued there: a request building the client right now too.
+                return self._io.submit(self._close_here)
+            except RuntimeError:
+                pass  # no thread to be had for the loop: its connections close when the client is collected
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     async def _close_here(self) -> None:
         pooled, self._pooled = self._pooled, None
