@@ -1,12 +1,12 @@
 """The fault matrix: every path through every fault injected at the transport.
 
 Paths: the automatic recall (an agent turn), for a store given its client (recall on a worker) and for
-one built from a key (``recall_hosted``: recall awaited on the I/O loop, its clients routed to the fake), the manager's ``search_memory`` tool, the three
-Membase tools, and the captured writes (``await store.add``, the manager's ``add_memory`` tool,
-``add_messages`` on a synchronous turn with extraction). Faults: a hang past every budget,
-connection refused or reset, 5xx, 429 with and without ``Retry-After``, 4xx, 2xx answers that
-cannot be read or have the wrong shape, a 10 MB answer, and the container list failing while a
-pinned Memory name is resolved. Every error body echoes the API key.
+one built from a key (``recall_hosted``: recall awaited on the I/O loop, its clients routed to the fake),
+the manager's ``search_memory`` tool, the three Membase tools, and the captured writes (``await
+store.add``, the manager's ``add_memory`` tool, ``add_messages`` on a synchronous turn with
+extraction). Faults: a hang past every budget, connection refused or reset, 5xx, 429 with and without
+``Retry-After``, 4xx, 2xx answers that cannot be read or have the wrong shape, a 10 MB answer, and the
+container list failing while a pinned Memory name is resolved. Every error body echoes the API key.
 
 Each case runs once (cached) with its own fake, store and agent; see ``tests/support/faults.py``.
 """
