@@ -281,6 +281,11 @@ def test_the_sdk_honours_retry_after_for_the_tools_but_recall_never_retries() ->
     assert outcome("add", "429_retry_after").backoff_hints == []
 
 
+def test_the_hosted_recall_really_is_awaited_on_the_io_loop() -> None:
+    assert outcome("recall_hosted", "500").extra["awaited_clients"] == 1
+    assert outcome("recall", "500").extra["awaited_clients"] == 0
+
+
 @pytest.mark.parametrize("path", ["recall", "recall_hosted"])
 def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late(path: str) -> None:
     o = outcome(path, "hang")

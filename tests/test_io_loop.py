@@ -203,3 +203,29 @@ def test_the_loop_does_not_retire_while_a_watched_pool_holds_a_connection_it_has
     # The sweeps say "nothing open", but the pool holds a connection: the loop must not retire under it.
     assert not wait_until(lambda: not io.running, timeout=4 * QUICK["idle_seconds"])
     pool.open = 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_loop_that_dies_fails_the_calls_it_held_and_the_next_loop_still_retires(io):
+    release = threading.Event()
+
+    async def held() -> str:
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        return "never"
+
+    async def exits() -> None:
+        raise SystemExit  # escapes the loop's run_forever(), as a KeyboardInterrupt would
+
+    stranded = io.submit(held)
+    assert wait_until(lambda: io._calls == 1, timeout=5.0)
+    io.submit(exits)
+
+    with pytest.raises(RuntimeError, match="loop stopped"):
+        stranded.result(timeout=5)
+    release.set()
+
+    async def answer() -> int:
+        return 42
+
+    assert io.submit(answer).result(timeout=5) == 42  # a new loop, with a clean count
+    assert wait_until(lambda: not io.running, timeout=5.0)

@@ -109,10 +109,7 @@ class AsyncMembaseHTTP:
     def close_soon(self) -> Future[None]:
         """Start closing (see :meth:`close`) and return at once; the future settles once the connections are closed."""
         self._closed = True  # first: a request that starts on the loop after this sees it
-        pooled = self._pooled
-        if pooled is not None and pooled.generation != self._io.generation:
-            pooled = None  # its loop retired (and closed it), or it is a forked parent's
-        if pooled is not None or self._io.running:
+        if self._io.running:  # a retired loop closed its clients; none is built without a running loop
             try:
                 # On the loop, after anything already queued there: a request building the client right now too.
                 return self._io.submit(self._close_here)
@@ -125,7 +122,8 @@ class AsyncMembaseHTTP:
     async def _close_here(self) -> None:
         pooled, self._pooled = self._pooled, None
         if pooled is not None and pooled.generation == self._io.generation:
-            await pooled.retire()
+            with contextlib.suppress(Exception):  # closing: as for the blocking client, nothing to report
+                await pooled.retire()
 
     def _client_here(self) -> _PooledClient:
         """The client for the loop this runs on, built on first use (on the loop's thread)."""

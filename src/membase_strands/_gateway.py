@@ -112,13 +112,14 @@ class MembaseGateway:
     def close_soon(self) -> Future[None]:
         """:meth:`close` without waiting for the I/O loop: the blocking client closes now, the awaited one on the
         loop; the future settles once both are closed."""
+        if self._async is not None:
+            closing = self._async.close_soon()  # first: marked closed whatever closing the blocking client does
+        else:
+            closing = Future()
+            closing.set_result(None)
         if self._close_client is not None:
             self._close_client()
-        if self._async is not None:
-            return self._async.close_soon()
-        closed: Future[None] = Future()
-        closed.set_result(None)
-        return closed
+        return closing
 
     def after_fork_in_child(self) -> None:
         """Forget what a parent's threads may have been in the middle of (the client resets its own pool)."""

@@ -90,6 +90,7 @@ class IOLoop:
         self._thread_id: int | None = None
         self._generation = 0
         self._calls = 0  # submitted and not finished; the loop retires only at zero (read and written under the lock)
+        self._pending: set[Future[Any]] = set()  # their futures, failed if the loop ever dies under them
         # The current loop's pools: replaced (under the lock) whenever a loop starts or retires.
         self._clients: weakref.WeakSet[Sweepable] = weakref.WeakSet()
         if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
@@ -120,17 +121,18 @@ class IOLoop:
         with self._lock:
             loop = self._loop if self._loop is not None else self._start()
             self._calls += 1
+            self._pending.add(future)
             generation = self._generation
 
         def start() -> None:
             if not future.set_running_or_notify_cancel():
-                self._finished(generation)
+                self._finished(future, generation)
                 return
             try:
                 # A task copies the current context when it is made: made inside the caller's, it runs in a copy.
                 task = context.run(loop.create_task, make())
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits, so nobody waits forever
-                self._finished(generation)
+                self._finished(future, generation)
                 future.set_exception(error)
                 return
             task.add_done_callback(lambda done: self._settle(future, done, generation))
@@ -178,17 +180,28 @@ class IOLoop:
         return loop
 
     def _run(self, loop: asyncio.AbstractEventLoop, clients: weakref.WeakSet[Sweepable]) -> None:
-        self._thread_id = threading.get_ident()
+        with self._lock:
+            self._thread_id = threading.get_ident()
         asyncio.set_event_loop(loop)
         tending = loop.create_task(self._tend(loop, clients))  # held here: a loop keeps only weak references to tasks
         try:
             loop.run_forever()
         finally:
             del tending
+            if self._loop is loop:  # died rather than retired: end what it was running, as asyncio.run() does
+                _cancel_remaining(loop)
             with self._lock:
-                if self._loop is loop:  # stopped some other way than by retiring: the next call starts a new loop
+                if self._loop is loop:
+                    # Stopped some other way than by retiring (a SystemExit out of a call): the calls it held
+                    # end with an error, not never, and the next call starts a new loop with a clean count.
                     self._loop = None
                     self._clients = weakref.WeakSet()
+                    self._generation += 1
+                    self._calls = 0
+                    stranded, self._pending = self._pending, set()
+                    for future in stranded:
+                        with contextlib.suppress(InvalidStateError):
+                            future.set_exception(RuntimeError("the Membase I/O loop stopped before this call ended"))
                 if self._thread_id == threading.get_ident():
                     self._thread_id = None
             loop.close()
@@ -219,7 +232,7 @@ class IOLoop:
             return
 
     def _settle(self, future: Future[T], task: asyncio.Task[T], generation: int) -> None:
-        self._finished(generation)
+        self._finished(future, generation)
         try:
             if task.cancelled():
                 future.set_exception(RuntimeError("the Membase call was cancelled: its event loop stopped"))
@@ -230,10 +243,20 @@ class IOLoop:
         except InvalidStateError:
             pass  # settled by someone else; nothing is waiting on this outcome any more
 
-    def _finished(self, generation: int) -> None:
+    def _finished(self, future: Future[Any], generation: int) -> None:
         with self._lock:
             if generation == self._generation:
                 self._calls -= 1
+                self._pending.discard(future)
+
+
+def _cancel_remaining(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks a dead loop left and let them end (their callbacks settle the calls they carried)."""
+    remaining = asyncio.all_tasks(loop)
+    for task in remaining:
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        loop.run_until_complete(asyncio.gather(*remaining, return_exceptions=True))
 
 
 def _members(clients: weakref.WeakSet[Sweepable]) -> list[Sweepable]:
@@ -265,11 +288,12 @@ async def _sweep_all(clients: weakref.WeakSet[Sweepable]) -> int:
 class PoolSweep:
     """Keeps one httpcore connection pool, blocking or async, free of connections past their keep-alive expiry."""
 
-    __slots__ = ("__weakref__", "_pool")
+    __slots__ = ("__weakref__", "_pool", "_sweeping")
 
     def __init__(self, pool: httpcore.ConnectionPool | httpcore.AsyncConnectionPool) -> None:
         """Sweep ``pool``."""
         self._pool = pool
+        self._sweeping: Future[int] | None = None  # a blocking sweep still on its worker
 
     @property
     def open_connections(self) -> int:
@@ -286,11 +310,13 @@ class PoolSweep:
         pool = self._pool
         if isinstance(pool, httpcore.AsyncConnectionPool):
             return await _tidy_async(pool)
-        swept = start_daemon(functools.partial(_tidy_blocking, pool), name="membase-sweep")
+        if self._sweeping is not None and not self._sweeping.done():
+            return self.open_connections  # the last sweep still waits for the pool's lock: not a second one
+        swept = self._sweeping = start_daemon(functools.partial(_tidy_blocking, pool), name="membase-sweep")
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(swept), BLOCKING_SWEEP_WAIT)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(swept)), BLOCKING_SWEEP_WAIT)
         except asyncio.TimeoutError:
-            return self.open_connections  # its lock is held: try again at the next sweep
+            return self.open_connections  # its lock is held: try again at a later sweep
 
     async def retire(self) -> None:
         """Nothing to do: the pool outlives the loop (it is empty by the time the loop retires)."""

@@ -370,7 +370,7 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
 
     outcome = Outcome(path=path, fault=fault, elapsed=0.0)
     routed = hosted_clients_routed(fake.handle) if hosted else contextlib.nullcontext()
-    with capture_logs() as handler, instant_sdk_backoff(hints), routed:
+    with capture_logs() as handler, instant_sdk_backoff(hints), routed as built:
         store = MembaseMemoryStore(**options)
         try:
             _drive(path, store, outcome)
@@ -379,6 +379,7 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
             wait_until(lambda: not membase_threads(), timeout=10.0)
             outcome.counters = store.counters()
             store.close()
+    outcome.extra["awaited_clients"] = len(built.awaited) if built is not None else 0
     outcome.records = list(handler.records)
     outcome.logs = format_records(outcome.records)
     outcome.requests = fake.sent()
