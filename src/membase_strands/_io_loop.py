@@ -188,22 +188,23 @@ class IOLoop:
             loop.run_forever()
         finally:
             del tending
-            if self._loop is loop:  # died rather than retired: end what it was running, as asyncio.run() does
-                _cancel_remaining(loop)
+            stranded: set[Future[Any]] = set()
             with self._lock:
-                if self._loop is loop:
-                    # Stopped some other way than by retiring (a SystemExit out of a call): the calls it held
-                    # end with an error, not never, and the next call starts a new loop with a clean count.
+                died = self._loop is loop  # stopped some other way than by retiring (a SystemExit out of a call)
+                if died:
+                    # Unreachable first, so a call from now on starts a new loop with a clean count.
                     self._loop = None
                     self._clients = weakref.WeakSet()
                     self._generation += 1
                     self._calls = 0
                     stranded, self._pending = self._pending, set()
-                    for future in stranded:
-                        with contextlib.suppress(InvalidStateError):
-                            future.set_exception(RuntimeError("the Membase I/O loop stopped before this call ended"))
                 if self._thread_id == threading.get_ident():
                     self._thread_id = None
+            if died:
+                _cancel_remaining(loop)  # as asyncio.run() does; the callbacks settle the calls they carried
+                for future in stranded:  # and every call the loop held ends with an error, not never
+                    with contextlib.suppress(InvalidStateError):
+                        future.set_exception(RuntimeError("the Membase I/O loop stopped before this call ended"))
             loop.close()
 
     async def _tend(self, loop: asyncio.AbstractEventLoop, clients: weakref.WeakSet[Sweepable]) -> None:
