@@ -508,7 +508,7 @@ class MembaseMemoryStore:
         try:
             return start_daemon(release, name=f"membase-close[{self.name}]")
         except RuntimeError:
-            release()  # no thread to be had: closing a hosted client is quick, so close it here
+            release()  # no thread to be had: close the local engine here, on the caller's thread
             return closed
 
     # --- Private helpers ----------------------------------------------------------------------
