@@ -9,7 +9,7 @@ anew), the name is resolved once more before the refusal is believed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -123,33 +123,3 @@ class ContainerResolver:
             if fresh_id == container_id:
                 raise
         return request(fresh_id)
-
-    async def call_async(
-        self,
-        list_containers: Callable[[], Awaitable[list[Container]]],
-        wanted: str | None,
-        request: Callable[[str | None], Awaitable[T]],
-    ) -> T:
-        """:meth:`call`, awaited: the same rule, with the Memories listed by ``list_containers``."""
-        if wanted is None:
-            return await request(None)
-        with self._lock:
-            cached = self._ids.get(wanted)
-        container_id = cached if cached is not None else await self._resolve_async(list_containers, wanted)
-        try:
-            return await request(container_id)
-        except _REFUSED:
-            if cached is None:
-                raise
-            with self._lock:
-                self._ids.pop(wanted, None)
-            fresh_id = await self._resolve_async(list_containers, wanted)
-            if fresh_id == container_id:
-                raise
-        return await request(fresh_id)
-
-    async def _resolve_async(self, list_containers: Callable[[], Awaitable[list[Container]]], wanted: str) -> str:
-        container = match(wanted, await list_containers())
-        with self._lock:
-            self._ids[wanted] = container.id
-        return container.id

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from . import _background
+
 
 class Counters:
     """Thread-safe event counts. Incrementing takes one uncontended lock; reading copies the counts."""
@@ -13,11 +15,15 @@ class Counters:
         """Start every count at zero."""
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        _background.reset_after_fork(self)
 
     def add(self, name: str, amount: int = 1) -> None:
         """Count ``amount`` more of ``name`` (names like ``"recalls"`` or ``"errors.timeout"``)."""
         with self._lock:
             self._counts[name] += amount
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a metrics scrape in another thread may have held it at the fork
 
     def snapshot(self) -> dict[str, int]:
         """A copy of the counts, with the standard names present even when zero."""

@@ -1,39 +1,49 @@
-"""The one door to Membase: every blocking call the library makes goes through a :class:`MembaseGateway`.
+"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`.
 
-It owns the SDK client (built from options, or passed in and guarded; see ``_client``), its
-no-retry view, the cache of Memory names resolved to container ids, and what the library makes of
-Membase's answers: parsed search answers, a 2xx whose body cannot be read, and error texts with the
-key masked. The store, the tools, the setup check and the benchmarks all call Membase through it;
-none of them touches the SDK client or the store's internals.
+It holds the SDK clients a store calls through and says what their answers mean: search answers parsed, a
+2xx body that cannot be read, Memory names resolved to ids, error texts with the key masked. Every call here
+blocks; the store decides where it runs (``_background``) and how long it waits.
 
-Everything here blocks, except the ``start_...`` calls, which return a future at once: the automatic
-recall and the set-up check of a hosted store run on the I/O loop (``_io_loop``, ``_async_http``),
-anything else on a worker thread (``_workers``). The store waits for those within its time budgets.
+The clients, all built through the SDK's own constructor:
+
+- From a key, two ``membase.Membase`` clients over the process's shared connection pool for the base URL
+  (``_http``): one retries as the SDK does (the tools, which should wait out a waking memory), one makes a
+  single attempt (automatic recall, whose late request must hold the in-flight guard for one attempt, not
+  three; and writes, since a POST that timed out may be stored already).
+- ``local=DIR``: the SDK's local engine, closed with the store.
+- ``client=``: used as it is (its retries and timeout included), never changed or closed.
+
+In a forked child a store's own clients are rebuilt over the child's own pools, so no process reads another's
+socket. A client passed in cannot be rebuilt: used before the fork, it is refused in the child with a
+sentence saying to build it after the fork.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Callable
-from concurrent.futures import Future
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import membase
 
-from ._async_http import AsyncMembaseHTTP
-from ._client import UNREADABLE, build_client, readable_answers, unreadable_reason, without_retries
+from . import _background
 from ._containers import Container, ContainerResolver, parse_containers
-from ._failures import redact, without_secret
+from ._failures import BadResponseError, redact, without_secret
 from ._formatting import SearchAnswer, parse_search
+from ._http import shared_client
 from ._text import sendable
-from ._workers import start_daemon
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_BASE_URL = "https://api.app.membase.com"
+
 
 class MembaseGateway:
-    """One store's access to one person's Membase: the client, its calls, and what their answers mean."""
+    """One store's access to one person's Membase: its clients, its calls, and what their answers mean."""
 
     def __init__(
         self,
@@ -44,86 +54,100 @@ class MembaseGateway:
         local: str | os.PathLike[str] | None = None,
         store_name: str = "membase",
     ) -> None:
-        """Build (or guard) the client. Makes no network call.
+        """Build the clients (a local engine starts here). Makes no network call.
 
         Raises:
             ValueError: The options contradict each other, or there is no key.
         """
         self._store_name = store_name
-        self._client, self._close_client = build_client(client, api_key, base_url, local, store_name=store_name)
-        # One attempt per call: the caller chooses when a request may be sent again.
-        self._once = without_retries(self._client)
-        self._resolver = ContainerResolver()
+        self._given = client
         self._local = local
-        # A hosted client the gateway built: its budgeted calls are awaited on the I/O loop, not a thread each.
-        self._async = (
-            AsyncMembaseHTTP(self.base_url, self._client.api_key)
-            if self._close_client is not None and self.hosted and local is None
-            else None
+        self._key = ""
+        self._url = ""
+        if client is not None:
+            if api_key is not None or base_url is not None or local is not None:
+                raise ValueError("client: pass either a ready client or api_key/base_url/local, not both")
+            if not isinstance(client, membase.Membase):
+                raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
+        elif local is not None:
+            if api_key is not None or base_url is not None:
+                raise ValueError("local: local Membase runs on this machine and takes no api_key or base_url")
+        else:
+            key = api_key if api_key is not None else os.environ.get("MEMBASE_API_KEY")
+            if key is not None or not os.environ.get("MEMBASE_LOCAL"):  # else the SDK's MEMBASE_LOCAL convention
+                self._key = _checked_key(key)
+                self._url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        self._lock = threading.Lock()
+        self._resolver = ContainerResolver()
+        self._used = False  # whether a client passed in was called (to refuse it in a forked child)
+        self._refused = False
+        self._clients: tuple[membase.Membase, membase.Membase] | None = self._build()
+        _background.reset_after_fork(self)
+
+    def _build(self) -> tuple[membase.Membase, membase.Membase]:
+        """The clients: (the one that retries, the one that makes a single attempt)."""
+        if self._given is not None:
+            return self._given, self._given
+        if not self._key:
+            engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
+            return engine, engine  # the local engine makes one attempt
+        http = shared_client(self._url)
+        return (
+            membase.Membase(api_key=self._key, base_url=self._url, http_client=http),
+            membase.Membase(api_key=self._key, base_url=self._url, max_retries=0, http_client=http),
         )
 
     # --- What it is connected to ---------------------------------------------------------------
 
     @property
-    def client(self) -> membase.Membase:
-        """The SDK client every call goes through (guarded: whole-call deadlines, fork-safe connections)."""
-        return self._client
-
-    @property
-    def owns_client(self) -> bool:
-        """Whether the gateway built its client (and so closes it), rather than being given one."""
-        return self._close_client is not None
-
-    @property
     def hosted(self) -> bool:
         """Whether Membase is reached over HTTP with a key (not the local engine)."""
-        return bool(self._client.api_key)
+        return bool(self._key) or (self._given is not None and bool(self._given.api_key))
+
+    @property
+    def owns_engine(self) -> bool:
+        """Whether the gateway started a local engine, which :meth:`close` closes."""
+        return self._given is None and not self._key
+
+    @property
+    def base_url(self) -> str:
+        """The Membase host (meaningful when :attr:`hosted`)."""
+        return self._url or str(self._given.base_url if self._given is not None else "")
 
     @property
     def location(self) -> str:
         """Where Membase is, for messages and ``repr``: the base URL, or the local directory. Never the key."""
         if self._local is not None:
             return f"local={os.fspath(self._local)!r}"
-        return f"base_url={str(self._client.base_url)!r}" if self.hosted else "local (MEMBASE_LOCAL)"
-
-    @property
-    def base_url(self) -> str:
-        """The Membase host (meaningful when :attr:`hosted`)."""
-        return str(self._client.base_url)
-
-    def closer(self) -> Callable[[], None] | None:
-        """How to close the client the gateway built, without holding the gateway; ``None`` for a client passed in."""
-        close_client, awaited = self._close_client, self._async
-        if close_client is None or awaited is None:
-            return close_client
-
-        def close_both() -> None:
-            awaited.close()
-            close_client()
-
-        return close_both
+        return f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
 
     def close(self) -> None:
-        """Close the client if the gateway built it; a client passed in is left open."""
-        closer = self.closer()
-        if closer is not None:
-            closer()
+        """Close the local engine the gateway started; a hosted or passed-in client has nothing of its own to close."""
+        clients = self._clients
+        if self.owns_engine and clients is not None:
+            clients[0].close()
 
-    def close_soon(self) -> Future[None]:
-        """:meth:`close` without waiting for the I/O loop: the blocking client closes now, the awaited one on the
-        loop; the future settles once both are closed."""
-        if self._async is not None:
-            closing = self._async.close_soon()  # first: marked closed whatever closing the blocking client does
-        else:
-            closing = Future()
-            closing.set_result(None)
-        if self._close_client is not None:
-            self._close_client()
-        return closing
-
-    def after_fork_in_child(self) -> None:
-        """Forget what a parent's threads may have been in the middle of (the client resets its own pool)."""
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
         self._resolver = ContainerResolver()
+        if self._given is None:
+            self._clients = None  # rebuilt at the first call, over this process's own pools
+        elif self._used:
+            self._refused = True
+
+    def _client(self, *, retry: bool) -> membase.Membase:
+        if self._refused:
+            raise RuntimeError(
+                f"store '{self._store_name}': its Membase client (client=) was used before this process was forked, "
+                "and sharing its connections would mix up the two processes' answers; build the client after the "
+                "fork (for gunicorn, in post_fork), or let the store build it from the key"
+            )
+        clients = self._clients
+        if clients is None:
+            with self._lock:
+                clients = self._clients = self._clients or self._build()
+        self._used = True
+        return clients[0] if retry else clients[1]
 
     # --- Calls ---------------------------------------------------------------------------------
 
@@ -134,69 +158,35 @@ class MembaseGateway:
             query: The text to search for.
             limit: Passages to ask for (1-50).
             container: A Memory's name or id, or ``None`` for every Memory in reach.
-            retry: Let the SDK retry (the tools); without, one attempt (automatic recall, whose late
-                request must not hold the in-flight guard for three attempts).
+            retry: Let the SDK retry (the tools); without, one attempt (automatic recall).
 
         Raises:
             ValueError: ``container`` names no Memory in reach, or several.
             membase.MembaseError: The call failed, or the answer could not be read.
         """
-        client = self._client if retry else self._once
+        client = self._client(retry=retry)
         with readable_answers():
             body = self._resolver.call(
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
         return parse_search(body)
 
-    def start_search(self, query: str, limit: int, container: str | None, *, retry: bool) -> Future[SearchAnswer]:
-        """Start :meth:`search` and return its future at once: awaited on the I/O loop for a hosted store in
-        one attempt, else on a worker thread named for the recall."""
-        awaited = self._async
-        if awaited is None or retry:
-            return start_daemon(
-                lambda: self.search(query, limit, container, retry=retry), name=f"membase-recall[{self._store_name}]"
-            )
-
-        async def search() -> SearchAnswer:
-            async def send(container_id: str | None) -> Any:
-                body: dict[str, Any] = {"q": sendable(query)}  # the SDK's search body, in its order
-                if container_id is not None:
-                    body["container"] = container_id
-                body["limit"] = limit
-                return await awaited.request("POST", "/v1/search", json=body)
-
-            with readable_answers():
-                answer = await self._resolver.call_async(self._list_awaited, container, send)
-            return parse_search(answer)
-
-        return awaited.io.submit(search)
-
-    def start_memories_in_reach(self) -> Future[list[Container]]:
-        """Start :meth:`memories_in_reach` and return its future at once (on the I/O loop for a hosted store)."""
-        if self._async is None:
-            return start_daemon(self.memories_in_reach, name=f"membase-check[{self._store_name}]")
-        return self._async.io.submit(self._list_awaited)
-
-    async def _list_awaited(self) -> list[Container]:
-        assert self._async is not None
-        with readable_answers():
-            return parse_containers(await self._async.request("GET", "/v1/containers"))
-
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (or, with ``static``, a standing fact), in one attempt.
 
-        A POST that timed out may already be stored, so it is never retried blindly. A 2xx whose
-        body cannot be read means Membase took the note: that counts as saved (``None``), not as a
-        failure that would make a caller send it again.
+        A POST that timed out may already be stored, so it is never retried blindly. A 2xx whose body cannot
+        be read means Membase took the note: that counts as saved (``None``), not as a failure that would make
+        a caller send it again.
 
         Raises:
             ValueError: ``container`` names no Memory in reach, or several.
             membase.MembaseError: The call failed.
         """
+        client = self._client(retry=False)
 
         def send(container_id: str | None) -> Any:
             try:
-                return self._once.memories.add(sendable(content), container=container_id, static=static, title=title)
+                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
             except UNREADABLE as error:
                 logger.warning(
                     "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
@@ -206,17 +196,17 @@ class MembaseGateway:
                 return None
 
         with readable_answers():
-            return self._resolver.call(self._once, container, send)
+            return self._resolver.call(client, container, send)
 
     def profile(self, topic: str | None) -> Any:
         """The profile: standing facts, recent changes and, with ``topic``, relevant results (SDK retries)."""
         with readable_answers():
-            return self._client.profile(q=sendable(topic) if topic else None)
+            return self._client(retry=True).profile(q=sendable(topic) if topic else None)
 
     def memories_in_reach(self) -> list[Container]:
         """The Memories this key reaches, in one attempt."""
         with readable_answers():
-            return parse_containers(self._once.containers.list())
+            return parse_containers(self._client(retry=False).containers.list())
 
     def container_id(self, name: str) -> str:
         """The id of the Memory ``name`` names (cached after the first lookup).
@@ -225,7 +215,7 @@ class MembaseGateway:
             ValueError: No Memory of that name is in reach, or several are.
         """
         with readable_answers():
-            return self._resolver.resolve(self._client, name)
+            return self._resolver.resolve(self._client(retry=True), name)
 
     def remember_container(self, name: str, container_id: str) -> None:
         """Cache an id found by another route (the store's set-up check)."""
@@ -233,10 +223,50 @@ class MembaseGateway:
 
     # --- Secrets -------------------------------------------------------------------------------
 
+    @property
+    def _secret(self) -> str:
+        return self._key or (self._given.api_key if self._given is not None else "") or ""
+
     def redact(self, text: str) -> str:
         """``text`` with the API key masked."""
-        return redact(text, self._client.api_key or "")
+        return redact(text, self._secret)
 
     def without_secret(self, error: BaseException) -> BaseException:
         """``error``, or a copy without the API key when it (or an error chained to it) carries the key."""
-        return without_secret(error, self._client.api_key or "")
+        return without_secret(error, self._secret)
+
+
+def _checked_key(key: str | None) -> str:
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(
+            "api_key: no Membase API key; pass api_key=, set MEMBASE_API_KEY, or pass local=DIR for local memory"
+        )
+    key = key.strip()  # a key read from a file or a vault often ends in a newline
+    if not key.isascii() or not key.isprintable() or " " in key:
+        # It could not go into an HTTP header, and the transport's error would quote it back.
+        raise ValueError("api_key: the Membase API key has spaces or characters a key cannot have; check its value")
+    return key
+
+
+# --- Answers that cannot be read ---------------------------------------------------------------
+
+UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
+"""What the SDK lets through for a 2xx whose body it cannot decode (``response.json()`` raises either)."""
+
+
+def unreadable_reason(error: ValueError) -> str:
+    """Why a 2xx body could not be read, in a few words."""
+    if isinstance(error, UnicodeDecodeError):
+        return f"not valid UTF-8: {error.reason} at byte {error.start}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not JSON: {error.msg}"
+    return type(error).__name__
+
+
+@contextmanager
+def readable_answers() -> Iterator[None]:
+    """Turn a 2xx answer that cannot be decoded into a Membase error; a ``ValueError`` of the library's own passes."""
+    try:
+        yield
+    except UNREADABLE as error:
+        raise BadResponseError(f"Membase answered with a body that is {unreadable_reason(error)}") from None

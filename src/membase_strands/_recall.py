@@ -27,10 +27,10 @@ from typing import TypeVar
 
 from membase.client import DEFAULT_TIMEOUT
 
-from . import _telemetry
+from . import _background, _telemetry
+from ._background import wait_for_future
 from ._counters import Counters
 from ._failures import detail_of
-from ._workers import wait_for_future
 from .errors import MembaseRecallTimeout
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,8 @@ class RecallSkipped(Exception):
 
 
 class TimeBoxedRecall:
-    """Waits for recall requests (running on the I/O loop or a worker thread) within a time budget, one late
-    request at a time."""
+    """Waits for recall requests (each on a thread of ``_background``) within a time budget, one late request at
+    a time."""
 
     def __init__(
         self,
@@ -76,6 +76,12 @@ class TimeBoxedRecall:
         self._clock = clock
         self._lock = threading.Lock()
         self._late: dict[Future[object], float] = {}  # late request -> when it started
+        _background.reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's late requests have no thread here: they must not keep the child's recall switched off.
+        self._lock = threading.Lock()
+        self._late = {}
 
     @property
     def waking(self) -> bool:
@@ -92,7 +98,7 @@ class TimeBoxedRecall:
         """Start a request off the event loop and wait at most ``budget`` seconds for it.
 
         Args:
-            start: Starts the Membase call (on the I/O loop or a worker thread) and returns its future.
+            start: Starts the Membase call on a thread and returns its future.
             budget: Seconds to wait, or ``None`` to wait as long as the request takes.
 
         Returns:
@@ -119,7 +125,8 @@ class TimeBoxedRecall:
             return await wait_for_future(future, budget)
         except asyncio.TimeoutError:
             self._counters.add("recall_timeouts")
-            self._hold_guard(future, started)
+            if not future.cancel():  # it was sent; one still waiting for a free thread never will be
+                self._hold_guard(future, started)
             # INFO, not WARNING: the manager logs the exception below as a warning, once is enough.
             logger.info(
                 "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
@@ -132,7 +139,7 @@ class TimeBoxedRecall:
             ) from None
         except asyncio.CancelledError:
             self._counters.add("recall_cancelled")
-            if not future.done():
+            if not future.cancel() and not future.done():
                 # Nobody waits for this request any more, but it still runs: the next recalls must not
                 # add theirs to it, exactly as after a timeout.
                 self._hold_guard(future, started)

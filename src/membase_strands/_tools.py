@@ -12,14 +12,12 @@ import copy
 import functools
 import inspect
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import membase
-from strands import tool
-from strands.tools.decorator import DecoratedFunctionTool
+from strands.tools.decorator import DecoratedFunctionTool, FunctionToolMetadata
 from strands.types.tools import AgentTool, ToolSpec
 
 from . import _telemetry
@@ -198,35 +196,28 @@ def _as_tool(context: ToolContext, function: Callable[..., dict[str, Any]], desc
             operation.default_outcome("ok" if result.get("status") == "success" else "error")
             return result
 
-    template = _template(function, description)
-    if template is None:
-        return tool(name=function.__name__, description=description)(counted)
-    spec, metadata = template
+    spec, metadata = _template(function, description)
     # The spec is the store's own copy: nothing one agent's registry does to it can reach another store's tools.
     return DecoratedFunctionTool(function.__name__, copy.deepcopy(spec), counted, metadata)
 
 
-_TEMPLATES: dict[tuple[str, str], tuple[ToolSpec, Any] | None] = {}
-_TEMPLATES_LOCK = threading.Lock()
+_TEMPLATES: dict[str, tuple[ToolSpec, FunctionToolMetadata]] = {}
 
 
-def _template(function: Callable[..., dict[str, Any]], description: str) -> tuple[ToolSpec, Any] | None:
-    """The tool's spec and argument model, made once per process; ``None`` where Strands does not expose them.
+def _template(function: Callable[..., dict[str, Any]], description: str) -> tuple[ToolSpec, FunctionToolMetadata]:
+    """The tool's spec and argument model, made once per process, as ``strands.tool`` makes them.
 
-    Decorating a function costs milliseconds (Strands builds a pydantic model from its signature), and
-    every store's tool has the same signature: a server that builds a store per user pays it once, not
-    per user. The template is made from a stand-in with the function's signature and docstring, so it
-    holds no store.
+    Strands builds a pydantic model from a tool's signature (milliseconds), and every store's tool has the same
+    signature: a server that builds a store per user pays it once, not per user. The template is made from a
+    stand-in with the function's signature and docstring, so it holds no store.
     """
-    key = (function.__name__, description)
-    with _TEMPLATES_LOCK:
-        if key in _TEMPLATES:
-            return _TEMPLATES[key]
-    decorated = tool(name=function.__name__, description=description)(_stand_in(function))
-    metadata = getattr(decorated, "_metadata", None)  # private in Strands: without it, each store decorates its own
-    made = (decorated.tool_spec, metadata) if metadata is not None else None
-    with _TEMPLATES_LOCK:
-        return _TEMPLATES.setdefault(key, made)
+    template = _TEMPLATES.get(function.__name__)
+    if template is None:
+        metadata = FunctionToolMetadata(_stand_in(function))
+        spec = metadata.extract_metadata()
+        spec["name"], spec["description"] = function.__name__, description
+        template = _TEMPLATES.setdefault(function.__name__, (spec, metadata))  # atomic: the first one made wins
+    return template
 
 
 def _stand_in(function: Callable[..., Any]) -> Callable[..., Any]:

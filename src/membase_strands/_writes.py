@@ -14,7 +14,7 @@ caller stopped waiting (its budget ran out, or its task was cancelled, as a web 
 its client disconnects), that thread also logs and counts the outcome, a failure under
 ``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
 every write it waited for is in the logs and the counters. A write still running when the
-interpreter exits gets a bounded chance to finish, and a log line if it does not (``_exit``).
+interpreter exits gets up to its budget to finish, and a log line if it does not.
 
 A message's identity is its sequence number in the manager's batch, the message object itself
 (the manager hands the same content block objects on every retry of a batch, and a new agent run
@@ -41,10 +41,10 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from . import _exit, _telemetry
+from . import _background, _options, _telemetry
+from ._background import wait_for_future
 from ._counters import Counters
 from ._failures import describe_failure, detail_of
-from ._workers import start_daemon, wait_for_future
 from .errors import MembaseWriteTimeout
 
 logger = logging.getLogger(__name__)
@@ -147,6 +147,15 @@ class WriteRecord:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._saves = 0
+        self.exit_grace = _options.WAIT_WITHOUT_BUDGET  # how long interpreter exit waits for running writes
+        _background.finish_at_exit(self)
+        _background.reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
+        self._lock = threading.Lock()
+        for key in [key for key, entry in self._entries.items() if entry.request is not None]:
+            del self._entries[key]
 
     def __len__(self) -> int:
         with self._lock:
@@ -209,10 +218,8 @@ class WriteRecord:
         if request is None:
             self._retried(saved)
             return None
-        # Until it ends, interpreter exit waits for it a while, and reports it if it does not end.
-        _exit.watch(request.future, self._store_name, budget, len(todo))
         try:
-            start_daemon(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
+            _background.submit(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
             # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
             logger.warning(
@@ -256,10 +263,14 @@ class WriteRecord:
                 await wait_for_future(future, remaining)
         return self._drained(sum(not future.done() for future in running), timeout)
 
-    def _still_running(self) -> list[Future[Any]]:
-        """The futures of the writes still running, logged as waited for; each settles once its outcome is on record."""
+    def running(self) -> list[Future[Any]]:
+        """The futures of the writes still running; each settles once its outcome is on record."""
         with self._lock:
-            running = list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+            return list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+
+    def _still_running(self) -> list[Future[Any]]:
+        """:meth:`running`, logged as waited for."""
+        running = self.running()
         if running:
             logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
         return running
@@ -273,6 +284,30 @@ class WriteRecord:
                 timeout,
             )
         return not left
+
+    def _finish_at_exit(self, started: float) -> None:
+        """At interpreter exit: wait until ``exit_grace`` after ``started`` for the writes still running, and log
+        each one that did not end (never its text), so nothing is lost without a line saying so."""
+        with self._lock:
+            running = {entry.request for entry in self._entries.values() if entry.request is not None}
+        if not running:
+            return
+        logger.info(
+            "store=<%s>, writes=<%d> | the interpreter is exiting; waiting up to %g s for writes still running",
+            self._store_name,
+            len(running),
+            self.exit_grace,
+        )
+        wait([request.future for request in running], timeout=max(0.0, started + self.exit_grace - time.monotonic()))
+        for request in running:
+            if not request.done:
+                logger.warning(
+                    "store=<%s>, parts=<%d>, reason=<interpreter exiting> | a write still running at exit did not "
+                    "finish within %g s; it was not confirmed saved",
+                    self._store_name,
+                    len(request.parts or ()),
+                    self.exit_grace,
+                )
 
     # --- Waiting --------------------------------------------------------------------------------
 
@@ -378,7 +413,7 @@ class WriteRecord:
             self._store_name,
             self._redact(detail_of(error)),
             why.which,
-            _AT_EXIT if _exit.exiting() else why.after_failure,
+            _AT_EXIT if _background.exiting() else why.after_failure,
         )
 
     # --- The record -----------------------------------------------------------------------------

@@ -23,8 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import Any
 
-from . import _options
-from ._workers import start_daemon
+from . import _background, _options
 from .store import MembaseMemoryStore
 
 logger = logging.getLogger(__name__)
@@ -86,6 +85,10 @@ class MembaseStorePool:
         # Stores let go of while something may still hold them, by user: alive only as long as someone uses them.
         self._released: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
         self._closed = False
+        _background.reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a thread handing out a store may have held it at the fork
 
     def __len__(self) -> int:
         """How many stores the pool keeps for reuse (at most ``max_stores``)."""
@@ -154,7 +157,7 @@ class MembaseStorePool:
             self._store_options.get("write_timeout", _options.DEFAULT_WRITE_TIMEOUT) or _options.WAIT_WITHOUT_BUDGET
         )
         closing: list[Future[None]] = [
-            start_daemon(store.close, name=f"membase-close[{store.name}]") for store in stores
+            _background.submit(store.close, name=f"membase-close[{store.name}]") for store in stores
         ]
         done, still_closing = wait(closing, timeout=budget)
         for future in done:

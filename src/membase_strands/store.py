@@ -19,8 +19,8 @@ import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
-from . import _options, _telemetry
-from ._client import after_fork_in_child
+from . import _background, _options, _telemetry
+from ._background import wait_for_future
 from ._containers import Container, match, names_in_reach
 from ._counters import Counters
 from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
@@ -28,7 +28,6 @@ from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
 from ._tools import ToolContext, build_tools
-from ._workers import start_daemon, wait_for_future
 from ._writes import Part, WriteRecord, fingerprint
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
@@ -130,7 +129,10 @@ class MembaseMemoryStore:
         )
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
-        self._recall, self._writes = self._in_flight_state()
+        redact = self._gateway.redact
+        self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=lambda: self._closed)
+        self._writes = WriteRecord(self.name, self._counters, redact)
+        self._writes.exit_grace = self._drain_budget()
         self._closed = False
         self._close_lock = threading.Lock()
         self._closing: Future[None] | None = None  # settled once the first close() or aclose() has finished
@@ -139,13 +141,13 @@ class MembaseMemoryStore:
         self._setup_check_late: Future[list[Container]] | None = None  # a check an agent already waited out
         self._setup_checked = False
         self._tools: list[AgentTool] | None = None
-        after_fork_in_child(self, MembaseMemoryStore._after_fork_in_child)
-        closer = self._gateway.closer()
-        # A store dropped without close() (say, one a pool let go of) must not keep its sockets or local
-        # engine: close its client once it is collected. Running writes and recalls hold the store, so this
-        # waits for them. The callback holds the client's closer, never the store.
-        self._finalizer = weakref.finalize(self, _close_unused, closer, self.name) if closer else None
-        if self._finalizer is not None:
+        _background.reset_after_fork(self)
+        # A store dropped without close() (say, one a pool let go of) must not keep its local engine: close it
+        # once the store is collected. Running writes and recalls hold the store, so this waits for them. The
+        # callback holds the gateway, never the store.
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        if self._gateway.owns_engine:
+            self._finalizer = weakref.finalize(self, _close_unused, self._gateway.close, self.name)
             self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
 
     @property
@@ -198,7 +200,7 @@ class MembaseMemoryStore:
             if check is None or (check.done() and check.exception() is not None):
                 # A check still running (Membase slow to answer) is shared, never started twice; one that
                 # ended late with an answer is used below; one that failed tells nothing, so ask again.
-                check = self._gateway.start_memories_in_reach()
+                check = _background.submit(self._gateway.memories_in_reach, name=f"membase-check[{self.name}]")
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
@@ -284,7 +286,11 @@ class MembaseMemoryStore:
             return []
         try:
             answer = await self._recall.run(
-                lambda: self._gateway.start_search(text, limit, self._container, retry=retry), self._recall_timeout
+                lambda: _background.submit(
+                    lambda: self._gateway.search(text, limit, self._container, retry=retry),
+                    name=f"membase-recall[{self.name}]",
+                ),
+                self._recall_timeout,
             )
         except RecallSkipped:
             _telemetry.annotate("skipped", reason="memory waking")
@@ -411,35 +417,33 @@ class MembaseMemoryStore:
     # --- Lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the client if this store built it; a client passed in is left open. Safe to call twice.
+        """Close the store; safe to call twice. A client passed in is left open.
 
-        A captured write still running (one that ran out of its budget) gets up to ``write_timeout``
-        more seconds to finish first; when it does, its outcome is logged and counted before this returns.
-        This blocks the calling thread meanwhile: from async code, use :meth:`aclose` (or ``async with``).
-        If another thread is already closing the store, this waits (as long) for it to finish.
+        A captured write still running (one that ran out of its budget) gets up to ``write_timeout`` more
+        seconds to finish first; when it does, its outcome is logged and counted before this returns. This
+        blocks the calling thread meanwhile: from async code, use :meth:`aclose` (or ``async with``). If another
+        thread is already closing the store, this waits (as long) for it to finish.
         """
         first, closed = self._begin_close()
         if not first:
             wait([closed], timeout=self._drain_budget())
             return
         try:
-            # A write that ran out of time may still be on its way; closing the client under it would lose it.
             self._writes.drain(self._drain_budget())
         finally:
-            try:
-                self._close_own_client()
-            finally:
-                closed.set_result(None)
+            closing = self._release()
+            closed.set_result(None)
+        if closing is not None:
+            closing.result()
 
     async def aclose(self) -> None:
         """:meth:`close` for async code: the same, without blocking the event loop. Safe to call twice.
 
         Captured writes still running get up to ``write_timeout`` more seconds to finish, awaited on the
         running loop (any loop), and each one that does has its outcome logged and counted before this
-        returns. Closing the client this store built happens off the loop too. If this is cancelled, the
-        store still ends closed: its client is closed at once, and the writes still running go on (their
-        outcome is logged when they end). If another task or thread is already closing the store, this
-        waits (as long) for it to finish.
+        returns. If this is cancelled, the store still ends closed, and the writes still running go on (their
+        outcome is logged when they end). If another task or thread is already closing the store, this waits
+        (as long) for it to finish.
         """
         first, closed = self._begin_close()
         if not first:
@@ -449,8 +453,10 @@ class MembaseMemoryStore:
         try:
             await self._writes.drain_async(self._drain_budget())
         finally:
-            releasing = self._release_client(closed)  # also when cancelled: the store never ends half closed
-        await wait_for_future(releasing, None)
+            closing = self._release()  # also when cancelled: the store never ends half closed
+            closed.set_result(None)
+        if closing is not None:
+            await wait_for_future(closing, None)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -476,40 +482,26 @@ class MembaseMemoryStore:
     def _drain_budget(self) -> float:
         return self._write_timeout or _options.WAIT_WITHOUT_BUDGET
 
-    def _close_own_client(self) -> None:
+    def _release(self) -> Future[None] | None:
+        """Close the local engine this store started, on a thread, once no write still uses it.
+
+        A hosted store has nothing of its own to close: its connections belong to the process's shared pool.
+        Returns the close's future when no write was running (the caller waits for it), else ``None``: the
+        engine closes after the last write ends, so no write loses the engine under it.
+        """
+        if not self._gateway.owns_engine:
+            return None
         if self._finalizer is not None:
             self._finalizer.detach()
-        self._gateway.close()
+        running = self._writes.running()
+        gateway = self._gateway
 
-    def _release_client(self, closed: Future[None]) -> Future[None]:
-        """Close the client this store built without blocking the caller, then settle ``closed``; the returned
-        future carries the outcome of closing.
+        def close_engine() -> None:
+            wait(running)
+            gateway.close()
 
-        A hosted client's blocking half closes at once and its awaited half on the I/O loop; a local engine
-        closes on a thread of its own (it may wait on its disk).
-        """
-
-        def release() -> None:
-            try:
-                self._close_own_client()
-            finally:
-                closed.set_result(None)
-
-        if self._gateway.closer() is None or self._gateway.hosted:
-            if self._finalizer is not None:
-                self._finalizer.detach()
-            try:
-                closing = self._gateway.close_soon()
-            except BaseException:
-                closed.set_result(None)
-                raise
-            closing.add_done_callback(lambda _: closed.set_result(None))
-            return closing
-        try:
-            return start_daemon(release, name=f"membase-close[{self.name}]")
-        except RuntimeError:
-            release()  # no thread to be had: close the local engine here, on the caller's thread
-            return closed
+        closing = _background.submit(close_engine, name=f"membase-close[{self.name}]")
+        return None if running else closing
 
     # --- Private helpers ----------------------------------------------------------------------
 
@@ -532,23 +524,10 @@ class MembaseMemoryStore:
             )
         return arranged
 
-    def _in_flight_state(self) -> tuple[TimeBoxedRecall, WriteRecord]:
-        """The in-flight recall guard and the write record, as a new store (or a forked child) starts them."""
-        redact = self._gateway.redact
-        recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=lambda: self._closed)
-        writes = WriteRecord(self.name, self._counters, redact)
-        return recall, writes
-
     def _after_fork_in_child(self) -> None:
-        """In a forked child, start without the parent's requests in flight: their threads do not exist here.
-
-        A late recall or a running write of the parent would otherwise hold the child's in-flight guard and
-        write record for good, and a lock one of its threads held at the fork would stay held. The client's
-        connections are reset by the client itself (``_client.GuardedHTTP``).
-        """
-        self._recall, self._writes = self._in_flight_state()
-        self._gateway.after_fork_in_child()
+        # The guard, the write record, the counters and the gateway reset themselves; these are the store's own.
         self._setup_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         if self._setup_check is not None and not self._setup_check.done():
             self._setup_check = None  # its thread is the parent's: it will never finish here
 
@@ -644,7 +623,7 @@ def _close_unused(close_client: Callable[[], None], store_name: str) -> None:
             logger.debug("store=<%s> | closed the client of a store nothing uses any more", store_name)
 
     try:
-        start_daemon(close, name=f"membase-close[{store_name}]")
+        _background.submit(close, name=f"membase-close[{store_name}]")
     except RuntimeError:
         close()  # no thread to be had (the interpreter is shutting down, or at its thread limit)
 

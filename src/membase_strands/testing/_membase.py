@@ -6,6 +6,7 @@ records every request. Faults are injected per route with :meth:`InMemoryMembase
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -16,14 +17,16 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import membase
 
+from .. import _http
+
 if TYPE_CHECKING:
     from ..store import MembaseMemoryStore
 
 API_KEY = "mb_test_key_5ecr3t_do_not_log"
 """The key the in-memory Membase's clients send: a test can assert it never shows up anywhere."""
-BASE_URL = "https://membase.test"
 
 Responder = Callable[[httpx.Request], httpx.Response]
+_NUMBERS = itertools.count(1)
 
 
 @dataclass
@@ -77,8 +80,15 @@ class InMemoryMembase:
     standing: list[str] = field(default_factory=list)
     unsearchable: dict[str, str] = field(default_factory=dict)
     requests: list[Recorded] = field(default_factory=list)
+    base_url: str = field(init=False)
+    """Where stores reach this Membase: a host of its own, served through ``httpx.MockTransport``."""
     _faults: dict[tuple[str, str], list[Responder]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.base_url = f"https://membase-{next(_NUMBERS)}.test"
+        # Stores built for base_url send here while this Membase lives: the production path, minus the sockets.
+        self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))
 
     # --- Test controls --------------------------------------------------------------------------
 
@@ -103,10 +113,10 @@ class InMemoryMembase:
             return [n.content for n in self.notes if not n.seeded and wanted in (None, n.container)]
 
     def store(self, **options: Any) -> MembaseMemoryStore:
-        """A :class:`~membase_strands.MembaseMemoryStore` on this Membase, with ``options``."""
+        """A :class:`~membase_strands.MembaseMemoryStore` built from a key, as in production, on this Membase."""
         from ..store import MembaseMemoryStore  # here, so the kit imports without a cycle
 
-        return MembaseMemoryStore(client=self.client(), **options)
+        return MembaseMemoryStore(api_key=API_KEY, base_url=self.base_url, **options)
 
     def _id_of(self, container: str) -> str:
         for row in self.containers:
@@ -133,8 +143,8 @@ class InMemoryMembase:
 
     def client(self, **kwargs: Any) -> membase.Membase:
         """A real ``membase.Membase`` client whose transport is this fake."""
-        http = httpx.Client(base_url=BASE_URL, transport=httpx.MockTransport(self.handle))
-        return membase.Membase(api_key=API_KEY, base_url=BASE_URL, http_client=http, **kwargs)
+        http = httpx.Client(base_url=self.base_url, transport=httpx.MockTransport(self.handle))
+        return membase.Membase(api_key=API_KEY, base_url=self.base_url, http_client=http, **kwargs)
 
     # --- The transport --------------------------------------------------------------------------
 

@@ -1,0 +1,231 @@
+"""Where the library's blocking work runs: daemon threads, the one fork hook, and the exit wait for writes.
+
+Every Membase call the store makes on its own (recall, captured writes, the set-up check) runs on a thread
+here while its caller waits for it within a budget:
+
+- Daemon threads, not ``asyncio.to_thread``: a synchronous ``agent("...")`` runs on a fresh ``asyncio.run``
+  loop, which joins the loop's default-executor threads before it returns, so a request that outlives its
+  budget would hold the call anyway. Nobody joins a daemon thread.
+- Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so one hung request would hold
+  the exit for a whole SDK attempt.
+
+A thread starts when a call comes and every thread is busy, up to :data:`MAX_THREADS`, and retires after
+:data:`IDLE_SECONDS` with nothing to do. At the cap a call waits its turn, first come first served, inside
+its caller's budget: a recall still fails open on time, and one whose budget ran out before its turn is
+never sent. A thread carries the name of the call it runs (``membase-recall[store]``, ...).
+
+A forked child has none of its parent's threads, and a lock that one of them held at the fork stays held in
+the child. The one ``os.register_at_fork`` hook here starts the child with fresh threads, then calls
+``_after_fork_in_child()`` on every object registered with :func:`reset_after_fork` (stores, pools, the
+connection pools): each takes fresh locks and forgets what its parent's threads were doing.
+
+At interpreter exit, the one ``atexit`` hook here calls ``_finish_at_exit(started)`` on every object
+registered with :func:`finish_at_exit` (the write records), so a write still running gets its bounded chance
+to finish, and a line in the log if it does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import contextvars
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_THREADS = 32
+"""The most threads the library runs at once; past it, calls wait their turn."""
+IDLE_SECONDS = 2.0
+"""How long a thread waits for a call before it retires."""
+IDLE_NAME = "membase-worker[idle]"
+"""The name of a thread waiting for a call."""
+
+
+class _Threads:
+    """Daemon threads that start when every one is busy, up to the cap, and retire when idle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
+        self._waiting = 0  # calls in line that no thread has taken yet
+        self._idle = 0  # threads waiting for a call
+        self.alive = 0
+
+    def submit(self, fn: Callable[[], T], name: str) -> Future[T]:
+        future: Future[T] = Future()
+        call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
+        with self._lock:
+            self._waiting += 1
+            start = self._idle < self._waiting and self.alive < MAX_THREADS
+            if start:
+                self.alive += 1
+        self._calls.put(call)
+        if start:
+            try:
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+            except BaseException as error:
+                with self._lock:
+                    self.alive -= 1
+                    stranded = self.alive == 0
+                if stranded:  # no thread will ever take the call: it fails now, so nobody waits for it forever
+                    call[0] = None
+                    with contextlib.suppress(InvalidStateError):
+                        future.set_exception(error)
+                    raise
+        return future
+
+    def _work(self) -> None:
+        thread = threading.current_thread()
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                call: list[Any] | None = self._calls.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                call = None
+            with self._lock:
+                self._idle -= 1
+                if call is not None:
+                    self._waiting -= 1
+                elif self._waiting == 0:
+                    self.alive -= 1
+                    return
+            if call is None:
+                continue  # a call came in just as the wait ended
+            thread.name = call[3]
+            _run(call)
+            thread.name = IDLE_NAME
+
+
+def _run(call: list[Any]) -> None:
+    fn, context, future, _ = call
+    call.clear()  # nothing of the call outlives it here: its closure can hold a store
+    if fn is None or not future.set_running_or_notify_cancel():
+        return  # failed to start, or cancelled while in line
+    try:
+        result = context.run(fn)
+    except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
+        del fn, context
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(error)
+    else:
+        del fn, context
+        with contextlib.suppress(InvalidStateError):
+            future.set_result(result)
+
+
+_threads = _Threads()
+
+
+def submit(fn: Callable[[], T], *, name: str) -> Future[T]:
+    """Run ``fn`` on a daemon thread named ``name``, with the caller's context variables; a future for its outcome.
+
+    Raises:
+        RuntimeError: No thread could be started and none is alive to take the call; the future holds it too.
+    """
+    return _threads.submit(fn, name)
+
+
+def threads_alive() -> int:
+    """How many of the library's threads are alive, busy or idle."""
+    return _threads.alive
+
+
+async def wait_for_future(future: Future[T], timeout: float | None) -> T:
+    """Await a thread's future on the running loop, for at most ``timeout`` seconds; the call is not cancelled.
+
+    Raises:
+        asyncio.TimeoutError: The budget ran out; the call keeps running (or waiting for its turn).
+    """
+    if not future.done():
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # that loop has closed: nobody waits for this any more
+                loop.call_soon_threadsafe(_settle, waiter, None)
+
+        future.add_done_callback(wake)
+        # A timer on the waiter rather than asyncio.wait_for, which would cancel the wrapped call.
+        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, asyncio.TimeoutError())
+        try:
+            await waiter
+        finally:
+            if timer is not None:
+                timer.cancel()
+    return future.result()
+
+
+def _settle(waiter: asyncio.Future[None], error: BaseException | None) -> None:
+    if not waiter.done():
+        if error is None:
+            waiter.set_result(None)
+        else:
+            waiter.set_exception(error)
+
+
+# --- Forked children and interpreter exit ---------------------------------------------------------
+
+_lock = threading.Lock()
+_fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
+_exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
+_exiting = False
+
+
+def reset_after_fork(member: Any) -> None:
+    """Call ``member._after_fork_in_child()`` in every process forked from this one while ``member`` lives.
+
+    Held weakly. It runs in the child's only thread, before anything else: it must take no lock of its own.
+    """
+    with _lock:
+        _fork_members.add(member)
+
+
+def finish_at_exit(member: Any) -> None:
+    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives (held weakly)."""
+    with _lock:
+        _exit_members.add(member)
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: a write that fails now gets no retry from the manager."""
+    return _exiting
+
+
+def _after_fork_in_child() -> None:
+    global _threads, _lock
+    _threads = _Threads()
+    _lock = threading.Lock()
+    _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
+    for member in list(_fork_members):
+        try:
+            member._after_fork_in_child()
+        except Exception as error:  # noqa: BLE001 - one member's failure must not keep the others from resetting
+            logger.warning("reason=<%s> | could not reset after os.fork()", type(error).__name__)
+
+
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
+    started = time.monotonic()
+    with _lock:
+        members = list(_exit_members)
+    for member in members:
+        member._finish_at_exit(started)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+# Registered after logging's own hook (imported above): atexit runs last-in first-out, so the log still works.
+atexit.register(_at_exit)

@@ -1,0 +1,143 @@
+"""The process's connection pools: one shared ``httpx.Client`` per base URL and proxy/TLS environment.
+
+Every store built from a key sends through the client :func:`shared_client` hands out for its base URL (the SDK
+sends the key with each request, so stores never share credentials, only sockets). Its limits bound the idle
+sockets however many stores there are, and it is a :class:`DeadlineClient`: httpx's timeouts count per read, so
+a server that drips a byte at a time would hold a call for as long as it drips; this client ends an attempt
+whose body is still arriving at its timeout (the SDK's 90 s), counted for the whole body.
+
+httpx reads the proxy and certificate variables when a client is built, so stores share a pool only when they
+were built under the same values. A forked child starts with no pools (``_background``): the parent's are
+dropped, not closed, since a parent thread may have held their locks at the fork, and their sockets are the
+parent's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import ssl
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import httpx
+from membase.client import DEFAULT_TIMEOUT
+
+from . import _background
+
+ATTEMPT_SECONDS = DEFAULT_TIMEOUT
+"""The whole-call deadline of one attempt through the shared pools: the SDK's own timeout."""
+LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50, keepalive_expiry=5.0)
+"""The shared pools' limits: idle sockets past 50 are closed, and any idle for 5 s at the pool's next use."""
+# httpx reads these when a client is built: stores share a pool only when they were built under the same values.
+_HTTP_ENVIRONMENT = tuple(
+    name
+    for base in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR")
+    for name in (base, base.lower())
+)
+
+
+_lock = threading.Lock()
+_clients: dict[tuple[str | None, ...], httpx.Client] = {}
+_routes: weakref.WeakValueDictionary[str, httpx.Client] = weakref.WeakValueDictionary()
+
+
+def shared_client(base_url: str) -> httpx.Client:
+    """The shared client for ``base_url`` under the current environment, built on first use."""
+    routed = _routes.get(base_url)
+    if routed is not None:
+        return routed
+    environment = tuple(os.environ.get(name) for name in _HTTP_ENVIRONMENT)
+    key = (base_url, *environment)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            certificates = environment[-4:]  # SSL_CERT_FILE and SSL_CERT_DIR, in both cases
+            client = DeadlineClient(
+                base_url=base_url, timeout=ATTEMPT_SECONDS, limits=LIMITS, verify=_ssl_context(*certificates)
+            )
+            _clients[key] = client
+    return client
+
+
+def route(base_url: str, transport: httpx.BaseTransport) -> httpx.Client:
+    """Send what stores built for ``base_url`` send through ``transport``, while the returned client lives.
+
+    For the testing kit: a store built from a key then takes the production path down to the transport.
+    """
+    client = DeadlineClient(base_url=base_url, transport=transport, timeout=ATTEMPT_SECONDS)
+    _routes[base_url] = client
+    return client
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _clients
+    _lock = threading.Lock()
+    _clients = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _ssl_context(*certificate_environment: str | None) -> ssl.SSLContext:
+    """httpx's default TLS settings (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), built once per setting (about 1 MiB)."""
+    return httpx.create_ssl_context()
+
+
+class DeadlineClient(httpx.Client):
+    """An ``httpx.Client`` whose responses must arrive whole within its timeout (its longest phase)."""
+
+    def send(
+        self,
+        request: httpx.Request,
+        *,
+        stream: bool = False,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+    ) -> httpx.Response:
+        phases = (self.timeout.connect, self.timeout.read, self.timeout.write, self.timeout.pool)
+        seconds = max((phase for phase in phases if phase is not None), default=DEFAULT_TIMEOUT)
+        deadline = time.monotonic() + seconds
+        response = super().send(request, stream=True, auth=auth, follow_redirects=follow_redirects)
+        if stream:
+            return response
+        try:
+            response.stream = _DeadlineBody(response, request, deadline, seconds)
+            response.read()
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+
+class _DeadlineBody(httpx.SyncByteStream):
+    """A response body that ends with a read timeout once the deadline has passed while more is still to come."""
+
+    def __init__(self, response: httpx.Response, request: httpx.Request, deadline: float, seconds: float) -> None:
+        self._stream: Iterable[bytes] = response.stream  # type: ignore[assignment]  # a sync client's body
+        self._request = request
+        self._deadline = deadline
+        self._seconds = seconds
+        length = response.headers.get("content-length", "")
+        self._length = int(length) if length.isdigit() else None
+
+    def __iter__(self) -> Iterator[bytes]:
+        received = 0
+        for chunk in self._stream:
+            received += len(chunk)
+            yield chunk
+            # A body that is whole is kept however late it came: nothing would be gained by refusing it.
+            if time.monotonic() > self._deadline and (self._length is None or received < self._length):
+                raise httpx.ReadTimeout(
+                    f"Membase did not finish answering within the whole-call deadline of {self._seconds:g} s",
+                    request=self._request,
+                )
+
+    def close(self) -> None:
+        if isinstance(self._stream, httpx.SyncByteStream):
+            self._stream.close()
+
+
+_background.reset_after_fork(sys.modules[__name__])
