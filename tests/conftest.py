@@ -23,12 +23,12 @@ def fake() -> InMemoryMembase:
 
 @pytest.fixture
 def make_store(fake: InMemoryMembase) -> Iterator[Callable[..., MembaseMemoryStore]]:
-    """Build stores over the fake; each is closed after the test."""
+    """Build stores over the fake, from its key as in production unless a ``client`` is given; each is closed after
+    the test."""
     made: list[MembaseMemoryStore] = []
 
     def build(**options: Any) -> MembaseMemoryStore:
-        options.setdefault("client", fake.client())
-        store = MembaseMemoryStore(**options)
+        store = MembaseMemoryStore(**options) if "client" in options else fake.store(**options)
         made.append(store)
         return store
 

@@ -127,6 +127,13 @@ class MembaseMemoryStore:
         self._gateway = MembaseGateway(
             client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
         )
+        if capture and client is not None and client.max_retries > 0:
+            logger.warning(
+                "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured "
+                "write that timed out may be saved twice; build it with max_retries=0, or pass api_key= instead",
+                self.name,
+                client.max_retries,
+            )
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact

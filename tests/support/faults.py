@@ -13,7 +13,6 @@ patch) so its outcomes can be cached and compared across faults.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
@@ -33,7 +32,6 @@ from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, Responde
 from tests.support.store_helpers import (
     FACT,
     QUESTION,
-    hosted_clients_routed,
     make_agent,
     membase_threads,
     result_text,
@@ -357,7 +355,7 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
     hints: list[str | None] = []
     hosted = path == "recall_hosted"
     options: dict[str, Any] = {
-        **({"api_key": API_KEY, "base_url": "https://membase.example"} if hosted else {"client": fake.client()}),
+        **({"api_key": API_KEY, "base_url": fake.base_url} if hosted else {"client": fake.client()}),
         "recall_timeout": RECALL_TIMEOUT,
         "write_timeout": WRITE_TIMEOUT,
     }
@@ -369,8 +367,7 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
         options["extraction"] = True
 
     outcome = Outcome(path=path, fault=fault, elapsed=0.0)
-    routed = hosted_clients_routed(fake.handle) if hosted else contextlib.nullcontext()
-    with capture_logs() as handler, instant_sdk_backoff(hints), routed as built:
+    with capture_logs() as handler, instant_sdk_backoff(hints):
         store = MembaseMemoryStore(**options)
         try:
             _drive(path, store, outcome)
@@ -379,7 +376,6 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
             wait_until(lambda: not membase_threads(), timeout=10.0)
             outcome.counters = store.counters()
             store.close()
-    outcome.extra["awaited_clients"] = len(built.awaited) if built is not None else 0
     outcome.records = list(handler.records)
     outcome.logs = format_records(outcome.records)
     outcome.requests = fake.sent()
