@@ -43,6 +43,8 @@ STANDARD = (
     "recall_errors",
     "writes_saved",
     "writes_deduplicated",
+    "writes_sent_again",
+    "writes_lost",
     "write_timeouts",
     "write_cancellations",
     "write_errors",

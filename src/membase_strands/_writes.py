@@ -1,30 +1,28 @@
-"""Captured writes: time-boxed, never sent twice for the same thing, and every outcome on record.
+"""Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any
-newer messages), and on the extractor path every fact of a batch goes through ``add`` again when
-one of them failed. A write that ran out of budget may still succeed in the background. So this
-store keeps a record of its writes by identity:
+The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any newer
+messages), and on the extractor path every fact of a batch goes through ``add`` again when one of them
+failed. A write that ran out of budget may still succeed in the background. So the store keeps a record of
+its writes by identity:
 
 - saved: a retry does not send it again and reports success;
 - still running: a retry waits for that request (within the budget) instead of sending another;
-- failed, or never started (no thread could be started): it is forgotten, so the retry sends it.
+- failed: it is forgotten, so the retry sends it.
 
-The thread that ran a request records its outcome before anyone waiting for it wakes. When the
-caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when
-its client disconnects), that thread also logs and counts the outcome, a failure under
-``write_errors`` and ``errors.<kind>``. So once :meth:`WriteRecord.drain` returns, the outcome of
-every write it waited for is in the logs and the counters. A write still running when the
-interpreter exits gets up to its budget to finish, and a log line if it does not.
+Each request runs on a daemon thread, which records its outcome before anyone waiting for it wakes. When
+the caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when its
+client hangs up), that thread also logs and counts the outcome. A batch that then fails and that no retry
+will ever bring back (its caller was cancelled, so Strands counts it as handled; or the store was closed) is
+kept and sent again by the store itself, once: with the store's next write, when the store closes, or at
+interpreter exit, whichever comes first. Kept batches are bounded in bytes; one dropped to make room, or
+failing again, is logged at WARNING and counted as lost.
 
-A message's identity is its sequence number in the manager's batch, the message object itself
-(the manager hands the same content block objects on every retry of a batch, and a new agent run
-brings new ones; the record keeps a reference to the block, so its ``id`` cannot be reused while
-the record stands), and a hash of its text. A fact's identity is a hash of its text and target.
-
-The record is bounded in entries, in time, and in the bytes of text its anchors keep alive: a
-saved write keeps its identity but not Membase's answer or the words it sent, and past the bounds
-the oldest saved writes are forgotten, those a retry is still expected for (their caller was told
-they failed) last, and the newest of those never by a bound.
+A message's identity is its sequence number in the manager's batch, the message object itself (the manager
+hands the same content block objects on every retry of a batch and new ones in a new agent run; the record
+holds the block, so its ``id`` cannot be reused while the record stands) and a hash of its text. A fact's
+identity is a hash of its text and target. The record is bounded in entries, time and the bytes of text its
+anchors keep alive: past the bounds the oldest saved writes are forgotten, those a retry is still expected
+for (their caller was told they failed) last, and the newest of those never.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +50,7 @@ logger = logging.getLogger(__name__)
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
 RECORD_BYTES = 1024 * 1024
-"""The most message text (in bytes of ``str`` objects) that saved writes' anchors keep alive, per record."""
+"""The most message text (bytes of ``str`` objects) the record keeps alive: saved anchors, and kept batches."""
 
 
 @dataclass(frozen=True)
@@ -68,37 +66,38 @@ class Part:
     anchor_bytes: int = 0
 
 
+Send = Callable[[list[Part]], Any]
+"""Makes the blocking request for the parts that still need it."""
+
+
 def fingerprint(*fields: object) -> str:
     """A compact, stable digest of some fields, for identities that must not hold whole texts."""
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-@dataclass(frozen=True)
-class _Late:
-    """Why nobody waits for a request any more, in the words of the log line that reports its outcome."""
-
-    which: str
-    after_failure: str
+# Why nobody waits for a request any more: the words of the line that reports its outcome.
+_RAN_OUT = "that ran out of time"
+_CANCELLED = "whose caller was cancelled"
+_SENT_AGAIN = "the store sent again"
 
 
-_RAN_OUT = _Late("that ran out of time", "the manager's retry sends it again")
-_CANCELLED = _Late("whose caller was cancelled", "it is not saved")
-_AT_EXIT = "it is not saved, and no retry will send it: the interpreter is exiting"
+def _size(request: _Request) -> int:
+    return sum(part.anchor_bytes or len(part.text) for part in request.parts)
 
 
 class _Request:
     """One request this record started: its parts while it runs, then its outcome."""
 
-    __slots__ = ("abandoned", "done", "error", "future", "linked", "parts", "result")
+    __slots__ = ("abandoned", "done", "error", "future", "linked", "parts", "result", "send")
 
-    def __init__(self, parts: list[Part]) -> None:
-        # Settled by the thread only after the outcome is recorded (see WriteRecord._finish).
-        self.future: Future[Any] = Future()
-        self.parts: list[Part] | None = parts
+    def __init__(self, parts: list[Part], send: Send) -> None:
+        self.future: Future[Any] = Future()  # settled by the thread only once the outcome is recorded
+        self.parts = parts
+        self.send = send
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
-        self.abandoned: _Late | None = None  # set when its caller stopped waiting: the thread reports the outcome
+        self.abandoned: str | None = None  # why its caller stopped waiting: its thread reports the outcome
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -113,7 +112,7 @@ class _Entry:
 
 
 class WriteRecord:
-    """Writes this store started, by identity; safe to share between threads and event loops."""
+    """The writes one store started, by identity; safe to share between threads and event loops."""
 
     def __init__(
         self,
@@ -121,35 +120,30 @@ class WriteRecord:
         counters: Counters | None = None,
         redact: Callable[[str], str] = str,
         *,
+        budget: float | None = _options.DEFAULT_WRITE_TIMEOUT,
         size: int = RECORD_SIZE,
         seconds: float = RECORD_SECONDS,
         max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Create an empty record.
-
-        Args:
-            store_name: The store's name, for log lines and thread names.
-            counters: Where to count writes saved, deduplicated, timed out, cancelled and failed late.
-            redact: Masks secrets in the text of a late failure before it is logged.
-            size: How many saved writes to remember at most (oldest forgotten first).
-            seconds: How long to remember a saved write.
-            max_bytes: How much text the anchors of saved writes may keep alive (oldest forgotten first).
-            clock: The monotonic clock (a parameter so tests can move time).
-        """
+        """An empty record. ``budget``: seconds a write may hold its caller (``None``: one whole request), and how
+        long closing waits; ``size``, ``seconds``, ``max_bytes``: its bounds; ``clock``: for tests to move time."""
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
+        self._budget = budget
         self._size = size
         self._seconds = seconds
         self._max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
         self._saves = 0
-        self.exit_grace = _options.WAIT_WITHOUT_BUDGET  # how long interpreter exit waits for running writes
-        _background.finish_at_exit(self)
+        self._closing = False  # close() began: no retry will come from the manager
+        self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
         _background.reset_after_fork(self)
+        _background.finish_at_exit(self)
 
     def _after_fork_in_child(self) -> None:
         # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
@@ -163,29 +157,26 @@ class WriteRecord:
 
     @property
     def retained_bytes(self) -> int:
-        """The bytes of text the record keeps alive through the anchors of the writes it remembers."""
+        """The bytes of text the record keeps alive: the anchors of the writes it remembers, and kept batches."""
         with self._lock:
-            return sum(entry.anchor_bytes for entry in self._entries.values())
+            kept = sum(_size(request) for request in self._kept)
+            return kept + sum(entry.anchor_bytes for entry in self._entries.values())
 
-    async def write(self, parts: Sequence[Part], send: Callable[[list[Part]], Any], budget: float | None) -> Any:
-        """Send the parts not saved yet as one request, waiting at most ``budget`` seconds in all.
+    @property
+    def _wait_budget(self) -> float:
+        return self._budget if self._budget is not None else _options.WAIT_WITHOUT_BUDGET
 
-        Args:
-            parts: What the caller wants saved.
-            send: Makes the blocking request for the parts that still need it.
-            budget: Seconds to wait, or ``None`` to wait as long as the request takes.
-
-        Returns:
-            What ``send`` returned, or ``None`` when every part was already saved.
+    async def write(self, parts: Sequence[Part], send: Send) -> Any:
+        """Send the parts not saved yet as one request, waiting at most the budget in all; what ``send`` returned,
+        or ``None`` when every part was saved already. Kept batches go out first, in the background.
 
         Raises:
             MembaseWriteTimeout: The budget ran out; the request goes on in the background.
-            asyncio.CancelledError: The caller was cancelled; the request goes on in the background
-                and its outcome is logged and counted when it ends.
-            Exception: Whatever ``send`` raised, or the error that kept its thread from starting;
-                those parts are forgotten so a retry sends them.
+            asyncio.CancelledError: The caller was cancelled; the request goes on in the background.
+            Exception: Whatever ``send`` raised (those parts are forgotten, so a retry sends them).
         """
-        deadline = None if budget is None else self._clock() + budget
+        self._send_kept(without={part.key for part in parts})
+        deadline = None if self._budget is None else self._clock() + self._budget
         saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
         while True:
             with self._lock:
@@ -194,9 +185,7 @@ class WriteRecord:
                 if not running:
                     saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._entries]
                     todo = [part for part in parts if part.key not in saved_for_us and part.key not in self._entries]
-                    request = _Request(todo) if todo else None
-                    for part in todo:
-                        self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
+                    request = self._register(todo, send) if todo else None
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
@@ -215,108 +204,69 @@ class WriteRecord:
             logger.debug(
                 "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
-        if request is None:
-            self._retried(saved)
-            return None
-        try:
-            _background.submit(lambda: self._run(request, send), name=f"membase-write[{self._store_name}]")
-        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
-            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
-            logger.warning(
-                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
-                self._store_name,
-                self._redact(detail_of(error)),
+        if request is not None:
+            self._start(request)
+            result = await self._wait(
+                request, deadline, "it goes on in the background and the manager keeps the batch", own=True
             )
-            self._finish(request, None, error)
-            raise
-        what = "it goes on in the background and the manager keeps the batch"
-        result = await self._wait(request, deadline, what, own=True)
+        else:
+            result = None
         self._retried(saved)
         return result
-
-    def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the writes still running; whether none is left.
-
-        Each write waited for has its outcome recorded, logged and counted by the time this returns.
-        """
-        running = self._still_running()
-        if not running:
-            return True
-        left = len(wait(running, timeout=timeout).not_done)
-        return self._drained(left, timeout)
-
-    async def drain_async(self, timeout: float) -> bool:
-        """:meth:`drain` for async code: awaits the writes still running without blocking the event loop.
-
-        Works from any event loop; cancelling it leaves the writes running.
-        """
-        running = self._still_running()
-        if not running:
-            return True
-        deadline = time.monotonic() + timeout
-        for future in running:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            # A failure is the writing thread's to report; a timeout shows in the count below.
-            with contextlib.suppress(Exception):
-                await wait_for_future(future, remaining)
-        return self._drained(sum(not future.done() for future in running), timeout)
 
     def running(self) -> list[Future[Any]]:
         """The futures of the writes still running; each settles once its outcome is on record."""
         with self._lock:
             return list({entry.request.future for entry in self._entries.values() if entry.request is not None})
 
-    def _still_running(self) -> list[Future[Any]]:
-        """:meth:`running`, logged as waited for."""
+    def drain(self, until: float | None = None) -> bool:
+        """Close the record: wait for the writes still running, then send the kept batches once and wait for those,
+        each up to the budget (or both until the monotonic time ``until``); whether no write is left running.
+        Every outcome waited for is on record and logged when this returns."""
+        self._closing = True
         running = self.running()
-        if running:
-            logger.info("store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(running))
-        return running
-
-    def _drained(self, left: int, timeout: float) -> bool:
+        if running or self._kept:
+            logger.info(
+                "store=<%s>, writes=<%d> | waiting for writes still running",
+                self._store_name,
+                len(running) + len(self._kept),
+            )
+        wait(running, timeout=self._time_left(until))
+        self._closed = True
+        wait(self._send_kept(), timeout=self._time_left(until))
+        left = len(self.running())
         if left:
             logger.warning(
-                "store=<%s>, writes=<%d> | writes still running after %g s; their outcome is logged when they end",
+                "store=<%s>, writes=<%d> | writes still running after %g s; %s",
                 self._store_name,
                 left,
-                timeout,
+                self._wait_budget,
+                "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end",
             )
         return not left
 
+    async def drain_async(self) -> bool:
+        """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
+        return await wait_for_future(_background.submit(self.drain, name=f"membase-close[{self._store_name}]"), None)
+
+    def _time_left(self, until: float | None) -> float:
+        return self._wait_budget if until is None else max(0.0, until - time.monotonic())
+
     def _finish_at_exit(self, started: float) -> None:
-        """At interpreter exit: wait until ``exit_grace`` after ``started`` for the writes still running, and log
-        each one that did not end (never its text), so nothing is lost without a line saying so."""
-        with self._lock:
-            running = {entry.request for entry in self._entries.values() if entry.request is not None}
-        if not running:
-            return
-        logger.info(
-            "store=<%s>, writes=<%d> | the interpreter is exiting; waiting up to %g s for writes still running",
-            self._store_name,
-            len(running),
-            self.exit_grace,
-        )
-        wait([request.future for request in running], timeout=max(0.0, started + self.exit_grace - time.monotonic()))
-        for request in running:
-            if not request.done:
-                logger.warning(
-                    "store=<%s>, parts=<%d>, reason=<interpreter exiting> | a write still running at exit did not "
-                    "finish within %g s; it was not confirmed saved",
-                    self._store_name,
-                    len(request.parts or ()),
-                    self.exit_grace,
-                )
+        """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
+        if self.running() or self._kept:
+            logger.info(
+                "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running",
+                self._store_name,
+                self._wait_budget,
+            )
+            self.drain(until=started + self._wait_budget)
 
     # --- Waiting --------------------------------------------------------------------------------
 
     async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
-        """Wait for ``request`` until ``deadline``.
-
-        With ``own`` this caller started it: its failure is raised here, and if this caller stops
-        waiting the request's thread reports the outcome. Otherwise its failure is not raised here.
-        """
+        """Wait for ``request`` until ``deadline``. With ``own`` this caller started it: its failure is raised here,
+        and if this caller stops waiting, the request's thread reports the outcome."""
         remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
             return await wait_for_future(request.future, remaining)
@@ -338,7 +288,7 @@ class WriteRecord:
                 self._store_name,
             )
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
-                self._report_late(_CANCELLED, request.error, request)  # it failed just before: nobody else reports it
+                self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
         except Exception:
             if own:
@@ -348,7 +298,7 @@ class WriteRecord:
             raise request.error
         return request.result
 
-    def _abandon(self, request: _Request, why: _Late) -> bool:
+    def _abandon(self, request: _Request, why: str) -> bool:
         """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
         with self._lock:
             if request.done:
@@ -358,9 +308,29 @@ class WriteRecord:
 
     # --- The request's thread -------------------------------------------------------------------
 
-    def _run(self, request: _Request, send: Callable[[list[Part]], Any]) -> None:
+    def _register(self, parts: list[Part], send: Send) -> _Request:
+        """A request for ``parts``, on record as running. Called with the lock held."""
+        request = _Request(parts, send)
+        for part in parts:
+            self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
+        return request
+
+    def _start(self, request: _Request) -> None:
         try:
-            result = send(list(request.parts or ()))
+            _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]")
+        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
+            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
+            logger.warning(
+                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
+                self._store_name,
+                self._redact(detail_of(error)),
+            )
+            self._finish(request, None, error)
+            raise
+
+    def _run(self, request: _Request) -> None:
+        try:
+            result = request.send(list(request.parts))
         except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
             self._finish(request, None, error)
         else:
@@ -370,14 +340,11 @@ class WriteRecord:
         """Record the outcome, report it if nobody waits for it any more, then settle the future."""
         try:
             with self._lock:
-                parts = request.parts or []
-                request.parts = None
                 request.done = True
                 request.result, request.error = result, error
-                abandoned = request.abandoned
                 self._saves += 1
                 now = self._clock()
-                for part in parts:
+                for part in request.parts:
                     entry = self._entries.get(part.key)
                     if entry is None or entry.request is not request:
                         continue
@@ -387,34 +354,79 @@ class WriteRecord:
                         entry.request = None
                         entry.saved_at = now
                         entry.save = self._saves
-                        entry.retry_expected = abandoned is not None
+                        entry.retry_expected = request.abandoned is not None
                         self._entries.move_to_end(part.key)
                 self._evict()
             if error is None:
-                self._counters.add("writes_saved", len(parts))
-            if abandoned is not None:
-                self._report_late(abandoned, error, request)
+                self._counters.add("writes_saved", len(request.parts))
+            if request.abandoned is not None:
+                self._report_late(request, request.abandoned)
         finally:
             if error is None:
                 request.future.set_result(result)
             else:
                 request.future.set_exception(error)
 
-    def _report_late(self, why: _Late, error: BaseException | None, request: _Request) -> None:
-        reason = "timeout" if why is _RAN_OUT else "cancelled"
+    def _report_late(self, request: _Request, why: str) -> None:
+        error = request.error
+        reason = {_RAN_OUT: "timeout", _CANCELLED: "cancelled"}.get(why, "sent again")
         _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=reason)
         if error is None:
-            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why.which)
+            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why)
             return
         self._counters.add("write_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        logger.warning(
-            "store=<%s>, reason=<%s> | a write %s failed; %s",
-            self._store_name,
-            self._redact(detail_of(error)),
-            why.which,
-            _AT_EXIT if _background.exiting() else why.after_failure,
-        )
+        detail = self._redact(detail_of(error))
+        if why == _RAN_OUT and not self._closing:
+            then = "the manager's retry sends it again"
+        elif why == _SENT_AGAIN or _background.exiting() or not self._keep(request):
+            self._counters.add("writes_lost", len(request.parts))
+            then = "it is not saved, and nothing will send it again"
+        elif self._closed:
+            then = "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
+        elif self._closing:
+            then = "no retry will come from the manager (the store is closing); it is sent again before it closes"
+        else:
+            then = "no retry will come from the manager; the store sends it again with its next write or when it closes"
+        logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
+
+    # --- Batches sent again ---------------------------------------------------------------------
+
+    def _keep(self, request: _Request) -> bool:
+        """Keep a failed batch nobody will retry, within the byte bound: the oldest kept ones make room, each
+        dropped one logged and counted as lost. Whether ``request`` itself was kept."""
+        with self._lock:
+            self._kept.append(request)
+            dropped = []
+            while sum(_size(kept) for kept in self._kept) > self._max_bytes:
+                dropped.append(self._kept.pop(0))
+        for lost in dropped:
+            self._counters.add("writes_lost", len(lost.parts))
+            logger.warning(
+                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
+                "it is not saved",
+                self._store_name,
+                len(lost.parts),
+                self._max_bytes,
+            )
+        return request not in dropped
+
+    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
+        """Send each kept batch once more, in the background, leaving out parts a caller is sending right now."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+            requests = []
+            for old in kept:
+                parts = [part for part in old.parts if part.key not in without and part.key not in self._entries]
+                if parts:
+                    request = self._register(parts, old.send)
+                    request.abandoned = _SENT_AGAIN
+                    requests.append(request)
+        for request in requests:
+            self._counters.add("writes_sent_again", len(request.parts))
+            with contextlib.suppress(Exception):  # it failed to start: logged, and forgotten
+                self._start(request)
+        return [request.future for request in requests]
 
     # --- The record -----------------------------------------------------------------------------
 
@@ -437,12 +449,11 @@ class WriteRecord:
                         entry.retry_expected = False
 
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest past the size and byte bounds.
+        """Forget saved writes past their time, then the oldest past the size and byte bounds. Lock held.
 
-        Called with the lock held, before each write and after each save, so the bounds hold at rest.
-        Writes still running are never forgotten. Among saved ones, those a retry is still expected for
-        go last, and the newest of them stays whatever the bounds: the manager's retry of a batch whose
-        write ran out of time is the duplicate this record exists to stop.
+        Running writes are never forgotten. Those a retry is still expected for go last, and the newest of them
+        stays whatever the bounds: the manager's retry of a batch whose write ran out of time is the duplicate
+        this record exists to stop.
         """
         cutoff = self._clock() - self._seconds
         for key, entry in list(self._entries.items()):

@@ -138,8 +138,7 @@ class MembaseMemoryStore:
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact
         self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=lambda: self._closed)
-        self._writes = WriteRecord(self.name, self._counters, redact)
-        self._writes.exit_grace = self._drain_budget()
+        self._writes = WriteRecord(self.name, self._counters, redact, budget=self._write_timeout)
         self._closed = False
         self._close_lock = threading.Lock()
         self._closing: Future[None] | None = None  # settled once the first close() or aclose() has finished
@@ -357,9 +356,8 @@ class MembaseMemoryStore:
         title, static = _options.write_flags(metadata)
         target = None if static else self._container
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
-        return await self._write(
-            [part], lambda parts: self._gateway.save(parts[0].text, target, static=static, title=title)
-        )
+        gateway = self._gateway  # not self: a batch kept for sending again must not keep the store alive
+        return await self._write([part], lambda parts: gateway.save(parts[0].text, target, static=static, title=title))
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
         """Save the text of a conversation batch as one note (extraction without an extractor).
@@ -381,9 +379,10 @@ class MembaseMemoryStore:
             with _telemetry.operation(_telemetry.WRITE, self.name, parts=0) as operation:
                 operation.outcome("empty", decision="nothing to send")
             return None
+        gateway, container = self._gateway, self._container  # not self: see add()
         return await self._write(
             parts,
-            lambda todo: self._gateway.save("\n".join(p.text for p in todo), self._container),
+            lambda todo: gateway.save("\n".join(p.text for p in todo), container),
         )
 
     def counters(self) -> dict[str, int]:
@@ -436,7 +435,7 @@ class MembaseMemoryStore:
             wait([closed], timeout=self._drain_budget())
             return
         try:
-            self._writes.drain(self._drain_budget())
+            self._writes.drain()
         finally:
             closing = self._release()
             closed.set_result(None)
@@ -458,7 +457,7 @@ class MembaseMemoryStore:
                 await wait_for_future(closed, self._drain_budget())
             return
         try:
-            await self._writes.drain_async(self._drain_budget())
+            await self._writes.drain_async()
         finally:
             closing = self._release()  # also when cancelled: the store never ends half closed
             closed.set_result(None)
@@ -559,7 +558,7 @@ class MembaseMemoryStore:
         with _telemetry.operation(_telemetry.WRITE, self.name, parts=len(parts)) as operation:
             operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
             try:
-                result = await self._writes.write(parts, send, self._write_timeout)
+                result = await self._writes.write(parts, send)
             except MembaseWriteTimeout:
                 raise
             except Exception as error:
