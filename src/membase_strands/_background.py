@@ -180,6 +180,7 @@ def _settle(waiter: asyncio.Future[None], error: BaseException | None) -> None:
 _lock = threading.Lock()
 _fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
+_held: set[Any] = set()
 _exiting = False
 
 
@@ -192,10 +193,18 @@ def reset_after_fork(member: Any) -> None:
         _fork_members.add(member)
 
 
-def finish_at_exit(member: Any) -> None:
-    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives (held weakly)."""
+def finish_at_exit(member: Any, *, hold: bool | None = None) -> None:
+    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives.
+
+    Held weakly; with ``hold=True`` strongly too, until ``hold=False`` (a record with batches to send again must
+    live to send them, even once its store is gone).
+    """
     with _lock:
         _exit_members.add(member)
+        if hold:
+            _held.add(member)
+        elif hold is False:
+            _held.discard(member)
 
 
 def exiting() -> bool:
@@ -208,6 +217,7 @@ def _after_fork_in_child() -> None:
     _threads = _Threads()
     _lock = threading.Lock()
     _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
+    _held.clear()
     for member in list(_fork_members):
         try:
             member._after_fork_in_child()

@@ -400,6 +400,7 @@ class WriteRecord:
             dropped = []
             while sum(_size(kept) for kept in self._kept) > self._max_bytes:
                 dropped.append(self._kept.pop(0))
+            _background.finish_at_exit(self, hold=bool(self._kept))  # it must live to send them, store or not
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
             logger.warning(
@@ -414,7 +415,10 @@ class WriteRecord:
     def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
         """Send each kept batch once more, in the background, leaving out parts a caller is sending right now."""
         with self._lock:
+            if not self._kept:
+                return []
             kept, self._kept = self._kept, []
+            _background.finish_at_exit(self, hold=False)
             requests = []
             for old in kept:
                 parts = [part for part in old.parts if part.key not in without and part.key not in self._entries]
