@@ -462,7 +462,7 @@ def test_the_module_without_a_key_exits_1_naming_the_variable():
         env=scrubbed_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
 
     assert done.returncode == 1, done.stderr
@@ -477,7 +477,7 @@ def test_the_module_never_prints_a_key_it_could_not_use():
         env=scrubbed_env(MEMBASE_API_KEY=CLI_KEY, MEMBASE_BASE_URL="http://127.0.0.1:9"),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
 
     assert done.returncode == 1, done.stderr
