@@ -1,9 +1,9 @@
 """The setup check: does Membase answer this key, and what may the key do?
 
 Run it as ``membase-strands check`` or ``python -m membase_strands check`` (add ``--json`` for
-scripts), or call :func:`run_check`. It never prints the key and saves nothing: whether the key may save is found
-out by sending an empty note, which Membase refuses without storing anything (403 when the key may
-not write, 400 for the empty content otherwise).
+scripts), or call :func:`run_check`. It never prints the key and saves nothing: whether the key may
+save is found out by sending an empty note, which Membase refuses without storing anything (403 when
+the key may not write, 400 for the empty content otherwise).
 """
 
 from __future__ import annotations
