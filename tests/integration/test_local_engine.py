@@ -1,7 +1,8 @@
 """The store through a real Strands agent, against the real Membase engine on loopback.
 
-Each store test runs twice: over HTTP (``membase serve``, the store built with ``api_key``/``base_url``)
-and in process (``local=DIR``). The engine's LLM is the deterministic stand-in, so the engine
+Each store test runs twice: over HTTP (``membase serve``'s server on loopback, the store built with
+``api_key``/``base_url``) and in process (``local=DIR``). Stores get budgets a loaded machine cannot run out
+of, except where a test is about one. The engine's LLM is the deterministic stand-in, so the engine
 really learns (an episode per note) and ranks (hashed bag-of-words embeddings): a store that sent
 the wrong query, container or content would fail these tests, not just a mock's bookkeeping.
 """
