@@ -13,10 +13,9 @@ import httpx
 import pytest
 from membase.requirements import local_unavailable
 
-from membase_strands import check
-from membase_strands.check import run_check
+import membase_strands
+from membase_strands import _http, check
 from membase_strands.testing import API_KEY, InMemoryMembase, refuse_connection, status
-from tests.support.store_helpers import route_hosted_clients
 
 CLI_KEY = "mb_cli_key_Zq8_n3ver_printed"
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
@@ -31,6 +30,11 @@ def failed(report: check.CheckReport) -> list[check.Step]:
     return [step for step in report.steps if step.required and not step.ok]
 
 
+def run_check(fake: InMemoryMembase, **options: Any) -> check.CheckReport:
+    """The check as the CLI runs it: from a key, against the fake's host (the production path)."""
+    return check.run_check(api_key=API_KEY, base_url=fake.base_url, **options)
+
+
 def ticking(*times: float):
     """A clock that returns ``times`` in order."""
     values = iter(times)
@@ -43,7 +47,7 @@ def ticking(*times: float):
 def test_everything_working_is_ok_and_says_what_is_in_reach(fake: InMemoryMembase):
     fake.containers = TWO_MEMORIES
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert report.ok
     assert report.memories == ["Main", "Work"]
@@ -56,14 +60,23 @@ def test_everything_working_is_ok_and_says_what_is_in_reach(fake: InMemoryMembas
     assert "first" in text and "second" in text
     assert "suggested recall_timeout: 2 s" in text
     assert text.rstrip().endswith("Everything needed works.")
-    assert report.target == "https://membase.test"
+    assert report.target == fake.base_url
+
+
+def test_a_ready_client_is_checked_as_it_is_and_left_open(fake: InMemoryMembase):
+    client = fake.client()
+
+    report = check.run_check(client=client)
+
+    assert report.ok and report.target == fake.base_url
+    assert client.containers.list()["containers"] == fake.containers  # the check did not close it
 
 
 def test_the_search_probe_runs_twice_and_the_save_probe_writes_nothing(fake: InMemoryMembase):
     fake.remember("We chose Postgres for the ledger.")
     before = list(fake.notes)
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert report.ok
     assert len(fake.sent("POST", "/v1/search")) == 2
@@ -77,7 +90,7 @@ def test_the_suggested_recall_timeout_covers_five_warm_searches_within_2_to_30_s
     # reach start/end, first search start/end (a 40 s cold start), second search start/end
     clock = ticking(0.0, 0.1, 1.0, 41.0, 50.0, 50.0 + warm)
 
-    report = run_check(client=fake.client(), clock=clock)
+    report = run_check(fake, clock=clock)
 
     assert report.first_search_seconds == pytest.approx(40.0)
     assert report.second_search_seconds == pytest.approx(warm)
@@ -89,7 +102,7 @@ def test_a_key_refused_everywhere_is_not_ok_and_says_what_to_fix(fake):
     for method, path in ALL_ROUTES:
         fake.always(method, path, status(403))
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert not report.ok
     (reach,) = failed(report)
@@ -103,8 +116,8 @@ def test_a_key_refused_everywhere_is_not_ok_and_says_what_to_fix(fake):
 def test_a_refused_profile_fails_unless_it_is_not_needed(fake):
     fake.always("GET", "/v1/profile", status(403))
 
-    needed = run_check(client=fake.client())
-    optional = run_check(client=fake.client(), need_profile=False)
+    needed = run_check(fake)
+    optional = run_check(fake, need_profile=False)
 
     assert not needed.ok
     assert [step.name for step in failed(needed)] == ["profile"]
@@ -117,8 +130,8 @@ def test_a_refused_profile_fails_unless_it_is_not_needed(fake):
 def test_a_refused_save_fails_unless_the_key_is_read_only(fake):
     fake.always("POST", "/v1/memories", status(403))
 
-    needed = run_check(client=fake.client())
-    read_only = run_check(client=fake.client(), need_save=False)
+    needed = run_check(fake)
+    read_only = run_check(fake, need_save=False)
 
     assert not needed.ok
     assert [step.name for step in failed(needed)] == ["save"]
@@ -131,7 +144,7 @@ def test_a_refused_save_fails_unless_the_key_is_read_only(fake):
 def test_a_refused_connection_is_not_ok_and_points_at_the_base_url(fake):
     fake.always("GET", "/v1/containers", refuse_connection)
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert not report.ok
     (reach,) = failed(report)
@@ -142,7 +155,7 @@ def test_a_refused_connection_is_not_ok_and_points_at_the_base_url(fake):
 def test_an_unknown_container_is_not_ok_and_lists_the_memories_in_reach(fake):
     fake.containers = TWO_MEMORIES
 
-    report = run_check(client=fake.client(), container="Journal")
+    report = run_check(fake, container="Journal")
 
     assert not report.ok
     (step,) = failed(report)
@@ -154,7 +167,7 @@ def test_an_unknown_container_is_not_ok_and_lists_the_memories_in_reach(fake):
 def test_a_known_container_is_resolved_and_searched(fake):
     fake.containers = TWO_MEMORIES
 
-    report = run_check(client=fake.client(), container="work")
+    report = run_check(fake, container="work")
 
     assert report.ok
     assert "ctr_work" in steps(report)["container"].detail
@@ -165,7 +178,7 @@ def test_a_known_container_is_resolved_and_searched(fake):
 def test_a_failing_search_is_reported(fake):
     fake.always("POST", "/v1/search", status(422, "no model configured"))
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert not report.ok
     (step,) = failed(report)
@@ -176,7 +189,7 @@ def test_no_configuration_is_a_sentence_naming_the_key_variable(monkeypatch):
     for variable in ("MEMBASE_API_KEY", "MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
         monkeypatch.delenv(variable, raising=False)
 
-    report = run_check()
+    report = check.run_check()
 
     assert not report.ok
     assert "MEMBASE_API_KEY" in failed(report)[0].detail
@@ -193,7 +206,7 @@ def test_the_key_never_appears_in_the_report(fake, broken):
     elif broken == "search":
         fake.always("POST", "/v1/search", status(400, f"bad key {API_KEY}"))
 
-    report = run_check(client=fake.client())
+    report = run_check(fake)
 
     assert API_KEY not in report.to_text()
     assert API_KEY not in json.dumps(report.to_dict())
@@ -204,15 +217,22 @@ def test_the_key_never_appears_in_the_report(fake, broken):
 
 
 class Cli:
-    """The CLI's view of the world: a fake Membase behind every client it builds, and what reached it."""
+    """The CLI's view of the world: hosts that the fake Membase answers, and what reached them."""
 
     def __init__(self, fake: InMemoryMembase) -> None:
         self.fake = fake
         self.authorizations: list[str] = []
-        self.base_urls: list[str] = []
+        self.hosts: list[str] = []
+        self._routes: list[httpx.Client] = []  # a host is routed to the fake while its client lives
+
+    def serve(self, base_url: str) -> str:
+        """Answer requests to ``base_url`` with the fake, for the rest of the test; returns ``base_url``."""
+        self._routes.append(_http.route(base_url, httpx.MockTransport(self.handle)))
+        return base_url
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         self.authorizations.append(request.headers.get("authorization", ""))
+        self.hosts.append(f"{request.url.scheme}://{request.url.host}")
         return self.fake.handle(request)
 
     def run(self, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -221,17 +241,19 @@ class Cli:
         assert CLI_KEY not in out and CLI_KEY not in err
         return code, out
 
+    def close(self) -> None:
+        self._routes.clear()
+
 
 @pytest.fixture
 def cli(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cli]:
-    """``MEMBASE_API_KEY`` set, nothing else, and every hosted client routed to the fake."""
-    for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv("MEMBASE_API_KEY", CLI_KEY)
+    """``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` set, the host answered by the fake over the production path."""
+    monkeypatch.delenv("MEMBASE_LOCAL", raising=False)
     world = Cli(fake)
-
-    world.base_urls = route_hosted_clients(monkeypatch, world.handle).base_urls
+    monkeypatch.setenv("MEMBASE_API_KEY", CLI_KEY)
+    monkeypatch.setenv("MEMBASE_BASE_URL", world.serve("https://membase-cli.test"))
     yield world
+    world.close()
 
 
 def test_cli_everything_ok_exits_0_and_prints_the_report(cli, capsys):
@@ -308,21 +330,21 @@ def test_cli_unknown_container_exits_1_listing_the_names(cli, capsys):
 def test_cli_connection_refused_points_at_the_base_url(cli, capsys):
     cli.fake.always("GET", "/v1/containers", refuse_connection)
 
-    code, out = cli.run(capsys, "--base-url", "https://membase.example")
+    code, out = cli.run(capsys, "--base-url", cli.serve("https://membase-from-flag.test"))
 
     assert code == 1
     assert "MEMBASE_BASE_URL" in out
-    assert cli.base_urls == ["https://membase.example"]
-    assert "https://membase.example" in out
+    assert cli.hosts == ["https://membase-from-flag.test"]  # the flag wins over MEMBASE_BASE_URL
+    assert "https://membase-from-flag.test" in out
 
 
 def test_cli_takes_the_base_url_from_the_environment(cli, capsys, monkeypatch):
-    monkeypatch.setenv("MEMBASE_BASE_URL", "https://membase.from-env")
+    monkeypatch.setenv("MEMBASE_BASE_URL", cli.serve("https://membase-from-env.test"))
 
     code, out = cli.run(capsys)
 
     assert code == 0
-    assert cli.base_urls == ["https://membase.from-env"]
+    assert set(cli.hosts) == {"https://membase-from-env.test"}
 
 
 def test_cli_api_key_option_is_used_when_the_environment_has_none(cli, capsys, monkeypatch):
@@ -369,6 +391,59 @@ def test_cli_checks_the_local_directory_membase_local_names(fake, monkeypatch, c
     assert roots == [directory if setting == "directory" else None]  # None: the SDK's default, ~/.membase
 
 
+# --- The command line itself: --version, no command, local Membase that cannot start -------------
+
+
+def test_version_prints_the_package_version_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exited:
+        check.main(["--version"])
+
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"membase-strands {membase_strands.__version__}\n"
+
+
+def test_no_command_prints_the_help_naming_check_and_exits_2_as_a_usage_error(capsys):
+    code = check.main([])
+
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err.startswith("usage: membase-strands")
+    assert "check the key (MEMBASE_API_KEY) or local directory" in err
+    assert "required" not in err  # not argparse's "the following arguments are required: command"
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Python where the local engine (``membase_core``) was never installed: imports of it find nothing."""
+    monkeypatch.delenv("MEMBASE_API_KEY", raising=False)
+    monkeypatch.setitem(sys.modules, "membase_core", None)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="below Python 3.12 the check names the Python version instead")
+def test_check_local_without_the_engine_says_to_install_the_local_extra(no_engine, capsys, tmp_path):
+    code = check.main(["check", "--local", str(tmp_path)])
+
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "[FAIL] configuration" in out
+    assert 'pip install "membase-strands[local]"' in out
+    assert "unibaseio-membase" not in out
+
+
+def test_check_local_below_python_3_12_says_local_membase_needs_3_12(no_engine, monkeypatch, capsys, tmp_path):
+    if sys.version_info >= (3, 12):  # play an older Python (the SDK refuses local mode there, as without the engine)
+        monkeypatch.setattr(sys, "version_info", (3, 11, 9, "final", 0))
+
+    code = check.main(["check", "--local", str(tmp_path)])
+
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "local Membase needs Python 3.12+; this is Python 3.1" in out
+    assert "MEMBASE_API_KEY" in out and "Python 3.10+" in out
+    assert "pip install" not in out
+
+
 # --- python -m membase_strands check, for real ---------------------------------------------------
 
 
@@ -387,7 +462,7 @@ def test_the_module_without_a_key_exits_1_naming_the_variable():
         env=scrubbed_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
 
     assert done.returncode == 1, done.stderr
@@ -402,7 +477,7 @@ def test_the_module_never_prints_a_key_it_could_not_use():
         env=scrubbed_env(MEMBASE_API_KEY=CLI_KEY, MEMBASE_BASE_URL="http://127.0.0.1:9"),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
 
     assert done.returncode == 1, done.stderr
@@ -414,7 +489,8 @@ def test_the_module_never_prints_a_key_it_could_not_use():
 
 def test_the_save_probe_names_a_memory_so_a_400_is_about_the_empty_note(fake):
     fake.containers = [{"id": "ctr_a", "name": "A"}, {"id": "ctr_b", "name": "B"}]
-    report = run_check(client=fake.client())
+    report = run_check(fake)
+
     [probe] = [r.body for r in fake.sent("POST", "/v1/memories")]
     assert probe["container"] == "ctr_a" and probe["content"] == ""
     assert report.ok and fake.notes == []

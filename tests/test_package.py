@@ -10,11 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 from strands.memory import MemoryManager, MemoryStore
 from strands.memory.types import _has_method, _has_write_sink
 
 import membase_strands
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, check
 from membase_strands.testing import InMemoryMembase
 
 DOCUMENTED = {"MembaseMemoryStore", "MembaseAccessError", "MembaseRecallTimeout", "__version__", "injection_config"}
@@ -72,6 +73,23 @@ def test_the_distribution_declares_its_dependencies() -> None:
     requires = importlib.metadata.requires("membase-strands") or []
     names = {req.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip() for req in requires}
     assert {"strands-agents", "unibaseio-membase"} <= names
+
+
+def test_the_local_extra_installs_the_engine_only_on_python_3_12_and_later() -> None:
+    # The engine runs on 3.12+ only: below, the extra installs nothing, and the check and the store say why.
+    requires = [Requirement(text) for text in importlib.metadata.requires("membase-strands") or []]
+    on_3_12 = {"extra": "local", "python_version": "3.12"}
+    [local] = [req for req in requires if req.marker is not None and req.marker.evaluate(on_3_12)]
+
+    assert (local.name, local.extras) == ("unibaseio-membase", {"local"})
+    assert not local.marker.evaluate({"extra": "local", "python_version": "3.11"})
+    assert local.marker.evaluate({"extra": "local", "python_version": "3.12"})
+    assert not local.marker.evaluate({"extra": "", "python_version": "3.13"})  # only with [local]
+
+
+def test_the_membase_strands_command_runs_the_setup_check() -> None:
+    [command] = importlib.metadata.entry_points(group="console_scripts", name="membase-strands")
+    assert command.load() is check.main
 
 
 def test_py_typed_ships_in_the_package() -> None:

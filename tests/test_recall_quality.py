@@ -19,7 +19,7 @@ import pytest
 
 from membase_strands import MembaseMemoryStore, check
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
-from tests.support.store_helpers import make_agent, route_hosted_clients
+from tests.support.store_helpers import make_agent
 
 QUESTION = "Which database runs the billing ledger?"
 MEMORIES = [
@@ -345,7 +345,7 @@ def test_min_score_accepts_any_finite_number(value, make_store):
 @pytest.mark.parametrize("value", [True, False, "0.5", float("nan"), float("inf"), float("-inf"), [0.5], {}])
 def test_min_score_must_be_a_finite_number(value, fake):
     with pytest.raises(ValueError, match="min_score"):
-        MembaseMemoryStore(client=fake.client(), min_score=value)
+        fake.store(min_score=value)
 
 
 # --- The set-up check reports the scores it saw ------------------------------------------------
@@ -354,7 +354,7 @@ def test_min_score_must_be_a_finite_number(value, fake):
 def test_the_check_reports_the_score_range_of_its_probe_searches(fake):
     answer_with(fake, *INTERLEAVED)
 
-    report = check.run_check(client=fake.client())
+    report = check.run_check(api_key=API_KEY, base_url=fake.base_url)
 
     assert report.ok
     assert report.scores == [0.033, 0.030, 0.017, 0.016]
@@ -367,7 +367,7 @@ def test_the_check_reports_the_score_range_of_its_probe_searches(fake):
 
 
 def test_the_check_says_when_no_passage_carried_a_score(fake):
-    report = check.run_check(client=fake.client())  # an empty memory: nothing matches
+    report = check.run_check(api_key=API_KEY, base_url=fake.base_url)  # an empty memory: nothing matches
 
     assert report.ok
     assert report.score_range is None
@@ -377,11 +377,10 @@ def test_the_check_says_when_no_passage_carried_a_score(fake):
 
 @pytest.fixture
 def cli_fake(fake: InMemoryMembase, monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemoryMembase]:
-    """``python -m membase_strands check`` with ``MEMBASE_API_KEY`` set and every client routed to the fake."""
-    for variable in ("MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
-        monkeypatch.delenv(variable, raising=False)
+    """``python -m membase_strands check`` with ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` naming the fake."""
+    monkeypatch.delenv("MEMBASE_LOCAL", raising=False)
     monkeypatch.setenv("MEMBASE_API_KEY", API_KEY)
-    route_hosted_clients(monkeypatch, fake.handle)
+    monkeypatch.setenv("MEMBASE_BASE_URL", fake.base_url)
     yield fake
 
 

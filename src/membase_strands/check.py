@@ -1,9 +1,9 @@
 """The setup check: does Membase answer this key, and what may the key do?
 
-Run it as ``python -m membase_strands check`` (add ``--json`` for scripts) or call
-:func:`run_check`. It never prints the key and saves nothing: whether the key may save is found
-out by sending an empty note, which Membase refuses without storing anything (403 when the key may
-not write, 400 for the empty content otherwise).
+Run it as ``membase-strands check`` or ``python -m membase_strands check`` (add ``--json`` for
+scripts), or call :func:`run_check`. It never prints the key and saves nothing: whether the key may
+save is found out by sending an empty note, which Membase refuses without storing anything (403 when
+the key may not write, 400 for the empty content otherwise).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from ._failures import describe_failure
 from ._gateway import MembaseGateway
 from ._options import query_text
 from ._text import clip
+from ._version import __version__
 
 PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
@@ -135,7 +137,8 @@ def run_check(
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, membase.MembaseError) as error:
         report = CheckReport(target="(not configured)")
-        report.steps.append(Step("configuration", False, str(error)))
+        detail = _local_unavailable() if isinstance(error, membase.MissingDependencyError) else str(error)
+        report.steps.append(Step("configuration", False, detail))
         return report
     try:
         if local is not None:
@@ -236,6 +239,17 @@ def _suggest_recall_timeout(warm_seconds: float) -> float:
     return float(min(30, max(2, math.ceil(warm_seconds * 5))))
 
 
+def _local_unavailable() -> str:
+    """What to do when local Membase cannot start here (the SDK names its own package, not this one's extra)."""
+    major, minor = sys.version_info[:2]
+    if (major, minor) < (3, 12):
+        return (
+            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
+            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
+        )
+    return 'local Membase needs its engine: pip install "membase-strands[local]"'
+
+
 def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
     failure = describe_failure(error)
     if failure.kind == "access" and verb != "use Membase":
@@ -255,13 +269,20 @@ def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     """``membase-strands check`` (or ``python -m membase_strands check``): print the report.
 
+    ``--version`` prints the version and exits 0; with no command the help is printed (to stderr).
+
+    Args:
+        argv: The arguments (default: the command line's).
+        prog: The program name shown in the usage line.
+
     Returns:
-        The exit code: 0 only when everything needed works.
+        The exit code: 0 only when everything needed works, 2 when no command was given.
     """
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description="Check a Membase setup.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"membase-strands {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="command")
     check = commands.add_parser("check", help="check the key (MEMBASE_API_KEY) or local directory")
     check.add_argument("--api-key", help="the key (safer: set MEMBASE_API_KEY, which stays out of shell history)")
     check.add_argument("--local", metavar="DIR", help="check local Membase in DIR instead of a key")
@@ -274,6 +295,9 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if args.command is None:  # a usage error, as argparse reports one: exit 2, on stderr
+        parser.print_help(sys.stderr)
+        return 2
 
     # Without --api-key or --local, the store reads MEMBASE_API_KEY, or MEMBASE_LOCAL as the SDK does.
     report = run_check(

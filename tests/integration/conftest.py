@@ -1,8 +1,9 @@
 """Fixtures for the real-engine tests: the stand-in LLM, and one fresh Membase per test in two forms.
 
-``memory`` is parametrised: ``http`` runs ``membase --store DIR serve`` on loopback and builds stores
-with ``api_key=``/``base_url=`` (as the hosted API is reached); ``in-process`` builds them with
-``local=DIR``. Both use a fresh store directory per test, so no test sees another's memory.
+``memory`` is parametrised: ``http`` serves the memory over loopback HTTP with ``membase serve``'s server (on a
+thread of this process, which has the engine loaded already) and builds stores with ``api_key=``/``base_url=``
+(as the hosted API is reached); ``in-process`` builds them with ``local=DIR``. Both use a fresh store directory
+per test, so no test sees another's memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from membase_strands.testing import StandInLLM
 from tests.support.local_engine import (
     EngineMemory,
-    ServedEngine,
+    EngineServer,
     configure_engine_env,
     engine_unavailable,
     restore_env,
@@ -59,7 +60,7 @@ def llm(standin: StandInLLM) -> Iterator[StandInLLM]:
 def memory(request: pytest.FixtureRequest, llm: StandInLLM, tmp_path: Path) -> Iterator[EngineMemory]:
     root = tmp_path / "membase"
     if request.param == "http":
-        server = ServedEngine(root, llm.url).start()
+        server = EngineServer(root).start()
         engine = EngineMemory("http", root, base_url=server.base_url)
         try:
             yield engine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from membase_strands.testing import StandInLLM
-from tests.support.local_engine import ServedEngine, engine_unavailable, offline_env
+from tests.support.local_engine import EngineServer, engine_unavailable, offline_env
 
 pytestmark = pytest.mark.integration
 
@@ -17,10 +17,11 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ENGINE_UNAVAILABLE = engine_unavailable()
 needs_engine = pytest.mark.skipif(ENGINE_UNAVAILABLE is not None, reason=f"needs local Membase: {ENGINE_UNAVAILABLE}")
 
-# Runs the quick start with a scripted model in place of Strands' default (a cloud model) and no pause.
+# Runs the quick start with a scripted model in place of Strands' default (a cloud model), no pause, and a recall
+# budget a loaded machine cannot run out of (the store's default, 8 s, is not what this test is about).
 QUICKSTART_WITH_SCRIPTED_MODEL = """
-import runpy, sys, time
-import strands
+import functools, runpy, sys, time
+import membase_strands, strands
 from membase_strands.testing import ScriptedModel, ToolCall
 
 models = iter([
@@ -37,6 +38,7 @@ def init(self, *args, **kwargs):
 
 strands.Agent.__init__ = init
 time.sleep = lambda seconds: None
+membase_strands.MembaseMemoryStore = functools.partial(membase_strands.MembaseMemoryStore, recall_timeout=30.0)
 runpy.run_path(sys.argv[1], run_name="__main__")
 agent = strands.Agent.last
 print("tools:", sorted(agent.tool_names))
@@ -63,8 +65,8 @@ def test_the_demo_runs_offline_and_recalls_the_fact_in_a_new_session(tmp_path: P
 
 @needs_engine
 def test_with_a_key_the_demo_uses_the_membase_api_at_the_base_url(llm: StandInLLM, tmp_path: Path) -> None:
-    # `membase serve` answers the hosted API's routes, so the key path runs offline too.
-    with ServedEngine(tmp_path / "membase", llm.url) as server:
+    # `membase serve`'s server answers the hosted API's routes, so the key path runs offline too.
+    with EngineServer(tmp_path / "membase") as server:
         env = {**offline_env(), "MEMBASE_API_KEY": "local-test", "MEMBASE_BASE_URL": server.base_url}
         done = _run([sys.executable, str(EXAMPLES / "demo.py")], env, tmp_path)
 
@@ -76,7 +78,7 @@ def test_with_a_key_the_demo_uses_the_membase_api_at_the_base_url(llm: StandInLL
 
 @needs_engine
 def test_the_quick_start_saves_in_one_session_and_recalls_in_the_next(llm: StandInLLM, tmp_path: Path) -> None:
-    with ServedEngine(tmp_path / "membase", llm.url) as server:
+    with EngineServer(tmp_path / "membase") as server:
         env = {**offline_env(), "MEMBASE_API_KEY": "local-test", "MEMBASE_BASE_URL": server.base_url}
         script = [sys.executable, "-c", QUICKSTART_WITH_SCRIPTED_MODEL, str(EXAMPLES / "quickstart.py")]
         done = _run(script, env, tmp_path)

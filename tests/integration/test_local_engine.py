@@ -1,7 +1,8 @@
 """The store through a real Strands agent, against the real Membase engine on loopback.
 
-Each store test runs twice: over HTTP (``membase serve``, the store built with ``api_key``/``base_url``)
-and in process (``local=DIR``). The engine's LLM is the deterministic stand-in, so the engine
+Each store test runs twice: over HTTP (``membase serve``'s server on loopback, the store built with
+``api_key``/``base_url``) and in process (``local=DIR``). Stores get budgets a loaded machine cannot run out
+of, except where a test is about one. The engine's LLM is the deterministic stand-in, so the engine
 really learns (an episode per note) and ranks (hashed bag-of-words embeddings): a store that sent
 the wrong query, container or content would fail these tests, not just a mock's bookkeeping.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import membase
@@ -19,7 +19,7 @@ import pytest
 
 from membase_strands.testing import StandInLLM, ToolCall
 from tests.support.local_engine import EngineMemory, engine_unavailable, offline_env
-from tests.support.store_helpers import make_agent
+from tests.support.store_helpers import make_agent, wait_until
 
 _REASON = engine_unavailable()
 if _REASON:
@@ -110,34 +110,32 @@ def test_when_the_engines_llm_is_down_the_turn_goes_on_without_memory_within_the
     # and the request finishes in the background once the endpoint is back.
     caplog.set_level(logging.INFO, logger="membase_strands")
     memory.seed(BICYCLE)
-    budget = 1.5
-    store = memory.store(recall_timeout=budget)
-    agent, model = make_agent(store, ["Hello.", "I could not check your memory just now."])
-    agent("hello")  # warm: the engine is loaded and the first recall answered
-    assert BICYCLE in (model.memory_block(0) or "")
+    store = memory.store(recall_timeout=1.0)  # the budget this test is about
+    agent, model = make_agent(store, ["I could not check your memory just now."])
 
     llm.stop()
     try:
-        started = time.monotonic()
         result = agent("What bicycle do I ride?")
-        elapsed = time.monotonic() - started
+        # The turn is over while the engine still retries its LLM: the budget ended the wait, not an answer.
+        assert store.counters()["recall_late_completions"] == 0
     finally:
         llm.start()
 
     assert str(result).strip() == "I could not check your memory just now."
-    assert model.memory_block(-1) is None
-    assert elapsed < budget + 10.0, f"the turn took {elapsed:.1f} s with a {budget} s recall budget"
+    assert model.memory_block(0) is None
+    assert store.counters()["recall_timeouts"] == 1
     assert any("ran out of time" in record.getMessage() for record in caplog.records)
 
     # The endpoint is back: the late recall finishes in the background and automatic recall resumes.
-    deadline = time.monotonic() + 45.0
-    while True:
-        agent("What bicycle do I ride?")
-        if BICYCLE in (model.memory_block(-1) or ""):
-            break
-        assert time.monotonic() < deadline, "automatic recall did not resume after the LLM came back"
-        time.sleep(0.25)
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=120.0)
     assert any("late recall finished" in record.getMessage() for record in caplog.records)
+
+    def recalled() -> bool:  # a turn within the same budget, as many as a loaded machine needs
+        model.script.append("You ride a green Brompton.")
+        agent("What bicycle do I ride?")
+        return BICYCLE in (model.memory_block(-1) or "")
+
+    assert wait_until(recalled, timeout=60.0), "automatic recall did not resume after the LLM came back"
 
 
 def test_a_memory_whose_llm_refuses_is_injected_as_a_framed_notice_not_as_a_fact(
