@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -89,7 +90,10 @@ class MembaseGateway:
         if self._given is not None:
             return self._given, self._given
         if not self._key:
-            engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
+            try:
+                engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
+            except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
+                raise membase.MissingDependencyError(_local_unavailable()) from error
             return engine, engine  # the local engine makes one attempt
         http = shared_client(self._url)
         return (
@@ -234,6 +238,17 @@ class MembaseGateway:
     def without_secret(self, error: BaseException) -> BaseException:
         """``error``, or a copy without the API key when it (or an error chained to it) carries the key."""
         return without_secret(error, self._secret)
+
+
+def _local_unavailable() -> str:
+    """What to do when local Membase cannot start here."""
+    major, minor = sys.version_info[:2]
+    if (major, minor) < (3, 12):
+        return (
+            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
+            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
+        )
+    return 'local Membase needs its engine: pip install "membase-strands[local]"'
 
 
 def _checked_key(key: str | None) -> str:

@@ -137,8 +137,7 @@ def run_check(
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, membase.MembaseError) as error:
         report = CheckReport(target="(not configured)")
-        detail = _local_unavailable() if isinstance(error, membase.MissingDependencyError) else str(error)
-        report.steps.append(Step("configuration", False, detail))
+        report.steps.append(Step("configuration", False, str(error)))
         return report
     try:
         if local is not None:
@@ -237,17 +236,6 @@ def _probe_save(gateway: MembaseGateway, container_id: str | None, need_save: bo
 def _suggest_recall_timeout(warm_seconds: float) -> float:
     """Room for five warm searches, at least 2 s, at most 30 s, rounded up to a whole second."""
     return float(min(30, max(2, math.ceil(warm_seconds * 5))))
-
-
-def _local_unavailable() -> str:
-    """What to do when local Membase cannot start here (the SDK names its own package, not this one's extra)."""
-    major, minor = sys.version_info[:2]
-    if (major, minor) < (3, 12):
-        return (
-            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
-            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
-        )
-    return 'local Membase needs its engine: pip install "membase-strands[local]"'
 
 
 def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
