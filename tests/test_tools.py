@@ -647,7 +647,7 @@ def test_get_tools_gives_the_same_tool_objects_every_time(make_store) -> None:
 
 def test_agents_built_at_the_same_moment_get_the_same_tools(make_store) -> None:
     store = make_store()
-    together = threading.Barrier(8, timeout=10.0)
+    together = threading.Barrier(8, timeout=30.0)
     seen: list[list[Any]] = []
 
     def build() -> None:
@@ -658,7 +658,7 @@ def test_agents_built_at_the_same_moment_get_the_same_tools(make_store) -> None:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(15)
+        thread.join(30)
 
     assert len(seen) == 8
     assert all(all(a is b for a, b in zip(tools, seen[0], strict=True)) for tools in seen)
