@@ -67,7 +67,8 @@ def test_a_stalled_recall_counts_a_timeout_then_skips_then_a_late_completion(fak
     fake.remember(FACT)
     stall = gates.new()
     fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(recall_timeout=0.3)
+    # The first recall's budget runs out on the stall whatever it is; the last must fit a whole recall in it.
+    store = make_store(recall_timeout=1.0)
     agent, model = make_agent(store, ["a", "b", "c", "d"])
 
     agent(QUESTION)
@@ -78,8 +79,8 @@ def test_a_stalled_recall_counts_a_timeout_then_skips_then_a_late_completion(fak
     assert changed(store.counters()) == {"recalls": 3, "recall_timeouts": 1, "recall_skipped": 2}
 
     stall.set()
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
-    assert wait_until(lambda: not store._recall.waking)
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=30.0)
+    assert wait_until(lambda: not store._recall.waking, timeout=30.0)
 
     agent(QUESTION)
     assert FACT in (model.memory_block() or "")
@@ -101,7 +102,7 @@ def test_a_late_recall_that_fails_still_counts_as_a_late_completion(fake, make_s
     agent(QUESTION)
     stall.set()
 
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=30.0)
     assert store.counters()["recall_errors"] == 0  # the turn already went on; the late failure was only logged
 
 

@@ -25,6 +25,7 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, InMemoryMembase
 from tests.support.faults import (
     FAULTS_BY_ID,
+    GENEROUS,
     LIST_FAULTS_BY_ID,
     PATHS,
     Fault,
@@ -37,7 +38,7 @@ from tests.support.faults import (
     raising,
     run_case,
 )
-from tests.support.store_helpers import membase_threads, wait_until
+from tests.support.store_helpers import wait_until
 
 # A representative set: refusals, a server error echoing the key, a connection error and an SDK
 # timeout whose messages carry the key, and a hang past every budget.
@@ -137,11 +138,12 @@ def test_the_key_leaks_nowhere_when_the_container_list_refuses(spans: InMemorySp
 
 
 def direct_store(fault: Fault, route: tuple[str, str], **options: Any) -> tuple[MembaseMemoryStore, InMemoryMembase]:
+    """A store built from the key over a fake whose ``route`` always fails with ``fault``."""
     fake = InMemoryMembase()
     fake.always(*route, fault.make(threading.Event(), 0.05))
-    options.setdefault("recall_timeout", 5.0)
-    options.setdefault("write_timeout", 5.0)
-    return MembaseMemoryStore(client=fake.client(), **options), fake
+    options.setdefault("recall_timeout", GENEROUS)
+    options.setdefault("write_timeout", GENEROUS)
+    return fake.store(**options), fake
 
 
 def raised_by(call: Any) -> BaseException:
@@ -192,11 +194,12 @@ def test_the_late_failure_of_a_hung_recall_is_logged_without_the_key() -> None:
     gate = threading.Event()
     fake = InMemoryMembase()
     fake.always("POST", "/v1/search", hanging(gate, 30.0))
-    store = MembaseMemoryStore(client=fake.client(), recall_timeout=0.05)
+    store = fake.store(recall_timeout=0.05)
     with capture_logs() as handler:
         raised_by(lambda: store.search("ledger"))
         gate.set()
-        assert wait_until(lambda: not membase_threads(), timeout=5.0)
+        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=30.0)
+    store.close()
     logs = format_records(handler.records)
     assert "late recall failed" in logs
     assert API_KEY not in logs

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
-import membase
 import pytest
+from membase.requirements import local_unavailable
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands.testing import API_KEY, ToolCall, status
+from tests.support.loopback import LoopbackMembase
 from tests.support.store_helpers import FACT, QUESTION, client_of, make_agent
 
 DEFAULT_HOST = "https://api.app.membase.com"
@@ -311,30 +313,56 @@ def test_no_key_anywhere_is_an_error_naming_membase_api_key(clean_env):
 # --- Lifecycle ----------------------------------------------------------------------------------
 
 
-def test_close_leaves_a_client_that_was_passed_in_open():
-    client = membase.Membase(api_key=API_KEY, base_url="https://membase.test")
-    try:
-        store = MembaseMemoryStore(client=client)
-        store.close()
-        assert client._http.is_closed is False
-    finally:
-        client.close()
-
-
-def test_close_closes_a_client_the_store_built(clean_env):
-    store = MembaseMemoryStore(api_key=API_KEY)
-    http = client_of(store)._http
+def test_close_leaves_a_client_that_was_passed_in_open(fake):
+    client = fake.client()
+    store = MembaseMemoryStore(client=client)
     store.close()
-    assert http.is_closed is True
-    store.close()  # twice is harmless
-    assert http.is_closed is True
+
+    client.search("ledger")  # the client still sends: the request reaches Membase
+    assert len(fake.sent("POST", "/v1/search")) == 1
 
 
-def test_the_context_manager_closes_the_store(clean_env):
-    with MembaseMemoryStore(api_key=API_KEY) as store:
-        http = client_of(store)._http
-        assert http.is_closed is False
-    assert http.is_closed is True
+def test_a_store_built_from_a_key_shares_the_pool_and_closing_it_leaves_the_pool_open():
+    # Its connections belong to the process's one pool for the base URL: nothing of the store's own to close.
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        first, second = (MembaseMemoryStore(api_key=API_KEY, base_url=server.url, recall_timeout=30.0) for _ in "ab")
+        first_agent, first_model = make_agent(first, ["ok"])
+        second_agent, second_model = make_agent(second, ["ok"])
+
+        first_agent(QUESTION)
+        first.close()
+        first.close()  # twice is harmless
+        second_agent(QUESTION)
+        second.close()
+
+        assert f"[Main] {FACT}" in first_model.memory_block()
+        assert f"[Main] {FACT}" in second_model.memory_block()
+        assert len(server.fake.sent("POST", "/v1/search")) == 2
+        # The second store's recall went over the connection the first one opened, still open after its close.
+        assert server.connections == 1
+
+
+def test_the_context_manager_closes_the_store(fake):
+    fake.remember(FACT)
+    with fake.store() as store:
+        assert asyncio.run(store.search(QUESTION))
+
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(store.search(QUESTION))
+    assert len(fake.sent("POST", "/v1/search")) == 1
+
+
+@pytest.mark.skipif(local_unavailable() is not None, reason=f"local Membase cannot run here: {local_unavailable()}")
+def test_close_closes_a_local_engine_the_store_started(tmp_path, clean_env):
+    clean_env.delenv("OPENAI_API_KEY", raising=False)  # starting the engine needs no LLM
+    store = MembaseMemoryStore(local=tmp_path)
+    engine = client_of(store)
+
+    store.close()
+
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.containers.list()
 
 
 async def test_a_closed_store_raises_a_clear_runtime_error(fake, make_store):

@@ -93,7 +93,7 @@ def test_saved_lists_notes_saved_through_the_api_and_standing_facts_go_to_the_pr
 def test_faults_are_injected_per_route(responder: Any, counter: str) -> None:
     membase = InMemoryMembase()
     membase.always("POST", "/v1/search", responder)
-    store = membase.store(recall_timeout=5.0)
+    store = membase.store(recall_timeout=30.0)
     agent, model = _agent(store, ["ok"])
 
     agent("What did we decide?")

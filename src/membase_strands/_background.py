@@ -73,7 +73,7 @@ class _Threads:
         self._calls.put(call)
         if start:
             try:
-                threading.Thread(target=self._work, name=name, daemon=True).start()
+                threading.Thread(target=self._work, name=IDLE_NAME, daemon=True).start()  # named per call it takes
             except BaseException as error:
                 with self._lock:
                     self.alive -= 1

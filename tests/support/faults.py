@@ -1,13 +1,17 @@
 """A catalogue of transport faults and a runner that drives one library path through one of them.
 
 Shared by ``tests/test_faults.py`` (the full matrix) and ``tests/test_secrets.py`` (a representative
-subset at DEBUG level). Every fault is injected at the transport of the real ``membase.Membase``
-client (``httpx.MockTransport`` in :class:`~tests.support.fake_membase.InMemoryMembase`), and every
-error body echoes the request's ``Authorization`` header, so a library that leaks what a server
-sends back would leak the API key.
+subset at DEBUG level). Every path runs on a store built from a key (``fake.store()``), the production
+path: the SDK clients the store builds over the shared pool, routed to the testing kit's transport
+(``httpx.MockTransport`` in :class:`~membase_strands.testing.InMemoryMembase`). Every error body
+echoes the request's ``Authorization`` header, so a library that leaks what a server sends back
+would leak the API key.
 
 :func:`run_case` is self-contained (its own fake, store, agent, log capture and SDK back-off
-patch) so its outcomes can be cached and compared across faults.
+patch) so its outcomes can be cached and compared across faults. Nothing here is timed: a budget
+is shown to hold by the path returning while its request is still held by a host that never
+answers (the hang is gated by an event, so it holds however slow the machine is), and every other
+bound by counting the requests that reached Membase.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,11 +43,12 @@ from tests.support.store_helpers import (
 
 # A marker every fault's server text carries, to spot server error text where it must not go.
 SERVER_TEXT = "SRV-DETAIL"
-RECALL_TIMEOUT = 0.5
-WRITE_TIMEOUT = 0.5
+HANG_BUDGET = 0.1  # the recall or write budget of a path under the hang: the one place a budget is the point
+GENEROUS = 30.0  # every other budget: a slow, loaded machine never runs out of it
+HANG_LIMIT = 30.0  # the longest a hung host holds a request before the test opens its gate
 TOOL_HANG = 0.05  # one simulated SDK attempt that times out
 SDK_ATTEMPTS = 3  # the SDK's first try and its two retries
-SLACK = 4.0  # generous: a loaded 2-core machine
+STORE = "matrix"  # the store's name: its threads are named after it, so a case waits for its own threads only
 SAVED_NOTE = "Remember that the ledger runs on Postgres."
 HUGE_CHARS = 10 * 1024 * 1024
 
@@ -197,7 +201,7 @@ LIST_FAULTS_BY_ID = {fault.id: fault for fault in LIST_FAULTS}
 
 # --- Paths ---------------------------------------------------------------------------------------
 
-RECALL_PATHS = ("recall", "recall_hosted", "search_memory")
+RECALL_PATHS = ("recall", "search_memory")
 TOOL_PATHS = ("membase_search", "membase_save", "membase_profile")
 WRITE_PATHS = ("add", "add_memory", "add_messages")
 PATHS = (*RECALL_PATHS, *TOOL_PATHS, *WRITE_PATHS)
@@ -205,7 +209,6 @@ SAVE_PATHS = ("membase_save", *WRITE_PATHS)
 
 ROUTE = {
     "recall": ("POST", "/v1/search"),
-    "recall_hosted": ("POST", "/v1/search"),  # a store built from a key: its recall awaited on the I/O loop
     "search_memory": ("POST", "/v1/search"),
     "membase_search": ("POST", "/v1/search"),
     "membase_save": ("POST", "/v1/memories"),
@@ -225,17 +228,14 @@ def expected(path: str, fault: Fault) -> str:
     return fault.profile if path == "membase_profile" else fault.search
 
 
-def budget(path: str, fault: Fault) -> float:
-    """The time the path may take under ``fault``, before slack."""
-    if fault.id != "hang":
-        return 0.0
-    if path in RECALL_PATHS:
-        return RECALL_TIMEOUT
-    if path in WRITE_PATHS:
-        return WRITE_TIMEOUT
-    if path == "membase_save":
-        return TOOL_HANG  # one attempt: a save is never resent blindly
-    return TOOL_HANG * SDK_ATTEMPTS
+def budgeted(path: str, fault: Fault) -> bool:
+    """Whether the path's own budget (recall or write) must end its wait under ``fault``.
+
+    Only a host that never answers outlasts a budget. The tools have no budget of their own: the SDK's
+    attempts end each request (simulated here by a hang of :data:`TOOL_HANG` per attempt), and they are
+    counted instead.
+    """
+    return fault.id == "hang" and path in (*RECALL_PATHS, *WRITE_PATHS)
 
 
 # --- The runner ----------------------------------------------------------------------------------
@@ -247,7 +247,6 @@ class Outcome:
 
     path: str
     fault: Fault
-    elapsed: float
     status: str | None = None  # the tool result's status, for tool paths
     text: str = ""  # the tool result's text, for tool paths
     memory_block: str | None = None
@@ -258,6 +257,7 @@ class Outcome:
     requests: list[Recorded] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     backoff_hints: list[str | None] = field(default_factory=list)
+    held_when_it_returned: int = 0  # requests a host was still holding when the path handed back its result
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -340,24 +340,49 @@ def all_sent_text(model: ScriptedModel) -> str:
     return "\n".join(parts)
 
 
+class Host:
+    """Wraps a fault's responder to count the requests it is holding at any moment."""
+
+    def __init__(self, responder: Responder) -> None:
+        self._responder = responder
+        self._lock = threading.Lock()
+        self.holding = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.holding += 1
+        try:
+            return self._responder(request)
+        finally:
+            with self._lock:
+                self.holding -= 1
+
+
+def own_threads() -> list[threading.Thread]:
+    """The library's threads at work for the matrix's store (a recall, a write, the set-up check)."""
+    return [t for t in membase_threads() if t.name.endswith(f"[{STORE}]")]
+
+
 def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
     """Drive ``path`` through ``fault`` with a fresh fake, store and agent; wait for background threads.
 
-    With ``pinned`` the store is pinned to the Memory "Main" by name and ``fault`` hits the
-    container list (``GET /v1/containers``) instead of the path's own route.
+    The store is built from the key (``fake.store()``), as in production. With ``pinned`` the store is
+    pinned to the Memory "Main" by name and ``fault`` hits the container list (``GET /v1/containers``)
+    instead of the path's own route.
     """
     fake = InMemoryMembase()
     fake.remember(FACT)
     gate = threading.Event()
-    limit = TOOL_HANG if path in TOOL_PATHS else 30.0
+    limit = TOOL_HANG if path in TOOL_PATHS else HANG_LIMIT
     method, route = ("GET", "/v1/containers") if pinned else ROUTE[path]
-    fake.always(method, route, fault.make(gate, limit))
+    host = Host(fault.make(gate, limit))
+    fake.always(method, route, host)
     hints: list[str | None] = []
-    hosted = path == "recall_hosted"
+    short = budgeted(path, fault)
     options: dict[str, Any] = {
-        **({"api_key": API_KEY, "base_url": fake.base_url} if hosted else {"client": fake.client()}),
-        "recall_timeout": RECALL_TIMEOUT,
-        "write_timeout": WRITE_TIMEOUT,
+        "name": STORE,
+        "recall_timeout": HANG_BUDGET if short and path in RECALL_PATHS else GENEROUS,
+        "write_timeout": HANG_BUDGET if short and path in WRITE_PATHS else GENEROUS,
     }
     if pinned:
         options["container"] = "Main"
@@ -366,16 +391,18 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
     if path == "add_messages":
         options["extraction"] = True
 
-    outcome = Outcome(path=path, fault=fault, elapsed=0.0)
+    outcome = Outcome(path=path, fault=fault)
     with capture_logs() as handler, instant_sdk_backoff(hints):
-        store = MembaseMemoryStore(**options)
+        store = fake.store(**options)
         try:
             _drive(path, store, outcome)
+            outcome.held_when_it_returned = host.holding
         finally:
             gate.set()
-            wait_until(lambda: not membase_threads(), timeout=10.0)
+            settled = wait_until(lambda: not own_threads(), timeout=HANG_LIMIT)
             outcome.counters = store.counters()
             store.close()
+    assert settled, f"{path} under {fault.id}: the library's threads were still at work {HANG_LIMIT:g} s later"
     outcome.records = list(handler.records)
     outcome.logs = format_records(outcome.records)
     outcome.requests = fake.sent()
@@ -385,17 +412,15 @@ def run_case(path: str, fault: Fault, *, pinned: bool = False) -> Outcome:
 
 def _drive(path: str, store: MembaseMemoryStore, outcome: Outcome) -> None:
     if path == "add":
-        started = time.perf_counter()
         try:
             outcome.extra["answer"] = asyncio.run(store.add(SAVED_NOTE))
         except Exception as error:  # noqa: BLE001 - recorded for the test to judge
             outcome.raised = error
-        outcome.elapsed = time.perf_counter() - started
         return
 
     manager: dict[str, Any] = {}
     prompt = QUESTION
-    if path in ("recall", "recall_hosted"):
+    if path == "recall":
         script: list[str | ToolCall] = ["done"]
     elif path == "add_messages":
         script, prompt = ["Noted."], SAVED_NOTE
@@ -414,9 +439,7 @@ def _drive(path: str, store: MembaseMemoryStore, outcome: Outcome) -> None:
             manager["add_tool_config"] = True
 
     agent, model = make_agent(store, script, **manager)
-    started = time.perf_counter()
     result = agent(prompt)
-    outcome.elapsed = time.perf_counter() - started
     outcome.extra["answer"] = str(result)
     outcome.memory_block = model.memory_block(0)
     outcome.model_saw = all_sent_text(model)
