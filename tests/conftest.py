@@ -28,6 +28,9 @@ def make_store(fake: InMemoryMembase) -> Iterator[Callable[..., MembaseMemorySto
     made: list[MembaseMemoryStore] = []
 
     def build(**options: Any) -> MembaseMemoryStore:
+        # Budgets a loaded machine cannot run out of, unless the test is about one and says so.
+        options.setdefault("recall_timeout", 30.0)
+        options.setdefault("write_timeout", 30.0)
         store = MembaseMemoryStore(**options) if "client" in options else fake.store(**options)
         made.append(store)
         return store

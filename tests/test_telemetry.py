@@ -320,7 +320,7 @@ def test_the_metrics_registry_never_keeps_a_store_alive(fake, otel):
 
 
 def test_without_a_tracer_the_store_records_nothing_and_recalls_as_before(fake, make_store, otel, monkeypatch):
-    monkeypatch.setattr(_telemetry, "_tracer", lambda: trace.NoOpTracer())
+    monkeypatch.setattr(_telemetry, "_tracer", trace.NoOpTracer())
     fake.remember(FACT)
     store = make_store(name="untraced")
     agent, model = make_agent(store, ["ok"])
@@ -329,10 +329,9 @@ def test_without_a_tracer_the_store_records_nothing_and_recalls_as_before(fake, 
 
     assert f"[Main] {FACT}" in (model.memory_block() or "")
     assert otel.ours("untraced") == []
-    assert asyncio.run(_current_in_a_task()) is None
+    assert asyncio.run(_link_in_a_task()) is None  # nothing for a late outcome to link to
 
 
-async def _current_in_a_task() -> object:
-    with _telemetry.operation(_telemetry.RECALL, "untraced") as operation:
-        assert operation.recording is False
-        return _telemetry.current()
+async def _link_in_a_task() -> object:
+    with _telemetry.operation(_telemetry.RECALL, "untraced"):
+        return _telemetry.link_here()

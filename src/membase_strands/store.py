@@ -137,7 +137,7 @@ class MembaseMemoryStore:
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact
-        self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=lambda: self._closed)
+        self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=self._engine_closed)
         self._writes = WriteRecord(self.name, self._counters, redact, budget=self._write_timeout)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -304,8 +304,8 @@ class MembaseMemoryStore:
         except MembaseRecallTimeout:
             raise
         except Exception as error:
-            if self._closed:
-                # close() closed the connection under the request: report that, not "Bad file descriptor".
+            if self._engine_closed():
+                # close() closed the local engine under the request: report that, not the engine's error.
                 self._counters.add("recall_errors")
                 self._counters.add("errors.closed")
                 logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
@@ -537,6 +537,10 @@ class MembaseMemoryStore:
         if self._setup_check is not None and not self._setup_check.done():
             self._setup_check = None  # its thread is the parent's: it will never finish here
 
+    def _engine_closed(self) -> bool:
+        """Whether close() closed the local engine this store started (a failure then is the close's doing)."""
+        return self._closed and self._gateway.owns_engine
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
@@ -608,25 +612,24 @@ class MembaseMemoryStore:
         return parts
 
 
-def _close_unused(close_client: Callable[[], None], store_name: str) -> None:
-    """Close the client of a store nothing uses any more; called when the store is garbage-collected.
+def _close_unused(close_engine: Callable[[], None], store_name: str) -> None:
+    """Close the local engine of a store nothing uses any more; called when the store is garbage-collected.
 
-    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a
-    thread inside a lock): the close, which may wait on a lock or a local engine's disk, goes to a
-    daemon thread of its own.
+    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a thread
+    inside a lock): the close, which may wait on the engine's disk, goes to a daemon thread of its own.
     """
 
     def close() -> None:
         try:
-            close_client()
+            close_engine()
         except Exception as error:
             logger.warning(
-                "store=<%s>, reason=<%s> | could not close the client of a store nothing uses",
+                "store=<%s>, reason=<%s> | could not close the local engine of a store nothing uses",
                 store_name,
                 type(error).__name__,
             )
         else:
-            logger.debug("store=<%s> | closed the client of a store nothing uses any more", store_name)
+            logger.debug("store=<%s> | closed the local engine of a store nothing uses any more", store_name)
 
     try:
         _background.submit(close, name=f"membase-close[{store_name}]")
