@@ -39,7 +39,7 @@ class Plan:
     quick: bool
     rounds: int  # A/B rounds: one fresh process per library each
     recall_calls: int
-    busy_calls: int
+    busy_calls: int  # 0: no calls beside busy processes
     users: int
     user_turns: int
     idle_s: float
@@ -70,13 +70,13 @@ FULL = Plan(
     capture=((1.0, 6.0, 2), (5.0, 6.0, 1), (None, 6.0, 1)),
     passages=50,
     small_answer_mb=50,
-    answer_trials=3,
+    answer_trials=5,
 )
 QUICK = Plan(
     quick=True,
     rounds=1,
     recall_calls=200,
-    busy_calls=100,
+    busy_calls=0,  # no busy processes in a smoke run
     users=20,
     user_turns=2,
     idle_s=1.0,

@@ -9,6 +9,7 @@ import inspect
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -234,19 +235,17 @@ def _page(line: str, late: str = "") -> str:
     return (line * (MB // len(line) + 1))[: MB - len(late)] + late
 
 
-def _shapes(passages: int, small_mb: int) -> list[tuple[str, list[str], bool]]:
+def _shapes(passages: int, small_mb: int) -> Iterator[tuple[str, list[str], bool]]:
     """(label, passage texts, scored) for every shape measured, built one at a time."""
     count = range(passages)
+    yield "differing passages", [f"Passage {i}: {_page(LINE)}" for i in count], True
+    yield "differing passages, no scores", [f"Passage {i}: {_page(LINE)}" for i in count], False
+    yield "one passage repeated", [_page(LINE)] * passages, True
+    yield "passages that differ only at the end", [_page(LINE, f" #{i:06d}") for i in count], True
+    yield "... no scores", [_page(LINE, f" #{i:06d}") for i in count], False
+    yield "non-ASCII, differing only at the end", [_page(WIDE, f" #{i:06d}") for i in count], True
     small = [f"Note {i}: {LINE * 6}" for i in range(small_mb * MB // (len(LINE) * 6 + 12))]
-    return [
-        ("differing passages", [f"Passage {i}: {_page(LINE)}" for i in count], True),
-        ("differing passages, no scores", [f"Passage {i}: {_page(LINE)}" for i in count], False),
-        ("one passage repeated", [_page(LINE)] * passages, True),
-        ("passages that differ only at the end", [_page(LINE, f" #{i:06d}") for i in count], True),
-        ("... no scores", [_page(LINE, f" #{i:06d}") for i in count], False),
-        ("non-ASCII, differing only at the end", [_page(WIDE, f" #{i:06d}") for i in count], True),
-        (f"{len(small):,} small passages", small, True),
-    ]
+    yield f"{len(small):,} small passages", small, True
 
 
 def _body(texts: list[str], scored: bool) -> bytes:

@@ -44,7 +44,7 @@ from membase_strands.testing import ScriptedModel, StandInLLM
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("dataset.json")
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START = "<!-- recall-quality: start (written by python -m benchmarks.recall_quality) -->"
+START = "<!-- recall-quality: start (written by python -m benchmarks.recall_quality --write) -->"
 END = "<!-- recall-quality: end -->"
 COMMAND = "uv run --python 3.12 python -m benchmarks.recall_quality"
 DEFAULT_FLOORS = (0.03, 0.0325, 0.0327)
