@@ -263,7 +263,10 @@ def source(label: str) -> Path:
     if label not in _sources:
         directory = Path(tempfile.mkdtemp(prefix=f"membase-bench-{label}-"))
         atexit.register(shutil.rmtree, directory, True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", label, "src"], capture_output=True, check=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", label, "src"], capture_output=True)
+        if archive.returncode != 0:
+            why = archive.stderr.decode(errors="replace").strip()
+            raise RuntimeError(f"cannot export {label}'s src (the A/B sections need the git history): {why}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(directory, filter="data")
         _sources[label] = directory / "src"
