@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="", help="comma-separated section numbers, e.g. 1,3")
     args = parser.parse_args(argv)
     chosen = [int(n) for n in args.sections.split(",") if n.strip()] or list(range(1, len(SECTIONS) + 1))
+    if not set(chosen) <= set(range(1, len(SECTIONS) + 1)):
+        parser.error(f"sections are numbered 1 to {len(SECTIONS)}")
     if args.write and (args.quick or args.sections):
         parser.error("--write needs the full run of every section (no --quick, no --sections)")
     plan, judged = (QUICK, False) if args.quick else (FULL, True)
