@@ -1,16 +1,13 @@
-"""A loopback stand-in for the Membase REST routes the store uses, for the many-users benchmark
-(``scenarios/many_users.py``), which also takes its fixed search answer from here.
-
-Run as its own process so its threads and CPU time stay out of the client's figures::
+"""A loopback stand-in for the two Membase routes a recall uses, run in its own process::
 
     python benchmarks/_server.py LATENCY_MS
 
-It prints ``PORT <n>`` once listening on 127.0.0.1, then serves until its standard input closes
-(or 15 minutes pass). HTTP/1.1 with keep-alive and Content-Length on every answer, TCP_NODELAY, and
-one answer per write, so neither Nagle nor delayed ACKs add latency. Every accepted TCP connection
-is counted, and so is every one open now (``open_now``, back down as soon as the client closes it);
-``GET /_stats`` answers the counts and ``POST /_reset`` zeroes them (the connections that carry these
-control requests are counted in neither).
+It prints ``PORT <n>`` once listening on 127.0.0.1, then serves until its standard input closes (or 15
+minutes pass). ``POST /v1/search`` answers a fixed three-passage body after ``LATENCY_MS``, ``GET
+/v1/containers`` one Memory. HTTP/1.1 keep-alive, Content-Length, TCP_NODELAY and one write per answer, so
+neither Nagle nor delayed ACKs add latency. ``GET /_stats`` answers the TCP connections accepted, the ones
+open now and the Membase requests answered; ``POST /_reset`` zeroes them. The connections that carry these
+two control requests are counted in neither.
 """
 
 from __future__ import annotations
@@ -23,79 +20,50 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LIFETIME_S = 900.0
-
-
-def search_answer(query: str = "", fact: str = "we chose Postgres for the ledger.") -> bytes:
-    """A fixed, small search answer: three passages from one Memory (what a real search answers)."""
-    return json.dumps(
-        {
-            "query": query,
-            "results": [
-                {
-                    "content": f"Passage {i}: {fact}",
-                    "container": "ctr_main",
-                    "container_name": "Main",
-                    "score": 0.9 - i / 10,
-                    "source": "episode",
-                    "title": "",
-                }
-                for i in range(3)
-            ],
-            "containers": [{"id": "ctr_main", "name": "Main"}],
-        }
-    ).encode()
-
-
-SEARCH_ANSWER = search_answer()
-CONTAINERS_ANSWER = json.dumps({"containers": [{"id": "ctr_main", "name": "Main"}]}).encode()
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.connections = 0
-        self.requests = 0
-        self.open_now = 0
-        self.open_peak = 0
-
-    def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            return {
-                "connections": self.connections,
-                "requests": self.requests,
-                "open_now": self.open_now,
-                "open_peak": self.open_peak,
+FACT = "we chose Postgres for the ledger."
+SEARCH_ANSWER = json.dumps(
+    {
+        "results": [
+            {
+                "content": f"Passage {i}: {FACT}",
+                "container": "ctr_main",
+                "container_name": "Main",
+                "score": 0.9 - i / 10,
             }
+            for i in range(3)
+        ],
+        "containers": [{"id": "ctr_main", "name": "Main"}],
+    }
+).encode()
+CONTAINERS_ANSWER = json.dumps({"containers": [{"id": "ctr_main", "name": "Main"}]}).encode()
+NOT_FOUND = b'{"error": {"code": "not_found", "message": "no route"}}'
 
-    def reset(self) -> None:
-        with self.lock:
-            self.connections = self.requests = 0
-            self.open_peak = self.open_now
+_lock = threading.Lock()
+_stats = {"connections": 0, "open_now": 0, "requests": 0}
 
 
-STATS = Stats()
+def _count(**changes: int) -> None:
+    with _lock:
+        for key, change in changes.items():
+            _stats[key] += change
 
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    latency = 0.003
-    control = False
+    latency = 0.0
+    control = False  # set once this connection carried a control request: it then leaves the counts
 
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with STATS.lock:
-            STATS.connections += 1
-            STATS.open_now += 1
-            STATS.open_peak = max(STATS.open_peak, STATS.open_now)
+        _count(connections=1, open_now=1)
 
     def finish(self) -> None:
         try:
             super().finish()
         finally:
-            if not self.control:  # a control connection left the counts when its request was read
-                with STATS.lock:
-                    STATS.open_now -= 1
+            if not self.control:
+                _count(open_now=-1)
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
         pass
@@ -103,44 +71,39 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
         if self.path == "/_stats":
             self._control()
-            self._answer(200, json.dumps(STATS.snapshot()).encode())
+            with _lock:
+                self._answer(200, json.dumps(_stats).encode())
         elif self.path.split("?")[0] == "/v1/containers":
             self._membase(CONTAINERS_ANSWER)
         else:
-            self._answer(404, b'{"error": {"code": "not_found", "message": "no route"}}')
+            self._answer(404, NOT_FOUND)
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.path == "/_reset":
             self._control()
-            STATS.reset()
+            with _lock:
+                _stats["connections"] = _stats["requests"] = 0
             self._answer(200, b"{}")
         elif self.path == "/v1/search":
             self._membase(SEARCH_ANSWER)
         else:
-            self._answer(404, b'{"error": {"code": "not_found", "message": "no route"}}')
+            self._answer(404, NOT_FOUND)
 
     def _control(self) -> None:
         if not self.control:
             self.control = True
-            with STATS.lock:
-                STATS.connections -= 1
-                STATS.open_now -= 1
+            _count(connections=-1, open_now=-1)
 
     def _membase(self, body: bytes) -> None:
-        with STATS.lock:
-            STATS.requests += 1
+        _count(requests=1)
         time.sleep(self.latency)
         self._answer(200, body)
 
     def _answer(self, status: int, body: bytes) -> None:
-        reason = "OK" if status == 200 else "Not Found"
-        head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        if self.close_connection:
-            head += "Connection: close\r\n"
-        self.wfile.write(head.encode("ascii") + b"\r\n" + body)
+        head = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Not Found'}", "Content-Type: application/json"]
+        head += [f"Content-Length: {len(body)}", *(["Connection: close"] if self.close_connection else [])]
+        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("ascii") + body)
 
 
 class Server(ThreadingHTTPServer):
@@ -149,19 +112,13 @@ class Server(ThreadingHTTPServer):
 
 
 def main() -> None:
-    Handler.latency = float(sys.argv[1]) / 1000 if len(sys.argv) > 1 else 0.003
+    Handler.latency = float(sys.argv[1]) / 1000 if len(sys.argv) > 1 else 0.0
     server = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     print(f"PORT {server.server_address[1]}", flush=True)
-    # Serve until the parent closes our stdin (or dies), never longer than LIFETIME_S.
-    done = threading.Event()
-
-    def watch_stdin() -> None:
-        sys.stdin.read()
-        done.set()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    done.wait(LIFETIME_S)
+    watcher = threading.Thread(target=sys.stdin.read, daemon=True)  # the parent closes our stdin when done
+    watcher.start()
+    watcher.join(LIFETIME_S)
     server.shutdown()
 
 

@@ -1,128 +1,119 @@
-"""Benchmarks for membase-strands: recall overhead, agent turns, stalls, many users, memory, capture, idle sockets.
+"""Benchmarks for membase-strands: the lean runtime against a3a13fd, over loopback and the testing kit.
 
-    uv run python benchmarks/run.py            # the full run; writes benchmarks/RESULTS.md
-    uv run python benchmarks/run.py --quick    # a few iterations, under a minute (CI's smoke run)
-    uv run python benchmarks/run.py --no-write # print only
+    uv run --python 3.12 python benchmarks/run.py --write      # the full run (about 10 min); writes RESULTS.md
+    uv run --python 3.12 python benchmarks/run.py              # the full run, printed only
+    uv run --python 3.12 python benchmarks/run.py --quick      # smoke run (under a minute): targets not judged
+    uv run --python 3.12 python benchmarks/run.py --sections 1,3
 
-Everything runs offline: httpx.MockTransport, or a loopback HTTP server in a child process. Every
-loop is bounded and every hung responder ends by itself. See benchmarks/README.md for what each
-figure means and which module measures it.
+Everything runs offline. See benchmarks/README.md for what each section measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
+import os
+import resource
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from report import RESULTS, ROOT, Section, machine, previous_figures, render
-from scenarios import (
-    hung_capture,
-    idle_memory,
-    idle_sockets,
-    injected_turn,
-    many_users,
-    recall_overhead,
-    regression,
-    stalled_memory,
-)
-from support import BEFORE_PERFORMANCE_WORK, BUSY_SHARE, FULL, QUICK, Plan, cpu_sample, others_share
+import in_process
+import probed
+from common import BEFORE, FULL, QUICK, ROOT, Plan, Section, machine, mark
 
-SECTIONS: dict[int, Callable[[Plan], Section]] = {
-    recall_overhead.NUMBER: recall_overhead.run,
-    injected_turn.NUMBER: injected_turn.run,
-    stalled_memory.NUMBER: stalled_memory.run,
-    many_users.NUMBER: many_users.run,
-    idle_memory.NUMBER: idle_memory.run,
-    hung_capture.NUMBER: hung_capture.run,
-    idle_sockets.NUMBER: idle_sockets.run,
-}
-"""The measuring sections by number; the comparison with the previous run (section 7) always follows them."""
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+KEPT = ("<!-- recall-quality: start", "<!-- recall-quality: end -->")
+"""RESULTS.md's recall-quality part, written by ``python -m benchmarks.recall_quality --write``, is kept."""
+SECTIONS: tuple[Callable[[Plan], Section], ...] = probed.SECTIONS + in_process.SECTIONS
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen sections, print each, compare with the previous RESULTS.md, and write it (full runs)."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="a few iterations, under a minute (CI's smoke run)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
-    parser.add_argument(
-        "--sections", default="", help="comma-separated section numbers to run (implies --no-write), e.g. 1,3"
-    )
-    parser.add_argument(
-        "--reason",
-        action="append",
-        default=[],
-        metavar="KEY=TEXT",
-        help="why figure KEY regressed (repeatable); recorded in RESULTS.md",
-    )
-    parser.add_argument(
-        "--before",
-        default=None,
-        metavar="REV",
-        help="compare section 4's server pattern with the library at this commit ('' for none; full runs default "
-        f"to {BEFORE_PERFORMANCE_WORK}, the last commit before the performance work)",
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: every section, a little, targets not judged")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md (full runs of all sections)")
+    parser.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old CI lines
+    parser.add_argument("--sections", default="", help="comma-separated section numbers, e.g. 1,3")
     args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    if args.before is not None:
-        plan = dataclasses.replace(plan, before=args.before or None)
-    mode = "quick" if args.quick else "full"
-    chosen = [int(n) for n in args.sections.split(",") if n.strip()] or list(SECTIONS)
-    write = not args.no_write and not args.sections
-    reasons = dict(item.split("=", 1) for item in args.reason if "=" in item)
-    command = " ".join(["uv run python benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])])
+    chosen = [int(n) for n in args.sections.split(",") if n.strip()] or list(range(1, len(SECTIONS) + 1))
+    if not set(chosen) <= set(range(1, len(SECTIONS) + 1)):
+        parser.error(f"sections are numbered 1 to {len(SECTIONS)}")
+    if args.write and (args.quick or args.sections):
+        parser.error("--write needs the full run of every section (no --quick, no --sections)")
+    plan, judged = (QUICK, False) if args.quick else (FULL, True)
 
-    # The library's and Strands' warnings (recall ran out of time, store search failed) are expected here.
-    logging.getLogger().addHandler(logging.NullHandler())
-    logging.getLogger().setLevel(logging.ERROR)
-    logging.lastResort = None
-
-    before, before_info = previous_figures()
+    logging.disable(logging.CRITICAL)  # recalls that run out of time and failed writes are expected here
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # section 4 holds a socket per user (probe, server)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     info = machine()
-    print(f"membase-strands benchmarks, {mode} mode: {info['CPU']}, {info['Cores']}, {info['Python']}", flush=True)
-    started = time.perf_counter()
-    sections = []
-    run_start = cpu_sample()
+    print(f"membase-strands benchmarks, {'quick' if args.quick else 'full'}: {info['CPU']}, {info['Cores']}")
+    if not judged:
+        print("smoke run: targets not judged (it checks that every section runs; an error fails it)")
+    started, sections = time.perf_counter(), []
     for number in chosen:
-        section_start = cpu_sample()
-        section = SECTIONS[number](plan)
-        section_end = cpu_sample()
-        section.seconds = section_end.wall - section_start.wall
-        section.others = others_share(section_start, section_end)
-        print(section.console(), flush=True)
+        before = cpu_sample()
+        section = SECTIONS[number - 1](plan)
+        section.seconds, section.others = others_share(before, cpu_sample())
+        print(section.console(judged), flush=True)
         sections.append(section)
-    info["Other load"] = (
-        f"other processes used {others_share(run_start, cpu_sample()) * 100:.0f} % of the machine's CPU during "
-        f"the run (per section below; sections where it reached {BUSY_SHARE * 100:.0f} % have unreliable timings)"
-    )
-    figures = [f for s in sections for f in s.figures]
-    busy = {str(s.number): s.others for s in sections}
-    sections.append(regression.run(figures, before, before_info, reasons, mode, busy))
-    print(sections[-1].console())
     total = time.perf_counter() - started
-
-    missed = [(s.number, t) for s in sections for t in s.targets if not t.met]
-    print(
-        f"== done in {total:.1f} s; {len(missed)} target(s) missed" + "".join(f"\n  {n}: {t.text}" for n, t in missed)
-    )
-    if write:
-        report = render(sections, info, command, total, mode, busy)
-        RESULTS.write_text(report + _other_reports(), encoding="utf-8")
+    missed = [(s.number, t.text) for s in sections for t in s.targets if not t.met]
+    if not judged:
+        print(f"== done in {total:.0f} s; smoke run: targets not judged")
+        return 0
+    print(f"== done in {total:.0f} s; {len(missed)} target(s) missed" + "".join(f"\n  {n}: {t}" for n, t in missed))
+    if args.write:
+        RESULTS.write_text(render(sections, info, total, " ".join(sys.argv[1:])) + kept(), encoding="utf-8")
         print(f"wrote {RESULTS.relative_to(ROOT)}")
-    return 0
+    return 1 if missed else 0
 
 
-def _other_reports() -> str:
-    """Sections other benchmarks wrote into RESULTS.md between their own markers (the recall-quality one)."""
+def render(sections: list[Section], info: dict[str, str], total: float, arguments: str) -> str:
+    lines = [
+        "# membase-strands benchmarks",
+        "",
+        f"Produced by `python benchmarks/run.py {arguments}` in {total:.0f} s. What each section measures: "
+        f"[README.md](README.md). `{BEFORE}` is the library at that commit (the last before the lean runtime), "
+        "exported with `git archive` and first on `sys.path` in its own processes; `now` is this checkout's `src`.",
+        "",
+        "| machine | |",
+        "| --- | --- |",
+        *(f"| {key} | {value} |" for key, value in info.items()),
+        "| Other load | other processes' share of the CPU per section: "
+        + ", ".join(f"{s.number}: {s.others * 100:.0f} %" for s in sections)
+        + " |",
+        "",
+        "| section | target | result | figures |",
+        "| --- | --- | --- | --- |",
+        *(f"| {s.number} | {t.text} | {mark(t, True)} | {t.detail} |" for s in sections for t in s.targets),
+        "",
+    ]
+    return "\n".join(lines + [s.markdown(True) for s in sections])
+
+
+def kept() -> str:
     old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else ""
-    start = old.find("<!-- recall-quality: start")
-    end = old.find("<!-- recall-quality: end -->")
-    return "\n" + old[start : end + len("<!-- recall-quality: end -->")] + "\n" if 0 <= start < end else ""
+    start, end = old.find(KEPT[0]), old.find(KEPT[1])
+    return "\n" + old[start : end + len(KEPT[1])] + "\n" if 0 <= start < end else ""
+
+
+# --- The CPU other processes use -------------------------------------------------------------------
+
+
+def cpu_sample() -> tuple[float, float, float]:
+    """(wall, CPU-seconds the whole machine spent, CPU-seconds this process and its waited-for children spent)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+def others_share(start: tuple[float, float, float], end: tuple[float, float, float]) -> tuple[float, float]:
+    """The seconds between two samples, and the share of the machine's CPU other processes used meanwhile."""
+    wall = end[0] - start[0]
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return wall, max(0.0, others / (wall * (os.cpu_count() or 1)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,6 @@
 ``uv run --python 3.12 python -m benchmarks.recall_quality`` seeds ``dataset.json`` into the real
 Membase engine (``membase serve`` on loopback, with the deterministic stand-in LLM on loopback), asks
 each question through a real Strands agent, and reports per configuration: the share of questions
-whose fact was injected, the characters injected per turn, and the duplicate passages injected. It
-writes its section at the end of ``benchmarks/RESULTS.md``.
+whose fact was injected, the characters injected per turn, and the duplicate passages injected. With
+``--write`` it replaces its part of ``benchmarks/RESULTS.md``.
 """

@@ -2,11 +2,11 @@
 
 Run from the repository root (the engine needs Python 3.12+ and ``unibaseio-membase[local]``)::
 
-    uv run --python 3.12 python -m benchmarks.recall_quality              # writes its RESULTS.md section
-    uv run --python 3.12 python -m benchmarks.recall_quality --no-write   # print only
+    uv run --python 3.12 python -m benchmarks.recall_quality           # print only
+    uv run --python 3.12 python -m benchmarks.recall_quality --write   # also replace its part of RESULTS.md
 
-Everything runs offline: the stand-in LLM (``tests/support/standin_llm.py``) and ``membase serve``
-(``tests/support/local_engine.py``) listen on 127.0.0.1, and the agent's model is scripted. Each
+Everything runs offline: the testing kit's stand-in LLM and ``membase serve`` listen on 127.0.0.1, and
+the agent's model is scripted. Each
 question is one turn of a fresh ``strands.Agent`` whose ``MemoryManager`` holds one store (the
 manager's defaults: up to 5 entries); what is measured is the memory block the model was sent.
 """
@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import json
-import platform
+import os
 import re
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +37,14 @@ import membase
 from strands import Agent
 from strands.memory import MemoryManager
 
-from benchmarks.report import checkout, cores, cpu_model, os_name, package_versions
+from benchmarks.common import machine
 from membase_strands import MembaseMemoryStore, injection_config
 from membase_strands.testing import ScriptedModel, StandInLLM
-from tests.support.local_engine import ServedEngine, engine_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("dataset.json")
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-START = "<!-- recall-quality: start (written by python -m benchmarks.recall_quality) -->"
+START = "<!-- recall-quality: start (written by python -m benchmarks.recall_quality --write) -->"
 END = "<!-- recall-quality: end -->"
 COMMAND = "uv run --python 3.12 python -m benchmarks.recall_quality"
 DEFAULT_FLOORS = (0.03, 0.0325, 0.0327)
@@ -127,8 +132,12 @@ class Config:
 
 
 def configurations(floors: tuple[float, ...]) -> list[Config]:
+    if not callable(getattr(MembaseMemoryStore, "_arrange", None)):  # else the rows below would silently be equal
+        raise RuntimeError("MembaseMemoryStore._arrange is gone: MembaseOrderStore no longer bypasses the arrangement")
+
     class MembaseOrderStore(MembaseMemoryStore):
-        """The store before issue 14: passages in Membase's order, every copy shown."""
+        """The store before issue 14: passages in Membase's order, every copy shown. The one private name the
+        benchmarks reach: overriding the store's arrangement step is the only way to measure without it."""
 
         def _arrange(self, answer: Any) -> Any:
             return answer
@@ -203,8 +212,8 @@ def run(floors: tuple[float, ...]) -> tuple[list[Outcome], dict[str, list[float]
     by_id = {note.id: note for note in notes}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="membase-recall-quality-") as tmp:
-        with StandInLLM() as llm, ServedEngine(Path(tmp) / "membase", llm.url) as engine:
-            with membase.Membase(api_key="benchmark", base_url=engine.base_url) as client:
+        with StandInLLM() as llm, served_engine(Path(tmp) / "membase", llm) as url:
+            with membase.Membase(api_key="benchmark", base_url=url) as client:
                 for note in notes:
                     answer = client.memories.add(note.text, container=note.memory)
                     if not answer.get("memory_ids"):
@@ -213,7 +222,7 @@ def run(floors: tuple[float, ...]) -> tuple[list[Outcome], dict[str, list[float]
 
             outcomes = []
             for config in configurations(floors):
-                store = config.make_store(api_key="benchmark", base_url=engine.base_url, **config.options)
+                store = config.make_store(api_key="benchmark", base_url=url, **config.options)
                 turns = []
                 with store:
                     for question in questions:
@@ -229,6 +238,56 @@ def run(floors: tuple[float, ...]) -> tuple[list[Outcome], dict[str, list[float]
     return outcomes, scores, time.perf_counter() - started
 
 
+def engine_unavailable() -> str | None:
+    """Why the real engine cannot run here, or ``None``."""
+    if sys.version_info < (3, 12):
+        return "the local Membase engine needs Python 3.12+ (run with `uv run --python 3.12 ...`)"
+    if importlib.util.find_spec("membase_core") is None:
+        return "the local Membase engine is not installed: pip install 'unibaseio-membase[local]'"
+    return None
+
+
+@contextmanager
+def served_engine(directory: Path, llm: StandInLLM) -> Iterator[str]:
+    """``membase --store DIR serve`` on a free loopback port, its LLM the stand-in; yields its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    offline = ("MEMBASE_", "OPENAI_", "ANTHROPIC_", "AWS_", "GOOGLE_", "GEMINI_", "MISTRAL_", "LITELLM_")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(offline)}
+    env.update(llm.engine_env(), NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    directory.mkdir(parents=True)
+    log = directory.parent / "membase-serve.log"
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "membase", "--store", str(directory), "serve", "--host", "127.0.0.1"]
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [*command, "--port", str(port)], env=env, cwd=directory, stdout=output, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not _answers(url):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"membase serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
+                time.sleep(0.1)
+            yield url
+        finally:
+            process.send_signal(signal.SIGINT)  # the engine closes its stores on an interrupt
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/containers", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
 def _raw_scores(client: Any, questions: list[Question], notes: dict[str, Any]) -> dict[str, list[float]]:
     """The engine's scores for the passages it returns (limit 5), split by whether they answer the question."""
     scores: dict[str, list[float]] = {"answer": [], "other": []}
@@ -241,18 +300,6 @@ def _raw_scores(client: Any, questions: list[Question], notes: dict[str, Any]) -
 
 
 # --- The report -----------------------------------------------------------------------------------
-
-
-def machine() -> list[tuple[str, str]]:
-    return [
-        ("CPU", cpu_model()),
-        ("Cores", cores()),
-        ("OS", os_name()),
-        ("Python", f"{platform.python_implementation()} {platform.python_version()}"),
-        ("Packages", package_versions(PACKAGES)),
-        ("Date", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-        ("Commit", checkout()),
-    ]
 
 
 def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: float) -> str:
@@ -281,7 +328,7 @@ def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: flo
         "",
         "| | |",
         "| --- | --- |",
-        *(f"| {key} | {value} |" for key, value in machine()),
+        *(f"| {key} | {value} |" for key, value in machine(PACKAGES).items()),
         "",
         "| configuration | facts injected | characters injected per turn (mean / max) | passages per turn "
         "| duplicate passages injected | facts lost vs defaults | facts gained vs defaults |",
@@ -390,7 +437,7 @@ def write(section: str, path: Path = RESULTS) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.recall_quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    parser.add_argument("--write", action="store_true", help="replace this benchmark's part of RESULTS.md")
     parser.add_argument(
         "--floor",
         type=float,
@@ -406,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes, scores, seconds = run(tuple(args.floor or DEFAULT_FLOORS))
     section = report(outcomes, scores, seconds)
     print(section)
-    if not args.no_write:
+    if args.write:
         write(section)
         print(f"written to {RESULTS.relative_to(ROOT)}")
     return 0
