@@ -12,7 +12,8 @@ here while its caller waits for it within a budget:
 A thread starts when a call comes and every thread is busy, up to :data:`MAX_THREADS`, and retires after
 :data:`IDLE_SECONDS` with nothing to do. At the cap a call waits its turn, first come first served, inside
 its caller's budget: a recall still fails open on time, and one whose budget ran out before its turn is
-never sent. A thread carries the name of the call it runs (``membase-recall[store]``, ...).
+never sent. Each store's calls wait in a lane of their own and the lanes take turns, so one store's burst does
+not hold up another's recall. A thread carries the name of the call it runs (``membase-recall[store]``, ...).
 
 A forked child has none of its parent's threads, and a lock that one of them held at the fork stays held in
 the child. The one ``os.register_at_fork`` hook here starts the child with fresh threads, then calls
@@ -32,11 +33,11 @@ import contextlib
 import contextvars
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
@@ -53,24 +54,34 @@ IDLE_NAME = "membase-worker[idle]"
 
 
 class _Threads:
-    """Daemon threads that start when every one is busy, up to the cap, and retire when idle."""
+    """Daemon threads that start when every one is busy, up to the cap, and retire when idle.
+
+    Calls wait in lanes, one per store, taken in turn: one store's burst never makes another store's recall
+    wait for more than the calls already running.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: queue.SimpleQueue[list[Any]] = queue.SimpleQueue()
-        self._waiting = 0  # calls in line that no thread has taken yet
+        self._ready = threading.Condition(self._lock)
+        self._lanes: dict[Hashable, deque[list[Any]]] = {}
+        self._turns: deque[Hashable] = deque()  # the lanes with calls waiting, in the order they take them
+        self._waiting = 0  # calls in a lane that no thread has taken yet
         self._idle = 0  # threads waiting for a call
         self.alive = 0
 
-    def submit(self, fn: Callable[[], T], name: str) -> Future[T]:
+    def submit(self, fn: Callable[[], T], name: str, lane: Hashable) -> Future[T]:
         future: Future[T] = Future()
         call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
         with self._lock:
+            if lane not in self._lanes:
+                self._lanes[lane] = deque()
+                self._turns.append(lane)
+            self._lanes[lane].append(call)
             self._waiting += 1
+            self._ready.notify()
             start = self._idle < self._waiting and self.alive < MAX_THREADS
             if start:
                 self.alive += 1
-        self._calls.put(call)
         if start:
             try:
                 threading.Thread(target=self._work, name=IDLE_NAME, daemon=True).start()  # named per call it takes
@@ -89,20 +100,21 @@ class _Threads:
         thread = threading.current_thread()
         while True:
             with self._lock:
-                self._idle += 1
-            try:
-                call: list[Any] | None = self._calls.get(timeout=IDLE_SECONDS)
-            except queue.Empty:
-                call = None
-            with self._lock:
-                self._idle -= 1
-                if call is not None:
-                    self._waiting -= 1
-                elif self._waiting == 0:
-                    self.alive -= 1
-                    return
-            if call is None:
-                continue  # a call came in just as the wait ended
+                while not self._turns:
+                    self._idle += 1
+                    woken = self._ready.wait(IDLE_SECONDS)
+                    self._idle -= 1
+                    if not woken and not self._turns:
+                        self.alive -= 1
+                        return
+                lane = self._turns.popleft()
+                calls = self._lanes[lane]
+                call = calls.popleft()
+                if calls:
+                    self._turns.append(lane)  # its next call waits for the other lanes' turns
+                else:
+                    del self._lanes[lane]
+                self._waiting -= 1
             thread.name = call[3]
             _run(call)
             thread.name = IDLE_NAME
@@ -128,13 +140,15 @@ def _run(call: list[Any]) -> None:
 _threads = _Threads()
 
 
-def submit(fn: Callable[[], T], *, name: str) -> Future[T]:
+def submit(fn: Callable[[], T], *, name: str, lane: Hashable = None) -> Future[T]:
     """Run ``fn`` on a daemon thread named ``name``, with the caller's context variables; a future for its outcome.
+
+    ``lane``: whose call it is (a store's own object); at the thread cap, lanes take turns.
 
     Raises:
         RuntimeError: No thread could be started and none is alive to take the call; the future holds it too.
     """
-    return _threads.submit(fn, name)
+    return _threads.submit(fn, name, lane)
 
 
 def threads_alive() -> int:

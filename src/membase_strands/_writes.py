@@ -317,7 +317,7 @@ class WriteRecord:
 
     def _start(self, request: _Request) -> None:
         try:
-            _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]")
+            _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
             # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
             logger.warning(

@@ -206,7 +206,9 @@ class MembaseMemoryStore:
             if check is None or (check.done() and check.exception() is not None):
                 # A check still running (Membase slow to answer) is shared, never started twice; one that
                 # ended late with an answer is used below; one that failed tells nothing, so ask again.
-                check = _background.submit(self._gateway.memories_in_reach, name=f"membase-check[{self.name}]")
+                check = _background.submit(
+                    self._gateway.memories_in_reach, name=f"membase-check[{self.name}]", lane=self._gateway
+                )
                 self._setup_check = check
         try:
             containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
@@ -295,6 +297,7 @@ class MembaseMemoryStore:
                 lambda: _background.submit(
                     lambda: self._gateway.search(text, limit, self._container, retry=retry),
                     name=f"membase-recall[{self.name}]",
+                    lane=self._gateway,
                 ),
                 self._recall_timeout,
             )
