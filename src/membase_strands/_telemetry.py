@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
+from . import _background
 from ._counters import STANDARD
 from ._failures import describe_failure
 
@@ -250,6 +252,11 @@ def register_store(store: Any) -> None:
         _stores.add(store)
 
 
+def _after_fork_in_child() -> None:
+    global _stores_lock
+    _stores_lock = threading.Lock()  # a thread building a store or reading the metrics may have held it at the fork
+
+
 def _live_counts() -> list[tuple[str, dict[str, int]]]:
     with _stores_lock:
         stores = list(_stores)
@@ -299,3 +306,6 @@ def _observe_prefixed(prefix: str, attribute: str) -> Callable[[CallbackOptions]
         ]
 
     return observe
+
+
+_background.reset_after_fork(sys.modules[__name__])
