@@ -29,6 +29,7 @@ from tests.support.store_helpers import (
     membase_threads,
     routed,
     run_in_child,
+    set_recall_budget,
     wait_until,
 )
 
@@ -512,11 +513,12 @@ def test_a_late_request_never_holds_a_synchronous_agent_call(fake, make_store, g
     fake.remember(FACT)
     stall = gates.new()
     fake.on("POST", "/v1/search", routed(fake), hang(stall, then=routed(fake)))
-    store = make_store(name="never-holds", recall_timeout=BUDGET)
+    store = make_store(name="never-holds", recall_timeout=LONG)
     agent, model = make_agent(store)
     agent(QUESTION)  # a healthy turn first: its thread waits for the next call
     assert f"[Main] {FACT}" in (model.memory_block() or "")
 
+    set_recall_budget(store, BUDGET)
     agent(QUESTION)  # asyncio.run of this call must not wait for the thread that runs the late request
 
     # The call returned while the gate still holds that request: it is still running on its thread.
@@ -526,6 +528,7 @@ def test_a_late_request_never_holds_a_synchronous_agent_call(fake, make_store, g
     assert store.counters()["recall_late_completions"] == 0
     stall.set()
     assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
+    set_recall_budget(store, LONG)
     agent(QUESTION)
     assert f"[Main] {FACT}" in (model.memory_block() or "")
 

@@ -227,3 +227,12 @@ def _reap(pid: int, deadline: float) -> None:
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)  # our own child, by its pid
     os.waitpid(pid, 0)
+
+
+def set_recall_budget(store: MembaseMemoryStore, seconds: float | None) -> None:
+    """Give ``store`` another recall budget from its next recall on (the store's own setting, reached directly).
+
+    For a test whose one part is about a short budget and whose other parts are not: a healthy recall that must
+    return memory gets a budget a loaded machine cannot run out of.
+    """
+    store._recall_timeout = seconds
