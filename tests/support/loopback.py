@@ -60,6 +60,7 @@ class LoopbackMembase:
         self._prefix = f"/loopback-{next(_SERVERS)}"
         self.connections = 0
         self.open_connections = 0
+        self.peak_open_connections = 0
         self.latency = 0.0
         """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
         self.drips: list[Dripped] = []
@@ -114,6 +115,7 @@ class LoopbackMembase:
             if opened > 0:
                 self.connections += 1
             self.open_connections += opened
+            self.peak_open_connections = max(self.peak_open_connections, self.open_connections)
 
 
 class _Server(ThreadingHTTPServer):
