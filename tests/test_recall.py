@@ -116,7 +116,7 @@ def test_a_late_recall_holds_the_guard_for_one_attempt_only(fake, make_store, ga
 def test_repeated_stalled_turns_leave_at_most_one_recall_thread(fake, make_store, gates):
     stall = gates.new()
     fake.always("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(recall_timeout=BUDGET)
+    store = make_store(name="repeated-stalls", recall_timeout=BUDGET)
     agent, _ = make_agent(store)
 
     for _ in range(4):

@@ -281,7 +281,7 @@ def test_membase_search_keeps_at_most_the_limit_when_a_server_sends_too_many(
 
 def test_recall_keeps_at_most_the_limit_when_a_server_sends_too_many(fake: InMemoryMembase, make_store) -> None:
     fake.always("POST", "/v1/search", three_hundred_hits)
-    agent, model = make_agent(make_store(), ["ok"])
+    agent, model = make_agent(make_store(recall_timeout=LONG), ["ok"])
 
     agent(QUESTION)
 
@@ -294,7 +294,7 @@ def test_recall_keeps_at_most_the_limit_when_a_server_sends_too_many(fake: InMem
 async def test_search_keeps_at_most_max_search_results_when_a_server_sends_too_many(fake, make_store) -> None:
     fake.always("POST", "/v1/search", three_hundred_hits)
 
-    entries = await make_store().search("ledger", {"max_search_results": 3})
+    entries = await make_store(recall_timeout=LONG).search("ledger", {"max_search_results": 3})
 
     assert [e.content for e in entries] == [f"[Main] Passage {i} about the ledger." for i in range(3)]
 

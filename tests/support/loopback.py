@@ -60,7 +60,9 @@ class LoopbackMembase:
         self._prefix = f"/loopback-{next(_SERVERS)}"
         self.connections = 0
         self.open_connections = 0
-        self.peak_open_connections = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        """The most requests the server was handling at once (from its arrival to its answer or raw action's end)."""
         self.latency = 0.0
         """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
         self.drips: list[Dripped] = []
@@ -115,7 +117,11 @@ class LoopbackMembase:
             if opened > 0:
                 self.connections += 1
             self.open_connections += opened
-            self.peak_open_connections = max(self.peak_open_connections, self.open_connections)
+
+    def _serving(self, change: int) -> None:
+        with self._lock:
+            self.in_flight += change
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
 
 class _Server(ThreadingHTTPServer):
@@ -163,6 +169,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(self.rfile.read(length) if length else b"")
 
     def _serve(self, body: bytes) -> None:
+        owner = self.server.owner
+        owner._serving(+1)
+        try:
+            self._answer(body)
+        finally:
+            owner._serving(-1)
+
+    def _answer(self, body: bytes) -> None:
         owner = self.server.owner
         target = self.path.removeprefix(owner._prefix)  # the path the SDK asked for, below the server's own
         path = target.split("?")[0]
