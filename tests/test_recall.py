@@ -16,8 +16,8 @@ from strands import Agent
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
+from membase_strands._background import submit
 from membase_strands._recall import RecallSkipped, TimeBoxedRecall
-from membase_strands._workers import start_daemon
 from membase_strands.testing import API_KEY, ScriptedModel, hang, status
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
@@ -28,12 +28,13 @@ from tests.support.store_helpers import (
     make_agent,
     membase_threads,
     routed,
-    timed,
+    set_recall_budget,
+    until,
     wait_until,
 )
 
-BUDGET = 0.3
-SLACK = 2.0  # loaded 2-core machines
+BUDGET = 0.3  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
+LONG = 30.0  # every other budget and wait: a loaded machine cannot run out of it
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
@@ -47,29 +48,30 @@ def test_a_stalled_recall_never_holds_a_synchronous_turn(fake, make_store, gates
     fake.remember(FACT)
     stall = gates.new()
     fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(recall_timeout=BUDGET)
+    store = make_store(name="stalled-turns", recall_timeout=BUDGET)
     agent, model = make_agent(store, ["Without memory.", "Still without.", "Again without.", "With memory."])
 
-    # The first turn runs out of its budget and goes on without memory.
-    result, elapsed = timed(agent, QUESTION)
-    assert "Without memory." in str(result)
-    assert elapsed < BUDGET + SLACK
+    # The first turn runs out of its budget and goes on without memory, while the gate still holds the request.
+    assert "Without memory." in str(agent(QUESTION))
+    assert not stall.is_set()
     assert model.memory_block() is None
     assert any("ran out of time" in m for m in messages(caplog, logging.WARNING))
     assert len(fake.sent("POST", "/v1/search")) == 1
 
-    # While the late request still runs, the next turns skip recall at once, with no new request.
+    # While the late request still runs, the next turns skip recall, with no new request and no wait.
     for _ in range(2):
-        _, elapsed = timed(agent, QUESTION)
-        assert elapsed < 1.0
+        agent(QUESTION)
         assert model.memory_block() is None
     assert len(fake.sent("POST", "/v1/search")) == 1
-    assert len(membase_threads(RECALL_THREAD)) <= 1
+    counters = store.counters()
+    assert (counters["recall_timeouts"], counters["recall_skipped"]) == (1, 2)
+    assert len(membase_threads(f"{RECALL_THREAD}{store.name}]")) == 1
 
     # The late request ends: its outcome is logged and recall resumes.
     stall.set()
-    assert wait_until(lambda: any("late recall finished" in m for m in messages(caplog)))
-    assert wait_until(lambda: not store._recall.waking)
+    assert wait_until(lambda: any("late recall finished" in m for m in messages(caplog)), timeout=LONG)
+    assert wait_until(lambda: not store._recall.waking, timeout=LONG)
+    set_recall_budget(store, LONG)  # the rest is not about the budget
     agent(QUESTION)
     assert len(fake.sent("POST", "/v1/search")) == 2
     assert f"[Main] {FACT}" in (model.memory_block() or "")
@@ -85,10 +87,11 @@ def test_a_late_recall_that_fails_is_logged_and_recall_resumes(fake, make_store,
     agent(QUESTION)
     stall.set()
 
-    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog, logging.WARNING)))
-    assert wait_until(lambda: not store._recall.waking)
+    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog, logging.WARNING)), timeout=LONG)
+    assert wait_until(lambda: not store._recall.waking, timeout=LONG)
     # One SDK attempt: the late recall was not retried while it held the guard.
     assert len(fake.sent("POST", "/v1/search")) == 1
+    set_recall_budget(store, LONG)  # the rest is not about the budget
     agent(QUESTION)
     assert len(fake.sent("POST", "/v1/search")) == 2
     assert f"[Main] {FACT}" in (model.memory_block() or "")
@@ -104,15 +107,16 @@ def test_a_late_recall_holds_the_guard_for_one_attempt_only(fake, make_store, ga
     agent(QUESTION)
     stall.set()
 
-    assert wait_until(lambda: not store._recall.waking, timeout=3.0)
-    time.sleep(0.2)
+    # Counted once the request has ended, its last attempt included.
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
+    assert not store._recall.waking
     assert len(fake.sent("POST", "/v1/search")) == 1
 
 
 def test_repeated_stalled_turns_leave_at_most_one_recall_thread(fake, make_store, gates):
     stall = gates.new()
     fake.always("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(recall_timeout=BUDGET)
+    store = make_store(name="repeated-stalls", recall_timeout=BUDGET)
     agent, _ = make_agent(store)
 
     for _ in range(4):
@@ -125,19 +129,18 @@ def test_repeated_stalled_turns_leave_at_most_one_recall_thread(fake, make_store
 async def test_two_healthy_recalls_at_once_on_one_store_both_run(fake, make_store):
     fake.remember("We chose Postgres for the ledger.")
     fake.remember("Deploys happen on Tuesdays.")
-    barrier = threading.Barrier(2, timeout=4.0)
+    barrier = threading.Barrier(2, timeout=LONG)
     broke: list[bool] = []
-    answer = delayed(fake, 0.2)
 
     def together(request):
         try:
             barrier.wait()
         except threading.BrokenBarrierError:
             broke.append(True)
-        return answer(request)
+        return fake.answer(request)
 
     fake.always("POST", "/v1/search", together)
-    store = make_store(recall_timeout=6.0)
+    store = make_store(recall_timeout=LONG)
     first, first_model = make_agent(store, ["Postgres."])
     second, second_model = make_agent(store, ["Tuesdays."])
 
@@ -155,7 +158,7 @@ async def test_two_healthy_recalls_at_once_on_one_store_both_run(fake, make_stor
 
 def test_without_a_budget_recall_waits_for_the_sdk(fake, make_store, caplog):
     fake.remember(FACT)
-    fake.on("POST", "/v1/search", delayed(fake, 0.6))
+    fake.on("POST", "/v1/search", delayed(fake, 0.3))
     agent, model = make_agent(make_store(recall_timeout=None), ["Postgres."])
 
     agent(QUESTION)
@@ -180,24 +183,22 @@ async def test_search_past_its_budget_raises_then_returns_nothing_without_a_requ
     fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
     store = make_store(recall_timeout=BUDGET)
 
-    started = time.monotonic()
     with pytest.raises(MembaseRecallTimeout) as raised:
         await store.search(QUESTION)
-    assert time.monotonic() - started < BUDGET + SLACK
+    assert not stall.is_set()  # it gave up on the request, which the gate still holds
     assert isinstance(raised.value, TimeoutError)
     assert API_KEY not in str(raised.value)
 
     # Skipped while the late request runs: no memory this turn, and not a failure.
-    started = time.monotonic()
     assert await store.search("another question about the ledger") == []
-    assert time.monotonic() - started < 1.0
     assert len(fake.sent("POST", "/v1/search")) == 1
-    assert store.counters()["recall_skipped"] == 1
+    counters = store.counters()
+    assert (counters["recall_timeouts"], counters["recall_skipped"], counters["recall_errors"]) == (1, 1, 0)
 
 
 async def test_a_healthy_search_within_budget_leaves_no_guard(fake, make_store):
     fake.remember(FACT)
-    store = make_store(recall_timeout=5.0)
+    store = make_store(recall_timeout=LONG)
 
     for _ in range(3):
         assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
@@ -216,7 +217,7 @@ def test_a_late_failure_that_echoes_the_key_does_not_log_it(fake, make_store, ga
     agent(QUESTION)
     stall.set()
 
-    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog)))
+    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog)), timeout=LONG)
     assert not any(API_KEY in m for m in messages(caplog))
 
 
@@ -236,14 +237,17 @@ T = TypeVar("T")
 # --- TimeBoxedRecall ----------------------------------------------------------------------------
 
 
-def on_worker(request: Callable[[], T]) -> Callable[[], Future[T]]:
-    """What the gateway hands the time box for a store without the I/O loop: the call, started on a worker."""
-    return lambda: start_daemon(request, name="membase-recall[unit]")
+def on_thread(request: Callable[[], T]) -> Callable[[], Future[T]]:
+    """What the store hands the time box: the call, started on a thread of ``_background``."""
+    return lambda: submit(request, name="membase-recall[unit]")
 
 
 class Counter:
+    """A request that counts its calls and, with a gate, waits for it before it answers."""
+
     def __init__(self, gate: threading.Event | None = None, result: object = "answer") -> None:
         self.calls = 0
+        self.finished = 0
         self.gate = gate
         self.result = result
         self._lock = threading.Lock()
@@ -252,7 +256,9 @@ class Counter:
         with self._lock:
             self.calls += 1
         if self.gate is not None:
-            self.gate.wait(10)
+            self.gate.wait(LONG)
+        with self._lock:
+            self.finished += 1
         if isinstance(self.result, BaseException):
             raise self.result
         return self.result
@@ -262,8 +268,8 @@ async def test_a_recall_within_budget_returns_its_answer_and_holds_no_guard():
     recall = TimeBoxedRecall("unit")
     request = Counter()
 
-    assert await recall.run(on_worker(request), 5.0) == "answer"
-    assert await recall.run(on_worker(request), 5.0) == "answer"
+    assert await recall.run(on_thread(request), LONG) == "answer"
+    assert await recall.run(on_thread(request), LONG) == "answer"
     assert request.calls == 2
     assert not recall.waking
 
@@ -272,10 +278,10 @@ async def test_an_error_within_budget_is_raised_and_holds_no_guard():
     recall = TimeBoxedRecall("unit")
 
     with pytest.raises(ValueError, match="boom"):
-        await recall.run(on_worker(Counter(result=ValueError("boom"))), 5.0)
+        await recall.run(on_thread(Counter(result=ValueError("boom"))), 5.0)
 
     assert not recall.waking
-    assert await recall.run(on_worker(Counter()), 5.0) == "answer"
+    assert await recall.run(on_thread(Counter()), LONG) == "answer"
 
 
 async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(gates, caplog):
@@ -285,35 +291,33 @@ async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(
     late = Counter(stall)
 
     with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
-        await recall.run(on_worker(late), BUDGET)
+        await recall.run(on_thread(late), BUDGET)
     assert recall.waking
     # INFO: the manager logs the raised timeout as its warning.
     assert any("ran out of time" in m for m in messages(caplog, logging.INFO))
     assert not messages(caplog, logging.WARNING)
 
     skipped = Counter()
-    started = time.monotonic()
     with pytest.raises(RecallSkipped, match="still running"):
-        await recall.run(on_worker(skipped), BUDGET)
-    assert time.monotonic() - started < 1.0
+        await recall.run(on_thread(skipped), BUDGET)
     assert skipped.calls == 0
 
     stall.set()
-    assert wait_until(lambda: not recall.waking)
+    assert await until(lambda: not recall.waking, LONG)
     assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
-    assert await recall.run(on_worker(skipped), 5.0) == "answer"
+    assert await recall.run(on_thread(skipped), LONG) == "answer"
     assert skipped.calls == 1
 
 
 async def test_concurrent_healthy_runs_both_execute():
     recall = TimeBoxedRecall("unit")
-    barrier = threading.Barrier(2, timeout=4.0)
+    barrier = threading.Barrier(2, timeout=LONG)
 
     def request() -> str:
         barrier.wait()
         return threading.current_thread().name
 
-    names = await asyncio.gather(recall.run(on_worker(request), 6.0), recall.run(on_worker(request), 6.0))
+    names = await asyncio.gather(recall.run(on_thread(request), LONG), recall.run(on_thread(request), LONG))
 
     assert names == ["membase-recall[unit]", "membase-recall[unit]"]
     assert not recall.waking
@@ -325,10 +329,10 @@ async def test_a_late_failure_is_logged_at_warning(gates, caplog):
     stall = gates.new()
 
     with pytest.raises(MembaseRecallTimeout):
-        await recall.run(on_worker(Counter(stall, result=ConnectionError("host went away"))), BUDGET)
+        await recall.run(on_thread(Counter(stall, result=ConnectionError("host went away"))), BUDGET)
     stall.set()
 
-    assert wait_until(lambda: not recall.waking)
+    assert await until(lambda: not recall.waking, LONG)
     failed = [r for r in caplog.records if "late recall failed" in r.getMessage()]
     assert len(failed) == 1
     assert failed[0].levelno == logging.WARNING
@@ -339,25 +343,28 @@ async def test_no_budget_waits_as_long_as_the_request_takes():
     recall = TimeBoxedRecall("unit")
 
     def slow() -> str:
-        time.sleep(0.5)
+        time.sleep(0.2)
         return "late but welcome"
 
-    assert await recall.run(on_worker(slow), None) == "late but welcome"
+    assert await recall.run(on_thread(slow), None) == "late but welcome"
     assert not recall.waking
 
 
 def test_a_timed_out_run_does_not_hold_asyncio_run(gates):
     recall = TimeBoxedRecall("unit")
     stall = gates.new()
+    late = Counter(stall)
 
-    started = time.monotonic()
     with pytest.raises(MembaseRecallTimeout):
-        asyncio.run(recall.run(on_worker(Counter(stall)), BUDGET))
-    assert time.monotonic() - started < BUDGET + SLACK
+        asyncio.run(recall.run(on_thread(late), BUDGET))
+    # asyncio.run returned while the request still waits for its gate.
+    assert (late.calls, late.finished) == (1, 0)
+    assert recall.waking
     # The loop is gone; the late request finishes later without anyone waiting for it.
     stall.set()
-    assert wait_until(lambda: not recall.waking)
-    assert asyncio.run(recall.run(on_worker(Counter()), 5.0)) == "answer"
+    assert wait_until(lambda: not recall.waking, timeout=LONG)
+    assert late.finished == 1
+    assert asyncio.run(recall.run(on_thread(Counter()), LONG)) == "answer"
 
 
 def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
@@ -366,13 +373,13 @@ def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
     gate = threading.Event()
     try:
         with pytest.raises(MembaseRecallTimeout):
-            asyncio.run(box.run(on_worker(lambda: gate.wait(10)), 0.05))
+            asyncio.run(box.run(on_thread(lambda: gate.wait(LONG)), 0.05))
         assert box.waking
         now[0] = 89.0
         assert box.waking
         now[0] = 91.0  # one SDK attempt later the guard lets recalls through again
         assert not box.waking
-        assert asyncio.run(box.run(on_worker(lambda: "answer"), 1.0)) == "answer"
+        assert asyncio.run(box.run(on_thread(lambda: "answer"), LONG)) == "answer"
     finally:
         gate.set()
 
@@ -391,16 +398,6 @@ def loopback() -> Iterator[LoopbackMembase]:
         yield server
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """``wait_until`` for a coroutine: polls without blocking the event loop."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
-
-
 def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DEBUG) -> list[str]:
     """Messages at ``level`` or above from every logger, except what other tests' stores log from the library's
     background threads (a late request of an earlier test may end during this one)."""
@@ -411,7 +408,7 @@ def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DE
         and (
             not r.threadName.startswith("membase-")
             or f"[{store}]" in r.threadName
-            or f"store=<{store}>" in r.getMessage()  # the I/O loop's thread serves every store
+            or f"store=<{store}>" in r.getMessage()
         )
     ]
 
@@ -432,7 +429,7 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", *[stall(release, then=ok_json(SEARCH_ANSWER)) for _ in range(TURNS)])
-    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-turns", recall_timeout=20.0)
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="cancelled-turns", recall_timeout=LONG)
     threads = lambda: membase_threads(f"{RECALL_THREAD}{store.name}]")  # noqa: E731
     searches = lambda: loopback.fake.sent("POST", "/v1/search")  # noqa: E731
     try:
@@ -442,7 +439,7 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
             agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
             task = asyncio.create_task(agent.invoke_async(QUESTION))
             # The client goes away while this turn waits: on Membase, or (recall skipped) on the model.
-            assert await until(lambda: len(searches()) > turn or bool(model.calls) or task.done())  # noqa: B023
+            assert await until(lambda: len(searches()) > turn or bool(model.calls) or task.done(), LONG)  # noqa: B023
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -455,8 +452,8 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
 
         # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
         release.set()
-        assert await until(lambda: store.counters()["recall_late_completions"] == 1)
-        assert await until(lambda: not store._recall.waking and not threads())
+        assert await until(lambda: store.counters()["recall_late_completions"] == 1, LONG)
+        assert await until(lambda: not store._recall.waking and not threads(), LONG)
         assert any("late recall finished" in m for m in logged(caplog, store.name, logging.INFO))
         agent, model = make_agent(store, ["Postgres."])
         await agent.invoke_async(QUESTION)
@@ -471,10 +468,10 @@ async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_reque
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(client=loopback.client(), name="cancelled-search", recall_timeout=None)
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="cancelled-search", recall_timeout=None)
     try:
         task = asyncio.create_task(store.search(QUESTION))
-        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1, LONG)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -486,7 +483,7 @@ async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_reque
         assert logged(caplog, store.name, logging.WARNING) == []
 
         release.set()
-        assert await until(lambda: not store._recall.waking)
+        assert await until(lambda: not store._recall.waking, LONG)
         assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
     finally:
         release.set()
@@ -499,27 +496,26 @@ async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_reque
 def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make_store, gates, caplog):
     caplog.set_level(logging.DEBUG)
     fake.remember(FACT)
-    budget = 1.5
     outage = gates.new()
     fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(name="outage", container="Main", recall_timeout=budget)
+    store = make_store(name="outage", container="Main", recall_timeout=BUDGET)
 
     # The first agent waits the budget for the check, then is built without it.
     make_agent(store)
     assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
 
-    # While that check is still late, more agents are built at once: five together take less than one budget.
-    started = time.monotonic()
+    # While that check is still late, more agents are built: none waits for it again, each says so at DEBUG.
     for _ in range(5):
         make_agent(store)
-    assert time.monotonic() - started < budget
     assert len([m for m in messages(caplog) if "set-up check is still running" in m]) == 5
     assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
     assert len(fake.sent("GET", "/v1/containers")) == 1
+    assert not outage.is_set()
 
     # The check ends: the next agent uses its answer, with no request of its own, and so does first use.
     outage.set()
-    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"), timeout=LONG)
+    set_recall_budget(store, LONG)  # the rest is not about the budget
     agent, model = make_agent(store, ["Postgres."])
     agent(QUESTION)
     assert len(fake.sent("GET", "/v1/containers")) == 1
@@ -530,11 +526,11 @@ def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make
 def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(fake, make_store, gates):
     outage = gates.new()
     fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(name="late-check", container="Projects", recall_timeout=0.3)
+    store = make_store(name="late-check", container="Projects", recall_timeout=BUDGET)
     make_agent(store)  # built without the check: Membase did not answer in time
 
     outage.set()
-    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"))
+    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"), timeout=LONG)
     with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
         make_agent(store)
     assert len(fake.sent("GET", "/v1/containers")) == 1
@@ -554,7 +550,7 @@ def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store,
     for turn in range(100):
         agent(f"{QUESTION} ({turn})")
     outage.set()
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
 
     # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
     warned = logged(caplog, store.name, logging.WARNING)
@@ -601,32 +597,35 @@ def own_lines(caplog: pytest.LogCaptureFixture, store: str) -> list[str]:
     return [line for line in logged(caplog, store) if line.startswith(("membase_strands", "strands"))]
 
 
-async def test_closing_the_store_during_a_recall_reports_the_close_not_a_connection_error(loopback, caplog):
+async def test_closing_the_store_during_a_recall_lets_the_recall_finish_with_its_memory(loopback, caplog):
+    # A store built from a key has nothing of its own to close: its sockets belong to the shared pool, so
+    # closing it does not pull the connection from under a recall that is running (it used to end it).
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing", recall_timeout=20.0)
-    agent, model = make_agent(store, ["Without memory."])
+    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="closing", recall_timeout=LONG)
+    agent, model = make_agent(store, ["Postgres."])
     try:
         turn = asyncio.create_task(agent.invoke_async(QUESTION))
-        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1)
+        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1, LONG)
         store.close()  # the app shuts down while the recall is running
         release.set()
-        assert "Without memory." in str(await asyncio.wait_for(turn, 20.0))
+        assert "Postgres." in str(await asyncio.wait_for(turn, LONG))
     finally:
         release.set()
         store.close()
 
-    assert model.memory_block() is None
+    assert f"[Main] {FACT}" in (model.memory_block() or "")
     counters = store.counters()
-    assert (counters["recall_errors"], counters.get("errors.closed")) == (1, 1)
-    assert "errors.connection" not in counters
-    lines = own_lines(caplog, store.name)
-    assert any("closed while the recall was running" in line for line in lines)
-    assert not any("Bad file descriptor" in line for line in lines)
+    assert (counters["recalls"], counters["recall_hits"], counters["recall_errors"]) == (1, 1, 0)
+    assert "errors.connection" not in counters and "errors.closed" not in counters
+    assert not any("Bad file descriptor" in line for line in own_lines(caplog, store.name))
+    assert logged(caplog, store.name, logging.WARNING) == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        await store.search(QUESTION)  # and the next one is refused
 
 
-def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplog):
+def test_closing_the_store_under_a_late_recall_lets_it_finish_and_logs_that(loopback, caplog):
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
@@ -636,12 +635,12 @@ def test_closing_the_store_under_a_late_recall_reports_the_close(loopback, caplo
         agent(QUESTION)  # runs out of time; the request goes on
         store.close()
         release.set()
-        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1)
+        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
     finally:
         release.set()
         store.close()
 
     lines = own_lines(caplog, store.name)
-    assert any("closed while the recall was running" in line for line in lines)
+    assert any("late recall finished" in line for line in lines)
     assert not any("Bad file descriptor" in line or "late recall failed" in line for line in lines)
     assert "errors.connection" not in store.counters()

@@ -4,14 +4,19 @@
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
 :class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
 over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`drip_headers`, :func:`reset`, :func:`stall` or :func:`raw_answer` (and
-:func:`arrived`, which signals that a request is in before doing another action).
+on the socket: :func:`drip`, :func:`drip_headers`, :func:`reset`, :func:`stall`, :func:`meet` or
+:func:`raw_answer` (and :func:`arrived`, which signals that a request is in before doing another action).
+
+Each server's URL is one no earlier server in this process had (a path of its own on a fresh port): the library
+keeps one connection pool per base URL for the life of the process, so a server that happens to get the port
+of an earlier one must not inherit that one's pool, built under another test's deadline or limits.
 
 Every wait in here is bounded, the server binds to loopback only, and its threads are daemons.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import ssl
@@ -20,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -32,6 +38,15 @@ RawAction = Callable[["_Handler"], None]
 """Something done on the socket instead of the fake's answer; it owns the connection from then on."""
 
 LIMIT = 30.0  # the longest any action here holds a connection
+_SERVERS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Dripped:
+    """What one drip managed to send before it ended, and whether it ended because the client hung up."""
+
+    sent: int
+    hung_up: bool
 
 
 class LoopbackMembase:
@@ -42,8 +57,16 @@ class LoopbackMembase:
         self.fake = fake if fake is not None else InMemoryMembase()
         self._actions: dict[tuple[str, str], list[RawAction]] = {}
         self._lock = threading.Lock()
+        self._prefix = f"/loopback-{next(_SERVERS)}"
         self.connections = 0
         self.open_connections = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        """The most requests the server was handling at once (from its arrival to its answer or raw action's end)."""
+        self.latency = 0.0
+        """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
+        self.drips: list[Dripped] = []
+        """One entry per :func:`drip` or :func:`drip_headers` that has ended, in the order they ended."""
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
         self._scheme = "http"
@@ -58,7 +81,7 @@ class LoopbackMembase:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"{self._scheme}://{host}:{port}"
+        return f"{self._scheme}://{host}:{port}{self._prefix}"
 
     def client(self, **kwargs: Any) -> membase.Membase:
         """A real ``membase.Membase`` client over a real socket to this server."""
@@ -85,11 +108,20 @@ class LoopbackMembase:
             queued = self._actions.get((method, path))
             return queued.pop(0) if queued else None
 
+    def _dripped(self, sent: int, hung_up: bool) -> None:
+        with self._lock:
+            self.drips.append(Dripped(sent, hung_up))
+
     def _count(self, opened: int) -> None:
         with self._lock:
             if opened > 0:
                 self.connections += 1
             self.open_connections += opened
+
+    def _serving(self, change: int) -> None:
+        with self._lock:
+            self.in_flight += change
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
 
 class _Server(ThreadingHTTPServer):
@@ -110,6 +142,7 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    answer: httpx.Response  # the fake's answer to the request being served
     timeout = LIMIT  # an idle keep-alive connection is dropped after this, so no handler thread lives forever
 
     def setup(self) -> None:
@@ -137,16 +170,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bytes) -> None:
         owner = self.server.owner
-        path = self.path.split("?")[0]
+        owner._serving(+1)
+        try:
+            self._answer(body)
+        finally:
+            owner._serving(-1)
+
+    def _answer(self, body: bytes) -> None:
+        owner = self.server.owner
+        target = self.path.removeprefix(owner._prefix)  # the path the SDK asked for, below the server's own
+        path = target.split("?")[0]
         request = httpx.Request(
-            self.command, f"http://loopback{self.path}", headers=dict(self.headers.items()), content=body
+            self.command, f"http://loopback{target}", headers=dict(self.headers.items()), content=body
         )
         answer = owner.fake.handle(request)  # recorded by the fake, faults and all, before any raw action
+        self.answer = answer
         action = owner._next_action(self.command, path)
         if action is not None:
             action(self)
             return
-        self.write_answer(answer.status_code, answer.read(), dict(answer.headers))
+        if owner.latency:
+            time.sleep(owner.latency)
+        as_usual(self)
 
     def write_answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         """Send one whole answer on this connection, keeping it alive."""
@@ -159,6 +204,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
         self.wfile.flush()
+
+
+def as_usual(handler: _Handler) -> None:
+    """Answer as the fake did (its faults included): the action that ends most others."""
+    answer = handler.answer
+    handler.write_answer(answer.status_code, answer.read(), dict(answer.headers))
 
 
 def raw_answer(status: int, body: bytes) -> RawAction:
@@ -178,40 +229,50 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.flush()
-        _send_slowly(handler, body, every, limit)
         handler.close_connection = True
+        _send_slowly(handler, body, every, limit)
 
     return act
 
 
-def drip_headers(every: float = 0.2, limit: float = LIMIT) -> RawAction:
-    """Send the status line and then header lines without end, one byte every ``every`` seconds (at most ``limit`` s).
+def drip_headers(every: float = 0.2, limit: float = LIMIT, stop: threading.Event | None = None) -> RawAction:
+    """Send the status line and then header lines without end, one byte every ``every`` seconds.
 
-    The answer never gets past its headers, so no body chunk ever arrives: only a deadline that bounds
-    each socket read by the time left ends the call.
+    The answer never gets past its headers, so no body chunk ever arrives. The server stops after ``limit``
+    seconds, when the client hangs up, or once ``stop`` is set, and then closes the connection.
     """
 
     def act(handler: _Handler) -> None:
         handler.close_connection = True
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         filler = b"X-Drip: " + b"d" * 4096 + b"\r\n"
-        _send_slowly(handler, head + filler * 64, every, limit)
+        _send_slowly(handler, head + filler * 64, every, limit, stop)
 
     return act
 
 
-def _send_slowly(handler: _Handler, data: bytes, every: float, limit: float) -> None:
-    """Write ``data`` one byte every ``every`` seconds, for at most ``limit`` seconds or until the client leaves."""
+def _send_slowly(
+    handler: _Handler, data: bytes, every: float, limit: float, stop: threading.Event | None = None
+) -> None:
+    """Write ``data`` one byte every ``every`` seconds, for at most ``limit`` seconds, until ``stop`` is set or
+    the client leaves; what was sent is recorded in the server's :attr:`LoopbackMembase.drips`."""
     deadline = time.monotonic() + limit
+    stop = stop if stop is not None else threading.Event()
+    sent = 0
+    hung_up = False
     for byte in data:
-        if time.monotonic() > deadline:
-            return
+        if time.monotonic() > deadline or stop.is_set():
+            break
         try:
             handler.wfile.write(bytes([byte]))
             handler.wfile.flush()
         except OSError:
-            return  # the client gave up and closed the connection
-        time.sleep(every)
+            hung_up = True  # the client gave up and closed the connection
+            break
+        sent += 1
+        if stop.wait(every):
+            break
+    handler.server.owner._dripped(sent, hung_up)
 
 
 def closing(then: RawAction) -> RawAction:
@@ -249,6 +310,19 @@ def stall(release: threading.Event, then: RawAction | None = None, limit: float 
 def ok_json(body: Any) -> RawAction:
     """Answer 200 with ``body`` as JSON."""
     return raw_answer(200, json.dumps(body).encode())
+
+
+def meet(barrier: threading.Barrier, then: RawAction = as_usual) -> RawAction:
+    """Wait until ``barrier``'s other parties are in too (at most ``LIMIT`` s), then ``then``.
+
+    Requests that meet are in flight at the same time, each on a connection of its own.
+    """
+
+    def act(handler: _Handler) -> None:
+        barrier.wait(LIMIT)
+        then(handler)
+
+    return act
 
 
 def arrived(event: threading.Event, then: RawAction) -> RawAction:

@@ -1,11 +1,17 @@
-"""Helpers the tests share: agents over a store, responders, waits, gates, a clock and timers."""
+"""Helpers the tests share: agents over a store, responders, waits, gates, a clock, timers and forked children."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import select
+import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -128,3 +134,105 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.offset += seconds
+
+
+# --- Forked children --------------------------------------------------------------------------------
+
+CHILD_LIMIT = 60.0
+"""The longest a test waits for its forked children before it kills them (by their pids) and fails."""
+
+
+@dataclass
+class Child:
+    """A forked child at work: its pid and the pipe it reports through."""
+
+    pid: int
+    reader: int
+
+
+def fork_child(work: Callable[[], Any]) -> Child:
+    """Fork; the child runs ``work`` and reports its result (or its traceback) as JSON through a pipe.
+
+    The child never returns into pytest: it leaves with ``os._exit`` whatever happens.
+    """
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(reader)
+            try:
+                report: dict[str, Any] = {"result": work()}
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                report = {"error": traceback.format_exc()}
+            data = json.dumps(report).encode()
+            while data:
+                data = data[os.write(writer, data) :]
+        finally:
+            os._exit(0)
+    os.close(writer)
+    return Child(pid, reader)
+
+
+def child_reports(children: list[Child], timeout: float = CHILD_LIMIT) -> list[dict[str, Any]]:
+    """Each child's report, ``{"result": ...}`` or ``{"error": ...}``, in the children's order.
+
+    Waits for all of them at once, for at most ``timeout`` seconds in all: a child that has not reported by
+    then is killed by its pid and reported as hung, so a stuck child fails the test instead of hanging the
+    suite. Every child is reaped.
+    """
+    deadline = time.monotonic() + timeout
+    data: dict[int, list[bytes]] = {child.reader: [] for child in children}
+    open_pipes = set(data)
+    try:
+        while open_pipes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select(list(open_pipes), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if chunk:
+                    data[fd].append(chunk)
+                else:
+                    open_pipes.discard(fd)
+    finally:
+        for child in children:
+            os.close(child.reader)
+            _reap(child.pid, deadline)
+    reports = []
+    for child in children:
+        if child.reader in open_pipes:
+            reports.append({"error": f"the child (pid {child.pid}) hung: no report within {timeout:g} s; killed"})
+        else:
+            raw = b"".join(data[child.reader])
+            reports.append(json.loads(raw) if raw else {"error": f"the child (pid {child.pid}) sent nothing"})
+    return reports
+
+
+def run_in_child(work: Callable[[], Any], timeout: float = CHILD_LIMIT) -> Any:
+    """Fork, run ``work`` in the child, and return what it returned; fail if it raised or hung."""
+    [report] = child_reports([fork_child(work)], timeout)
+    assert "error" not in report, f"the child failed:\n{report['error']}"
+    return report["result"]
+
+
+def _reap(pid: int, deadline: float) -> None:
+    """Wait for the child ``pid`` until ``deadline`` (at least a moment), then kill it by its pid."""
+    while True:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)  # our own child, by its pid
+    os.waitpid(pid, 0)
+
+
+def set_recall_budget(store: MembaseMemoryStore, seconds: float | None) -> None:
+    """Give ``store`` another recall budget from its next recall on (the store's own setting, reached directly).
+
+    For a test whose one part is about a short budget and whose other parts are not: a healthy recall that must
+    return memory gets a budget a loaded machine cannot run out of.
+    """
+    store._recall_timeout = seconds
