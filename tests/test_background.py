@@ -116,15 +116,22 @@ def test_a_thread_carries_the_name_of_its_call_and_the_idle_name_between_calls(t
     assert thread not in membase_threads()  # an idle thread does no work for anyone
 
 
-def test_a_thread_that_cannot_start_while_none_is_alive_fails_the_call_at_once(threads, monkeypatch):
+def refuse_next_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the next ``threading.Thread.start()`` fail as a process at its thread limit does."""
     start = threading.Thread.start
+    refused: list[threading.Thread] = []
 
     def refuse(thread: threading.Thread) -> None:
-        if thread.name == "membase-test[refused]":
+        if not refused:
+            refused.append(thread)
             raise RuntimeError("can't start new thread")
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
+
+
+def test_a_thread_that_cannot_start_while_none_is_alive_fails_the_call_at_once(threads, monkeypatch):
+    refuse_next_thread(monkeypatch)
 
     with pytest.raises(RuntimeError, match="can't start new thread"):
         submit(lambda: "never", name="membase-test[refused]")
@@ -138,14 +145,7 @@ def test_a_thread_that_cannot_start_leaves_the_call_to_a_thread_already_alive(th
     busy = threading.Event()
     held = submit(lambda: busy.set() or gate.wait(LONG), name="membase-test[busy]")
     assert busy.wait(LONG)
-    start = threading.Thread.start
-
-    def refuse(thread: threading.Thread) -> None:
-        if thread.name == "membase-test[refused]":
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse)
+    refuse_next_thread(monkeypatch)
 
     waiting = submit(lambda: "taken later", name="membase-test[refused]")  # no error: a thread will take it
     gate.set()

@@ -320,7 +320,7 @@ def held_locks(store: MembaseMemoryStore, pool: MembaseStorePool) -> dict[str, A
         "threads": _background._threads._lock,
         "fork and exit registries": _background._lock,
         "connection pools": _http._lock,
-        "metrics registry": _telemetry._stores_lock,
+        "metrics registry": _telemetry._lock,
     }
 
 
