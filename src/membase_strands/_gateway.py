@@ -146,7 +146,7 @@ class MembaseGateway:
             body = self._resolver.call(
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
-        return parse_search(body)
+        return parse_search(body, limit)
 
     def start_search(self, query: str, limit: int, container: str | None, *, retry: bool) -> Future[SearchAnswer]:
         """Start :meth:`search` and return its future at once: awaited on the I/O loop for a hosted store in
@@ -167,7 +167,7 @@ class MembaseGateway:
 
             with readable_answers():
                 answer = await self._resolver.call_async(self._list_awaited, container, send)
-            return parse_search(answer)
+            return parse_search(answer, limit)
 
         return awaited.io.submit(search)
 
