@@ -593,7 +593,7 @@ def large_answer(shape: str, size: int) -> dict[str, Any]:
 def read_and_shown(shape: str, size: int, cleaned: list[int]) -> tuple[int, int]:
     """What the store's recall and tool paths read of one such answer, and what they show."""
     body = large_answer(shape, size)
-    memory_label.cache_clear()
+    _formatting._label_of.cache_clear()
     cleaned[0] = 0
     answer = parse_search(body, LIMIT)
     entries = memory_entries(arrange(answer, LIMIT - len(answer.unsearched), budget=BUDGET))
@@ -669,3 +669,19 @@ def test_of_500000_hits_only_the_first_limit_per_memory_are_read(cleaned: list[i
     shown = sum(len(entry.content) for entry in entries)
     # The 150 read whole to fold them (each ~45 characters), the 50 shown twice more: fitted, rendered.
     assert cleaned[0] <= 6 * shown
+
+
+def test_a_megabyte_memory_name_or_reason_is_read_only_as_far_as_it_is_shown(cleaned: list[int]) -> None:
+    huge = "Work " + "x" * 1024 * 1024
+    body = {
+        "results": [hit("a passage", container_name=huge)],
+        "containers": [{"id": "c", "name": huge, "error": huge}],
+    }
+    _formatting._label_of.cache_clear()
+    cleaned[0] = 0
+
+    answer = parse_search(body, 5)
+
+    assert answer.passages[0].memory == clip(huge, 80) == answer.unsearched[0].memory
+    assert answer.unsearched[0].reason == clip(huge, 200)
+    assert cleaned[0] <= 3 * 4096

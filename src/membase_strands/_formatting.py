@@ -9,9 +9,10 @@ An answer can be far larger than what the model is shown (500,000 hits, or 50 pa
 against a recall budget of 20,000 characters), so the store's own work is bounded by what it can show:
 
 - Hits: :func:`parse_search` reads the first ``limit`` hits for each Memory the answer lists (at most
-  50 Memories): every hit of a server that sends at most ``limit`` per Memory searched, as asked.
-- Text: of a passage, only what the budget could show is read: its first ``max_recall_chars``
-  characters. A longer passage is never shown whole; the best one is cut to the budget.
+  50 Memories): every hit of a server that sends at most ``limit`` per Memory searched, as asked. The
+  list of Memories is read whole: each one that could not answer is shown.
+- Text: of a passage, at most what the budget could show is read: its first ``max_recall_chars``
+  characters (all, without a budget). A longer passage is never shown whole; the best one is cut.
 - Folding: passages are the same when what could be shown of them is the same: those first characters,
   cleaned and whitespace-normalised, are equal, and either both passages go on past them or neither.
   A read identical character for character is the same without being cleaned; otherwise passages are
@@ -54,7 +55,7 @@ class Passage:
     @property
     def label(self) -> str:
         """The prefix the model reads: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several."""
-        return _label([self.memory, *self.also_in])
+        return "".join(f"[{memory}] " for memory in (self.memory, *self.also_in))
 
     @property
     def text(self) -> str:
@@ -95,9 +96,14 @@ class SearchAnswer:
     folded: int = 0
 
 
-@functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
 def memory_label(name: str) -> str:
-    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
+    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters (of the
+    name's first 4,096: a server's megabyte of a name is not read)."""
+    return _label_of(name[:4096])
+
+
+@functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
+def _label_of(name: str) -> str:
     return clip(clean_text(name), 80).translate(_BRACKETS) or "unnamed Memory"
 
 
@@ -227,23 +233,20 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     kept: list[Passage] = []
     used = 0
     for reading in readings:
-        label, metadata = _label(reading.memories), reading.passage.metadata
-        room = math.inf if budget is None else budget - used - len(label)
+        passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
+        room = math.inf if budget is None else budget - used - len(passage.label)
         text = "" if reading.long or room < 0 else clean_text(reading.head)
         if not reading.long and len(text) <= room:
-            used += len(label) + len(text)
+            used += len(passage.label) + len(text)
         elif kept or budget is None:
             continue
         else:
-            room = max(0, budget - len(label) - len(CUT_MARKER))
+            room = max(0, budget - len(passage.label) - len(CUT_MARKER))
             text = (text or clean_text(reading.head))[:room].rstrip() + CUT_MARKER
-            metadata, used = {**metadata, "cut": True}, budget
-        kept.append(Passage(reading.memories[0], text, metadata, tuple(reading.memories[1:])))
+            passage.metadata, used = {**passage.metadata, "cut": True}, budget
+        passage.content = text
+        kept.append(passage)
     return kept
-
-
-def _label(memories: list[str]) -> str:
-    return "".join(f"[{memory}] " for memory in memories)
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
@@ -271,9 +274,11 @@ def search_text(query: str, answer: SearchAnswer) -> str:
     """The ``membase_search`` tool's answer to what :func:`arrange` returned: numbered passages, what the
     floor left out, and the Memories that could not answer under "Not searched"."""
     shown, below, count = clip(query, 120), answer.below_floor, len(answer.passages)
-    weaker = below and (
+    weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
         f"(min_score={answer.floor:g}) and {'are' if below != 1 else 'is'} not shown"
+        if below
+        else ""
     )
     if answer.passages:
         lines = [f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":']
