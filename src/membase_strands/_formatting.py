@@ -177,9 +177,14 @@ class _Reading:
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
         self.passage, self.score, self.memories = passage, passage.score, [passage.memory]
-        self.long = cap is not None and len(passage.content) > cap
-        self.head = passage.content[:cap] if self.long else passage.content
+        self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
+        self.long = self.end < len(passage.content)
         self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
+
+    @functools.cached_property
+    def head(self) -> str:
+        """The characters that may be read (copied only when needed: a copy of a long text costs)."""
+        return self.passage.content[: self.end]
 
     def start(self, size: int) -> str:
         """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter).
@@ -187,9 +192,9 @@ class _Reading:
         Reads each character once, and only as far as that takes: a start of the normalised text is the
         normalised start of the text (a word the cut splits is only a start of that word).
         """
-        while len(self._normal) < size and self._read < len(self.head):
-            end = min(len(self.head), max(size, 2 * self._read))
-            piece, self._read = clean_text(self.head[self._read : end]), end
+        while len(self._normal) < size and self._read < self.end:
+            end = min(self.end, max(size, 2 * self._read))
+            piece, self._read = clean_text(self.passage.content[self._read : end]), end
             if words := " ".join(piece.split()):
                 joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
                 self._normal += joint + words
@@ -198,20 +203,23 @@ class _Reading:
 
 
 def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
-    return [reading for reading in (_Reading(p, cap) for p in passages) if reading.start(1)]
+    return [reading for reading in (_Reading(p, cap) for p in passages) if reading.start(_FOLD_START)]
 
 
 def _fold(readings: list[_Reading]) -> list[_Reading]:
     """One reading per text (see the module doc), the first copy kept, naming every Memory that returned it."""
     shown: list[_Reading] = []
-    copies: dict[tuple[str, bool], _Reading] = {}  # a head as it came -> the shown reading it is a copy of
     # A start of some size -> the one shown reading that starts so, or None once several do (each of them
     # is then filed under its start twice that size): a reading is read only as far as it starts like another.
     starts: dict[tuple[bool, int, str], _Reading | None] = {}
+    copies: dict[tuple[str, bool], _Reading] = {}  # a head as sent -> the shown reading it is a copy of
     for reading in readings:
-        twin, size = copies.get((reading.head, reading.long)), _FOLD_START
+        size, key = _FOLD_START, (reading.long, _FOLD_START, reading.start(_FOLD_START))
+        alike = key in starts  # only then may it be a copy as sent, found without reading on
+        if alike and (other := starts[key]) is not None:
+            copies.setdefault((other.head, other.long), other)
+        twin = copies.get((reading.head, reading.long)) if alike else None
         while twin is None:
-            key = (reading.long, size, reading.start(size))
             if key not in starts:
                 starts[key] = twin = reading
                 shown.append(reading)
@@ -222,7 +230,9 @@ def _fold(readings: list[_Reading]) -> list[_Reading]:
                     starts[key] = None
                     starts[(other.long, 2 * size, other.start(2 * size))] = other
                 size *= 2
-        copies.setdefault((reading.head, reading.long), twin)
+                key = (reading.long, size, reading.start(size))
+        if alike:
+            copies.setdefault((reading.head, reading.long), twin)
         if reading.passage.memory not in twin.memories:
             twin.memories.append(reading.passage.memory)
     return shown
@@ -234,14 +244,15 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     used = 0
     for reading in readings:
         passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
-        room = math.inf if budget is None else budget - used - len(passage.label)
+        label = len(passage.label)
+        room = math.inf if budget is None else budget - used - label
         text = "" if reading.long or room < 0 else clean_text(reading.head)
         if not reading.long and len(text) <= room:
-            used += len(passage.label) + len(text)
+            used += label + len(text)
         elif kept or budget is None:
             continue
         else:
-            room = max(0, budget - len(passage.label) - len(CUT_MARKER))
+            room = max(0, budget - label - len(CUT_MARKER))
             text = (text or clean_text(reading.head))[:room].rstrip() + CUT_MARKER
             passage.metadata, used = {**passage.metadata, "cut": True}, budget
         passage.content = text
