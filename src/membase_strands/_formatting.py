@@ -156,11 +156,15 @@ def arrange(
 
     Order: when every passage carries a score, best first across Memories (ties keep Membase's order),
     else Membase's order. A passage several Memories (or one, twice) returned is shown once, where it
-    first appears, naming each (``[Work] [Home] text``); blank ones are dropped. One scored below
-    ``min_score`` is left out (one without a score is kept). Then the first ``most`` are fitted to
-    ``budget`` characters (labels included), best first and each whole: one that does not fit is
-    skipped and smaller ones after it may fit. Only a best passage alone longer than the budget is cut,
-    with :data:`CUT_MARKER`.
+    first appears, naming each (``[Work] [Home] text``); blank ones are dropped.
+
+    Args:
+        answer: What :func:`parse_search` returned.
+        most: How many passages to show at most.
+        min_score: A passage scored below it is left out (one without a score is kept).
+        budget: The characters to show at most, labels included: passages best first, each whole; one
+            that does not fit is skipped and smaller ones after it may fit. Only a best passage alone
+            longer than the budget is cut, with :data:`CUT_MARKER`.
     """
     readings = _readings(answer.passages, budget)
     if readings and all(reading.score is not None for reading in readings):
