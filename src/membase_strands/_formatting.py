@@ -199,7 +199,8 @@ class _Reading:
         while len(self._normal) < size and self._read < self.end:
             end = min(self.end, max(size, 2 * self._read))
             piece, self._read = clean_text(self.passage.content[self._read : end]), end
-            if words := " ".join(piece.split()):
+            plain = piece.isprintable() and "  " not in piece  # spaced singly, no tab or newline: normal already
+            if words := piece.strip(" ") if plain else " ".join(piece.split()):
                 joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
                 self._normal += joint + words
             self._gap = piece[-1].isspace() if piece else self._gap
