@@ -1,20 +1,24 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
 Everything that comes from Membase (Memory names, passages, a server's error text) is treated as
-data. Names are folded onto one line and cannot close the brackets that frame them; passages
-lose control characters and unpaired surrogates; a Memory that could not answer becomes a clearly
-framed notice, never text that reads like a remembered fact.
+data. Names are folded onto one line and cannot close the brackets that frame them; passages lose
+control characters and unpaired surrogates; a Memory that could not answer becomes a clearly framed
+notice, never text that reads like a remembered fact.
 
-Before anything is cut to the entry limit or the recall budget, :func:`arrange` puts the passages
-best first across Memories, shows a passage that several Memories returned once, and drops those
-scored below the store's relevance floor.
+An answer can be far larger than what the model is shown (500,000 hits, or 50 passages of a megabyte
+against a recall budget of 20,000 characters), so the store's own work is bounded by what it can show:
 
-An answer can be far larger than what the model is shown (50 passages of a megabyte each, against a
-recall budget of 20,000 characters), so no step here reads text it is about to drop: a passage is
-cleaned when it is shown, and only as far as the budget reaches; folding compares the start of
-passages and reads on only where two starts are the same. Cleaning maps each character on its own
-(kept, dropped or replaced), so the cleaned start of a text is the start of the cleaned text and
-the output is the same as cleaning everything first.
+- Hits: :func:`parse_search` reads the first ``limit`` hits for each Memory the answer lists (at most
+  50 Memories): every hit of a server that sends at most ``limit`` per Memory searched, as asked. The
+  list of Memories is read whole: each one that could not answer is shown.
+- Text: of a passage, at most what the budget could show is read: its first ``max_recall_chars``
+  characters (all, without a budget). A longer passage is never shown whole; the best one is cut.
+- Folding: passages are the same when what could be shown of them is the same: those first characters,
+  cleaned and whitespace-normalised, are equal, and either both passages go on past them or neither.
+  A read identical character for character is the same without being cleaned; otherwise passages are
+  told apart by their first 256 normalised characters, read further (twice as far) only while equal.
+
+Cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text.
 """
 
 from __future__ import annotations
@@ -29,42 +33,42 @@ from strands.memory import MemoryEntry
 from ._failures import BadResponseError
 from ._text import clean_text, clip
 
-_NAME_LIMIT = 80
-_REASON_LIMIT = 200
+CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
+_MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
+_FOLD_START = 256
 _BRACKETS = str.maketrans({"[": "(", "]": ")"})
 
 
-@dataclass(frozen=True)
+@dataclass
 class Passage:
-    """One passage Membase returned, with the Memory it came from."""
+    """One passage: the Memory it came from, its text and the hit's other fields.
+
+    Parsed, ``content`` is the text as Membase sent it; arranged, the text as shown (cleaned, perhaps
+    cut), and ``also_in`` names the other Memories that returned the same text.
+    """
 
     memory: str
     content: str
-    """The passage as Membase sent it; :attr:`text` is what the model reads."""
     metadata: dict[str, Any] = field(default_factory=dict)
     also_in: tuple[str, ...] = ()
-    """Other Memories that returned the same text (see :func:`arrange`)."""
-    label: str = field(init=False, repr=False, compare=False)
-    """The passage's prefix: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several Memories."""
-    score: float | None = field(init=False, repr=False, compare=False)
-    """Membase's score for the passage, or ``None`` when it has no usable one."""
 
-    def __post_init__(self) -> None:
-        # Read several times per recall (ordering, the budget, the entries): worked out once, here.
-        object.__setattr__(self, "label", "".join(f"[{memory}] " for memory in self.memories))
-        value = self.metadata.get("score")
-        usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        object.__setattr__(self, "score", float(value) if usable and isinstance(value, (int, float)) else None)
+    @property
+    def label(self) -> str:
+        """The prefix the model reads: ``[Memory] ``, or ``[Work] [Home] `` for a passage from several."""
+        return "".join(f"[{memory}] " for memory in (self.memory, *self.also_in))
 
-    @functools.cached_property
+    @property
     def text(self) -> str:
-        """The passage without control characters or unpaired surrogates, cleaned on first use."""
+        """The text without control characters or unpaired surrogates."""
         return clean_text(self.content)
 
     @property
-    def memories(self) -> tuple[str, ...]:
-        """Every Memory this passage came from, the one it scored best in first."""
-        return (self.memory, *self.also_in)
+    def score(self) -> float | None:
+        """Membase's score for the passage, or ``None`` when it has no usable one."""
+        value = self.metadata.get("score")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return float(value)
 
 
 @dataclass(frozen=True)
@@ -77,30 +81,39 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer: the passages, best first, and the Memories that could not answer."""
+    """A search answer: its passages and the Memories that could not answer.
+
+    ``none_answered``: every Memory searched reported that it could not answer. :func:`arrange` sets the
+    rest: the relevance ``floor`` it applied, and how many passages it left out for scoring below it
+    (``below_floor``) or as copies of a passage shown once (``folded``).
+    """
 
     passages: list[Passage]
     unsearched: list[Unsearched]
     none_answered: bool = False
-    """Every Memory searched reported that it could not answer."""
     floor: float | None = None
-    """The relevance floor :func:`arrange` applied, if any."""
     below_floor: int = 0
-    """How many passages :func:`arrange` left out for scoring below ``floor``."""
     folded: int = 0
-    """How many copies of passages shown once :func:`arrange` left out."""
+
+
+def memory_label(name: str) -> str:
+    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters (of the
+    name's first 4,096: a server's megabyte of a name is not read)."""
+    return _label_of(name[:4096])
 
 
 @functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
-def memory_label(name: str) -> str:
-    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
-    return clip(clean_text(name), _NAME_LIMIT).translate(_BRACKETS) or "unnamed Memory"
+def _label_of(name: str) -> str:
+    return clip(clean_text(name), 80).translate(_BRACKETS) or "unnamed Memory"
 
 
-def parse_search(body: Any) -> SearchAnswer:
-    """Read the answer of ``client.search()``.
+def parse_search(body: Any, limit: int) -> SearchAnswer:
+    """The passages of a ``client.search()`` answer in Membase's order (their text not read yet; hits
+    without text skipped), and an :class:`Unsearched` per Memory reported with an ``error``.
 
-    Hits without text are skipped; Memories reported with an ``error`` become :class:`Unsearched`.
+    Args:
+        body: Membase's answer.
+        limit: The passages asked for; it bounds the hits read (see the module doc).
 
     Raises:
         BadResponseError: The answer has no ``results`` list.
@@ -115,21 +128,19 @@ def parse_search(body: Any) -> SearchAnswer:
     }
 
     passages = []
-    for hit in results:
+    for hit in results[: limit * min(max(1, len(rows)), _MEMORIES_READ)]:
         content = hit.get("content") if isinstance(hit, dict) else None
-        # isspace() stops at the first other character; strip() could copy a whole passage to find out.
-        if not isinstance(content, str) or not content or content.isspace():
-            continue
-        container = hit.get("container") if isinstance(hit.get("container"), str) else None
-        name = hit.get("container_name") or (names.get(container) if container else None) or container or "Membase"
-        metadata = {key: value for key, value in hit.items() if key != "content"}
-        # Not cleaned here: most of a large answer is never shown (see fit_to_budget).
-        passages.append(Passage(memory=memory_label(str(name)), content=content, metadata=metadata))
+        if isinstance(content, str) and content:  # blank text is dropped by arrange(), which reads little of it
+            container = hit.get("container") if isinstance(hit.get("container"), str) else None
+            name = hit.get("container_name") or names.get(container) or container or "Membase"
+            metadata = {key: value for key, value in hit.items() if key != "content"}
+            passages.append(Passage(memory_label(str(name)), content, metadata))
 
     unsearched = [
         Unsearched(
-            memory=memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
-            reason=_clip_start(str(row["error"]), _REASON_LIMIT) or "no reason given",
+            memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
+            # clip() of a normalised start a little longer than it keeps is clip() of the whole reason.
+            clip(_Reading(Passage("", str(row["error"])), None).start(202), 200) or "no reason given",
         )
         for row in rows
         if row.get("error")
@@ -138,235 +149,162 @@ def parse_search(body: Any) -> SearchAnswer:
     return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
 
 
-def arrange(answer: SearchAnswer, min_score: float | None = None) -> SearchAnswer:
-    """The passages as the model should see them: best first, each text once, none below the floor.
+def arrange(
+    answer: SearchAnswer, most: int, *, min_score: float | None = None, budget: int | None = None
+) -> SearchAnswer:
+    """What the model is shown of a parsed answer (text cleaned), with ``floor``, ``below_floor`` and ``folded``.
 
-    - Order: when every passage carries a score, they are sorted best first across Memories (ties keep
-      Membase's order); when any lacks one, Membase's order stands, as scores cannot be compared then.
-    - Duplicates: passages with the same text once whitespace is normalised are shown once, where the
-      text first appears (the best-scored copy once ordered), naming every Memory that returned it.
-    - Floor: with ``min_score``, a passage whose (best) score is below it is left out. A passage
-      without a score is kept: there is nothing to hold against the floor.
+    Order: when every passage carries a score, best first across Memories (ties keep Membase's order),
+    else Membase's order. A passage several Memories (or one, twice) returned is shown once, where it
+    first appears, naming each (``[Work] [Home] text``); blank ones are dropped.
 
     Args:
-        answer: The parsed search answer, in Membase's order.
-        min_score: The relevance floor, or ``None`` to keep every passage.
-
-    Returns:
-        The answer with its passages arranged, and counts of what was folded and left out.
+        answer: What :func:`parse_search` returned.
+        most: How many passages to show at most.
+        min_score: A passage scored below it is left out (one without a score is kept).
+        budget: The characters to show at most, labels included: passages best first, each whole; one
+            that does not fit is skipped and smaller ones after it may fit. Only a best passage alone
+            longer than the budget is cut, with :data:`CUT_MARKER`.
     """
-    passages = answer.passages
-    if passages and all(p.score is not None for p in passages):
-        passages = sorted(passages, key=lambda p: -(p.score or 0.0))  # sorted() is stable: ties keep their order
-    shown = _fold(passages)
-    kept = shown if min_score is None else [p for p in shown if p.score is None or p.score >= min_score]
-    return replace(
-        answer,
-        passages=kept,
-        floor=min_score,
-        below_floor=len(shown) - len(kept),
-        folded=len(passages) - len(shown),
-    )
+    readings = _readings(answer.passages, budget)
+    if readings and all(reading.score is not None for reading in readings):
+        readings.sort(key=lambda reading: -(reading.score or 0.0))  # sort() is stable: ties keep their order
+    shown = _fold(readings)
+    kept = [r for r in shown if min_score is None or r.score is None or r.score >= min_score]
+    passages = _fit(kept[: max(0, most)], budget)
+    below, folded = len(shown) - len(kept), len(readings) - len(shown)
+    return replace(answer, passages=passages, floor=min_score, below_floor=below, folded=folded)
 
 
-def _fold(passages: list[Passage]) -> list[Passage]:
-    """One passage per text (whitespace normalised), the first copy kept, naming every Memory that returned it.
+class _Reading:
+    """A passage as far as the store reads it: its first ``cap`` characters (all for ``None``)."""
 
-    Passages are told apart by the start of their normalised text. Only while a passage starts like
-    some shown ones is it read further (four times as far each time), and so are they, each as far as
-    once: a passage is read to where it differs from every other, never to its end unless it is a copy.
-    """
-    shown: list[Passage] = []
-    starts: list[dict[int, str]] = []  # for each shown passage, its normalised starts read so far, by length
-    by_start: dict[str, list[int]] = {}  # the shortest start -> where the passages starting so are shown
-    for passage in passages:
-        size = _FOLD_START
-        mine = {size: _normalised_start(passage, size)}
-        alike = by_start.get(mine[size], [])
-        at = None
-        while alike:
-            if len(mine[size]) < size:  # the whole normalised text, and theirs are the same: a copy
-                at = alike[0]
-                break
-            size *= 4
-            mine[size] = _normalised_start(passage, size)
-            alike = [index for index in alike if _start_of(shown[index], starts[index], size) == mine[size]]
-        if at is None:
-            by_start.setdefault(mine[_FOLD_START], []).append(len(shown))
-            shown.append(passage)
-            starts.append(mine)
-        elif passage.memory not in shown[at].memories:
-            shown[at] = replace(shown[at], also_in=(*shown[at].also_in, passage.memory))
+    def __init__(self, passage: Passage, cap: int | None) -> None:
+        self.passage, self.score, self.memories = passage, passage.score, [passage.memory]
+        self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
+        self.long = self.end < len(passage.content)
+        self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
+
+    @functools.cached_property
+    def head(self) -> str:
+        """The characters that may be read (copied only when needed: a copy of a long text costs)."""
+        return self.passage.content[: self.end]
+
+    def start(self, size: int) -> str:
+        """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter).
+
+        Reads each character once, and only as far as that takes: a start of the normalised text is the
+        normalised start of the text (a word the cut splits is only a start of that word).
+        """
+        while len(self._normal) < size and self._read < self.end:
+            end = min(self.end, max(size, 2 * self._read))
+            piece, self._read = clean_text(self.passage.content[self._read : end]), end
+            plain = piece.isprintable() and "  " not in piece  # spaced singly, no tab or newline: normal already
+            if words := piece.strip(" ") if plain else " ".join(piece.split()):
+                joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
+                self._normal += joint + words
+            self._gap = piece[-1].isspace() if piece else self._gap
+        return self._normal[:size]
+
+
+def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
+    return [reading for reading in (_Reading(p, cap) for p in passages) if reading.start(_FOLD_START)]
+
+
+def _fold(readings: list[_Reading]) -> list[_Reading]:
+    """One reading per text (see the module doc), the first copy kept, naming every Memory that returned it."""
+    shown: list[_Reading] = []
+    # A start of some size -> the one shown reading that starts so, or None once several do (each of them
+    # is then filed under its start twice that size): a reading is read only as far as it starts like another.
+    starts: dict[tuple[bool, int, str], _Reading | None] = {}
+    copies: dict[tuple[str, bool], _Reading] = {}  # a head as sent -> the shown reading it is a copy of
+    for reading in readings:
+        size, key = _FOLD_START, (reading.long, _FOLD_START, reading.start(_FOLD_START))
+        alike = key in starts  # only then may it be a copy as sent, found without reading on
+        if alike and (other := starts[key]) is not None:
+            copies.setdefault((other.head, other.long), other)
+        twin = copies.get((reading.head, reading.long)) if alike else None
+        while twin is None:
+            if key not in starts:
+                starts[key] = twin = reading
+                shown.append(reading)
+            elif len(key[2]) < size and starts[key] is not None:  # both read to their end: the same text
+                twin = starts[key]
+            else:
+                if (other := starts[key]) is not None:
+                    starts[key] = None
+                    starts[(other.long, 2 * size, other.start(2 * size))] = other
+                size *= 2
+                key = (reading.long, size, reading.start(size))
+        if alike:
+            copies.setdefault((reading.head, reading.long), twin)
+        if reading.passage.memory not in twin.memories:
+            twin.memories.append(reading.passage.memory)
     return shown
 
 
-def at_most(answer: SearchAnswer, limit: int) -> SearchAnswer:
-    """``answer`` with at most ``limit`` passages, the first ones: a server may send more than it was asked for.
-
-    Apply it to passages in the order they are shown, so the best ones are the ones kept.
-    """
-    return answer if len(answer.passages) <= limit else replace(answer, passages=answer.passages[:limit])
-
-
-def _start_of(passage: Passage, known: dict[int, str], size: int) -> str:
-    if size not in known:
-        known[size] = _normalised_start(passage, size)
-    return known[size]
-
-
-_FOLD_START = 256
-"""How much of a passage's normalised text tells passages apart before any is read further."""
-
-
-def _normalised(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _normalised_start(passage: Passage, size: int) -> str:
-    """The first ``size`` characters of the passage's whitespace-normalised text, reading little more.
-
-    Shorter than ``size`` only when that is the whole normalised text. The normalised cleaned start of
-    a text is a start of its normalised cleaned text (a word the cut splits is only a start of that
-    word), so reading further only lengthens it.
-    """
-    content = passage.content
-    if len(content) <= size:  # the usual passage: clean it whole, once (Passage.text keeps it for the budget)
-        return _normalised(passage.text)[:size]
-    read = size
-    while True:
-        head = content[:read]
-        normal = _normalised(clean_text(head))
-        if len(normal) >= size or len(head) == len(content):
-            return normal[:size]
-        read *= 4
+def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
+    """The passages that fit in ``budget`` (see :func:`arrange`), their text cleaned."""
+    kept: list[Passage] = []
+    used = 0
+    for reading in readings:
+        passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
+        label = len(passage.label)
+        room = math.inf if budget is None else budget - used - label
+        text = "" if reading.long or room < 0 else clean_text(reading.head)
+        if not reading.long and len(text) <= room:
+            used += label + len(text)
+        elif kept or budget is None:
+            continue
+        else:
+            room = max(0, budget - label - len(CUT_MARKER))
+            text = (text or clean_text(reading.head))[:room].rstrip() + CUT_MARKER
+            passage.metadata, used = {**passage.metadata, "cut": True}, budget
+        passage.content = text
+        kept.append(passage)
+    return kept
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
-    """The entries the manager injects: ``[Memory] passage``, then a notice per Memory that could not answer.
-
-    A passage from several Memories starts with each of their names (``[Work] [Home] ...``) and its
-    metadata lists them under ``memories``.
-    """
+    """The entries the manager injects for what :func:`arrange` returned: ``[Memory] passage`` (the
+    metadata of one from several Memories lists them under ``memories``), then a notice per Memory
+    that could not answer."""
     entries = [
         MemoryEntry(
             content=f"{p.label}{p.text}",
-            metadata={"memory": p.memory, **p.metadata, **({"memories": list(p.memories)} if p.also_in else {})},
+            metadata={"memory": p.memory, **p.metadata, **({"memories": [p.memory, *p.also_in]} if p.also_in else {})},
         )
         for p in answer.passages
     ]
-    entries += [
+    return entries + [
         MemoryEntry(
-            content=(
-                f"[Membase notice] The Memory ({u.memory}) could not be searched: {u.reason}. Nothing from it is "
-                "included, so its silence is not evidence that it holds nothing relevant."
-            ),
+            content=f"[Membase notice] The Memory ({u.memory}) could not be searched: {u.reason}. Nothing from "
+            "it is included, so its silence is not evidence that it holds nothing relevant.",
             metadata={"memory": u.memory, "unsearched": True, "reason": u.reason},
         )
         for u in answer.unsearched
     ]
-    return entries
-
-
-CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
-
-
-def fit_to_budget(answer: SearchAnswer, limit: int | None) -> SearchAnswer:
-    """Keep the passages that fit in ``limit`` characters (counting their ``[Memory]`` label), best first, each whole.
-
-    A passage that does not fit in the room left is skipped, and smaller ones after it may still
-    fit. Only when not even the best passage fits on its own is it cut, with a visible marker, so
-    the budget never empties a recall. Memories that could not answer are always reported.
-    """
-    if limit is None:
-        return answer
-    kept: list[Passage] = []
-    used = 0
-    for passage in answer.passages:
-        room = limit - used - len(passage.label)
-        known: str | None = vars(passage).get("text")  # cleaned already (while folding), or not yet
-        if known is not None:
-            text, fits = known, 0 <= room and len(known) <= room
-        else:
-            text, fits = _clean_within(passage.content, room)
-        if fits:
-            vars(passage)["text"] = text  # what Passage.text computes; cleaned once, here
-            kept.append(passage)
-            used += len(passage.label) + len(text)
-        elif not kept:
-            room = max(0, limit - len(passage.label) - len(CUT_MARKER))
-            cut = text[:room].rstrip() + CUT_MARKER
-            kept.append(_with_text(replace(passage, content=cut, metadata={**passage.metadata, "cut": True}), cut))
-            used = limit
-    return replace(answer, passages=kept)
-
-
-_CLEAN_STEP = 4096
-
-
-def _clean_within(content: str, room: int) -> tuple[str, bool]:
-    """The cleaned ``content`` and ``True`` if it is at most ``room`` characters long.
-
-    Otherwise ``False`` and a cleaned start of it longer than ``room`` (or the whole cleaned text): the
-    text beyond is never read.
-    """
-    if room < 0:
-        return "", False
-    if len(content) <= room:  # cleaning only ever removes characters
-        return clean_text(content), True
-    pieces: list[str] = []
-    cleaned = read = 0
-    while read < len(content) and cleaned <= room:
-        step = max(room - cleaned + 1, _CLEAN_STEP)
-        piece = clean_text(content[read : read + step])
-        pieces.append(piece)
-        cleaned += len(piece)
-        read += step
-    return "".join(pieces), read >= len(content) and cleaned <= room
-
-
-def _with_text(passage: Passage, text: str) -> Passage:
-    vars(passage)["text"] = text  # the cached value of Passage.text, known already
-    return passage
-
-
-def _clip_start(text: str, limit: int) -> str:
-    """``clip(clean_text(text), limit)``, reading only as much of ``text`` as that needs.
-
-    Folding a start of a text gives a start of the folded text; once that start is longer than
-    ``limit``, the rest of the text cannot change what is kept.
-    """
-    read = 4 * limit
-    while True:
-        head = text[:read]
-        cleaned = clean_text(head)
-        if len(head) == len(text) or len(_normalised(cleaned)) > limit:
-            return clip(cleaned, limit)
-        read *= 4
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer: numbered passages, what the floor left out, "Not searched"."""
-    shown = clip(query, 120)
-    lines: list[str] = []
-    weaker = ""
-    if answer.below_floor:
-        count = answer.below_floor
-        weaker = (
-            f"{count} weaker passage{'s' if count != 1 else ''} scored below the relevance floor "
-            f"(min_score={answer.floor:g}) and {'are' if count != 1 else 'is'} not shown"
-        )
+    """The ``membase_search`` tool's answer to what :func:`arrange` returned: numbered passages, what the
+    floor left out, and the Memories that could not answer under "Not searched"."""
+    shown, below, count = clip(query, 120), answer.below_floor, len(answer.passages)
+    weaker = (
+        f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
+        f"(min_score={answer.floor:g}) and {'are' if below != 1 else 'is'} not shown"
+        if below
+        else ""
+    )
     if answer.passages:
-        count = len(answer.passages)
-        lines.append(f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":')
-        lines += _numbered(answer.passages)
-        if weaker:
-            lines += ["", f"({weaker}.)"]
+        lines = [f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":']
+        lines += _numbered(answer.passages) + (["", f"({weaker}.)"] if weaker else [])
     elif weaker:
-        lines.append(f'Nothing matched "{shown}" above the relevance floor: {weaker}.')
+        lines = [f'Nothing matched "{shown}" above the relevance floor: {weaker}.']
     elif answer.unsearched:
-        lines.append(f'Nothing matched "{shown}" in the Memories that answered.')
+        lines = [f'Nothing matched "{shown}" in the Memories that answered.']
     else:
-        lines.append(f'Nothing in Membase matched "{shown}".')
+        lines = [f'Nothing in Membase matched "{shown}".']
     if answer.unsearched:
         lines += [
             "",
@@ -382,17 +320,18 @@ def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
     Args:
         body: Membase's answer to ``client.profile()``.
         topic: The topic asked about, if any.
-        limit: The recall budget in characters; a longer answer is cut at a line, with a marker.
+        limit: The recall budget in characters. Topic results (the first 50) are fitted to it as by
+            :func:`arrange`, in the profile's order; a longer answer is cut at a line, with a marker.
 
     Raises:
         BadResponseError: The answer is not a JSON object.
     """
     if not isinstance(body, dict):
         raise BadResponseError("the profile answer is not an object")
-    standing = [fact for fact in (_fact_text(item) for item in _as_list(body.get("static"))) if fact]
-    recent = [fact for fact in (_fact_text(item) for item in _as_list(body.get("dynamic"))) if fact]
-    topical = parse_search({"results": _as_list(body.get("results"))}).passages if topic else []
-    topical = fit_to_budget(SearchAnswer(passages=topical, unsearched=[]), limit).passages
+    standing = [fact for fact in map(_fact_text, _as_list(body.get("static"))) if fact]
+    recent = [fact for fact in map(_fact_text, _as_list(body.get("dynamic"))) if fact]
+    results = parse_search({"results": _as_list(body.get("results"))}, 50).passages if topic else []
+    topical = _fit(_readings(results, limit), limit)
 
     if not (standing or recent or topical):
         if topic:

@@ -173,7 +173,7 @@ class MembaseGateway:
             body = self._resolver.call(
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
-        return parse_search(body)
+        return parse_search(body, limit)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (or, with ``static``, a standing fact), in one attempt.

@@ -24,7 +24,7 @@ from . import _telemetry
 from ._containers import names_in_reach
 from ._counters import Counters
 from ._failures import Failure, describe_failure
-from ._formatting import arrange, at_most, fit_to_budget, memory_label, profile_text, search_text
+from ._formatting import arrange, memory_label, profile_text, search_text
 from ._gateway import MembaseGateway
 from ._options import passages_wanted, query_text
 
@@ -103,9 +103,8 @@ def _search_tool(context: ToolContext) -> AgentTool:
             return _error(f"Nothing was searched: {error}.")
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return _failed(context, "membase_search", error, container_named=target is not None)
-        # A server may send more passages than were asked for: the model sees at most `count`, the best ones.
-        shown = at_most(arrange(answer, context.min_score), count)
-        reply = search_text(text, fit_to_budget(shown, context.max_recall_chars))
+        shown = arrange(answer, count, min_score=context.min_score, budget=context.max_recall_chars)
+        reply = search_text(text, shown)
         _telemetry.annotate(
             "hit" if shown.passages else "empty",
             passages=len(shown.passages),

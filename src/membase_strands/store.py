@@ -12,7 +12,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import membase
@@ -24,7 +23,7 @@ from ._background import wait_for_future
 from ._containers import Container, match, names_in_reach
 from ._counters import Counters
 from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
-from ._formatting import SearchAnswer, arrange, fit_to_budget, memory_entries
+from ._formatting import SearchAnswer, arrange, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
 from ._tools import ToolContext, build_tools
@@ -322,13 +321,11 @@ class MembaseMemoryStore:
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
             # The manager logs the raised error as a warning; the store's own line would be a second one.
             self._fail("recall", error, pause, level=logging.INFO)
-        answer = self._arrange(answer)
-        self._counters.add("recall_hits" if answer.passages else "recall_empty")
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that
         # could not answer is never dropped silently behind a full page of passages.
-        room = max(0, limit - len(answer.unsearched))
-        answer = replace(answer, passages=answer.passages[:room])
-        entries = memory_entries(fit_to_budget(answer, self._max_recall_chars))
+        answer = self._arrange(answer, max(0, limit - len(answer.unsearched)))
+        self._counters.add("recall_hits" if answer.passages else "recall_empty")
+        entries = memory_entries(answer)
         _telemetry.annotate(
             "hit" if answer.passages else "empty",
             passages=len(entries) - len(answer.unsearched),
@@ -514,12 +511,13 @@ class MembaseMemoryStore:
 
     # --- Private helpers ----------------------------------------------------------------------
 
-    def _arrange(self, answer: SearchAnswer) -> SearchAnswer:
-        """Recall's passages best first, each text once, none below ``min_score``; counts what was left out.
+    def _arrange(self, answer: SearchAnswer, most: int) -> SearchAnswer:
+        """Recall's passages best first, each text once, none below ``min_score``, at most ``most`` within
+        the recall budget; counts what was left out.
 
         (``benchmarks/recall_quality`` overrides this to measure the store as it was without it.)
         """
-        arranged = arrange(answer, self._min_score)
+        arranged = arrange(answer, most, min_score=self._min_score, budget=self._max_recall_chars)
         if arranged.folded:
             self._counters.add("recall_passages_folded", arranged.folded)
         if arranged.below_floor:
