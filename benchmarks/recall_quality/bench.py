@@ -132,37 +132,15 @@ class Config:
 
 
 def configurations(floors: tuple[float, ...]) -> list[Config]:
-    if not callable(getattr(MembaseMemoryStore, "_arrange", None)):  # else the rows below would silently be equal
-        raise RuntimeError("MembaseMemoryStore._arrange is gone: MembaseOrderStore no longer bypasses the arrangement")
-
-    class MembaseOrderStore(MembaseMemoryStore):
-        """The store before issue 14: passages in Membase's order, every copy shown. The one private name the
-        benchmarks reach: overriding the store's arrangement step is the only way to measure without it."""
-
-        def _arrange(self, answer: Any) -> Any:
-            return answer
-
     tight = {"max_recall_chars": TIGHT_BUDGET}
-    configs = [
-        Config("defaults", "defaults before this change (Membase's order, every copy)", MembaseOrderStore),
-        Config("ordered", "best first + duplicates folded (the new defaults)", MembaseMemoryStore),
-    ]
+    configs = [Config("defaults", "defaults (best first, copies folded)", MembaseMemoryStore)]
     configs += [
         Config(f"floor={floor:g}", f"... + min_score={floor:g}", MembaseMemoryStore, {"min_score": floor})
         for floor in floors
     ]
     configs += [
         Config("framed", "... + injection_config() (block framed as data)", MembaseMemoryStore, framed=True),
-        Config(
-            "tight-defaults", f"defaults before this change, max_recall_chars={TIGHT_BUDGET}", MembaseOrderStore, tight
-        ),
-        Config(
-            "tight-ordered",
-            f"best first + folded, max_recall_chars={TIGHT_BUDGET}",
-            MembaseMemoryStore,
-            tight,
-            against="tight-defaults",
-        ),
+        Config("tight", f"defaults, max_recall_chars={TIGHT_BUDGET}", MembaseMemoryStore, tight),
     ]
     return configs
 
@@ -304,7 +282,7 @@ def _raw_scores(client: Any, questions: list[Question], notes: dict[str, Any]) -
 
 def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: float) -> str:
     notes, questions = load_dataset()
-    baseline, ordered = outcomes[0], outcomes[1]
+    defaults = outcomes[0]
     memories = sorted({note.memory for note in notes})
     shared = len(
         {normalised(n.text) for n in notes if sum(normalised(m.text) == normalised(n.text) for m in notes) > 1}
@@ -322,9 +300,7 @@ def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: flo
         f"127.0.0.1), then asks its {len(questions)} questions ({paraphrased} of which two notes can answer). Each "
         "question is one turn of a fresh `strands.Agent` with `MemoryManager(stores=[store])` (injection defaults: "
         "up to 5 entries) and a scripted model; what is measured is the memory block the model was sent. A fact "
-        "counts as injected when the text of a note that answers the question is in the block. The defaults "
-        "rows are the store with its new arrangement step bypassed (a subclass in `bench.py`): what it injected "
-        "before this change.",
+        "counts as injected when the text of a note that answers the question is in the block.",
         "",
         "| | |",
         "| --- | --- |",
@@ -340,7 +316,7 @@ def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: flo
         if outcome is against:
             lost_cell = gained_cell = "-"
         else:
-            suffix = f" (vs {against.config.key})" if against is not baseline else ""
+            suffix = f" (vs {against.config.key})" if against is not defaults else ""
             lost_cell = f"{len(outcome.lost_against(against))}{suffix}"
             gained_cell = f"{len(outcome.gained_against(against))}{suffix}"
         lines.append(
@@ -348,22 +324,16 @@ def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: flo
             f"| {outcome.mean_chars:.0f} / {max(outcome.chars)} | {outcome.mean_passages:.2f} | {outcome.duplicates} "
             f"| {lost_cell} | {gained_cell} |"
         )
-    lost = ordered.lost_against(baseline)
     targets = [
         (
-            "with order and folding, no question's fact is lost compared with the defaults",
-            not lost,
-            "none lost" if not lost else f"lost: {'; '.join(lost)}",
+            "no duplicate passage is injected (a fact saved in two Memories is shown once)",
+            defaults.duplicates == 0,
+            f"{defaults.duplicates} duplicate passages",
         ),
         (
-            "with order and folding, characters injected per turn do not grow",
-            ordered.mean_chars <= baseline.mean_chars,
-            f"{ordered.mean_chars:.0f} against {baseline.mean_chars:.0f} (mean per turn)",
-        ),
-        (
-            "with folding, no duplicate passage is injected",
-            ordered.duplicates == 0,
-            f"{ordered.duplicates} (defaults: {baseline.duplicates})",
+            "with the defaults every question's fact is injected",
+            defaults.found == len(defaults.turns),
+            f"{defaults.found}/{len(defaults.turns)}",
         ),
     ]
     lines += ["", "| target | result | detail |", "| --- | --- | --- |"]
@@ -387,23 +357,19 @@ def report(outcomes: list[Outcome], scores: dict[str, list[float]], seconds: flo
 
 
 def _findings(by_key: dict[str, Outcome]) -> list[str]:
-    baseline, ordered, framed = by_key["defaults"], by_key["ordered"], by_key["framed"]
-    saved = baseline.mean_chars - ordered.mean_chars
+    defaults, framed, tight = by_key["defaults"], by_key["framed"], by_key["tight"]
     lines = [
-        f"- Folding removed {baseline.duplicates - ordered.duplicates} duplicate passages and "
-        f"{saved:.0f} characters per turn on average ({saved / baseline.mean_chars:.0%}). Ordering changes which "
-        "passages come first, not which Membase sends: the engine applies the search `limit` itself, after "
-        "interleaving its Memories by rank, so the store orders (and its recall budget, the notices and the "
-        "manager cut) only what it was sent.",
+        "- The engine applies the search `limit` itself, after interleaving its Memories by rank, so the store "
+        "orders and folds (and its recall budget, the notices and the manager cut) only what it was sent.",
         "- This engine's scores are reciprocal-rank fusion within each Memory (about 0.016 to 0.033): a Memory's "
         "best passage scores high whether or not it is relevant, so here a floor trades facts for characters "
         "rather than removing only noise. Hosted Membase may score differently: choose `min_score` from what "
-        '`python -m membase_strands check --query "..."` shows for your own Memories.',
+        '`membase-strands check --query "..."` shows for your own Memories.',
     ]
     for outcome in by_key.values():
         if "min_score" not in outcome.config.options:
             continue
-        lost = outcome.lost_against(baseline)
+        lost = outcome.lost_against(defaults)
         listed = "; ".join(lost[:4]) + (f"; and {len(lost) - 4} more" if len(lost) > 4 else "")
         lines.append(
             f"- `min_score={outcome.config.options['min_score']:g}`: {outcome.found}/{len(outcome.turns)} facts, "
@@ -411,13 +377,10 @@ def _findings(by_key: dict[str, Outcome]) -> list[str]:
             + (f" ({listed})" if lost else "")
             + "."
         )
-    tight, tight_ordered = by_key["tight-defaults"], by_key["tight-ordered"]
     lines += [
-        f"- Under a tight recall budget (`max_recall_chars={TIGHT_BUDGET}`) the order decides which passages are "
-        f"kept: {tight_ordered.found}/{len(tight_ordered.turns)} facts best first against {tight.found}/"
-        f"{len(tight.turns)} in Membase's order ({len(tight_ordered.lost_against(tight))} lost, "
-        f"{len(tight_ordered.gained_against(tight))} gained).",
-        f"- `injection_config()` adds the data frame's sentence: {framed.mean_chars - ordered.mean_chars:.0f} "
+        f"- Under a tight recall budget (`max_recall_chars={TIGHT_BUDGET}`) the best passages are the ones kept: "
+        f"{tight.found}/{len(tight.turns)} facts, {tight.mean_chars:.0f} characters per turn.",
+        f"- `injection_config()` adds the data frame's sentence: {framed.mean_chars - defaults.mean_chars:.0f} "
         "characters per turn on average (nothing on a turn with nothing to inject).",
     ]
     return lines
