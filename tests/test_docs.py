@@ -202,16 +202,23 @@ def execute(block: Block, run: Run) -> None:
 
 
 def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
-    """Run the block under the same harness in a fresh interpreter."""
+    """Run the block under the same harness in a fresh interpreter (its code goes in on standard input)."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith(("MEMBASE_", "OTEL_"))}
     program = f"from tests.test_docs import main_for_subprocess; main_for_subprocess({block.page!r}, {block.line})"
     return subprocess.run(
-        [sys.executable, "-c", program], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program],
+        input=block.code,
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
 def main_for_subprocess(page: str, line: int) -> None:
-    (block,) = [b for b in PYTHON if (b.page, b.line) == (page, line)]
+    """Run the block whose code is on standard input, as :func:`run_isolated` hands it over."""
+    block = Block(page=page, line=line, heading="", index=0, language="python", code=sys.stdin.read())
     with offline() as run:
         execute(block, run)
 
