@@ -1,0 +1,405 @@
+"""The README and docs/ say what the code does: every Python block runs offline and passes pyflakes on its own.
+
+Each ```python block of README.md and docs/*.md runs as it is written, in a fresh namespace, with nothing
+reaching the network:
+
+- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase``, so a block that
+  builds a store from the environment (the quick start, the pool) takes the production path to that stand-in;
+  ``MEMBASE_KEY_<user>`` gives the pool example's users the same key.
+- A ``strands.Agent`` built without a model gets :class:`StandInModel`, a ``ScriptedModel`` that saves what the
+  user asks it to remember and answers with what was recalled; ``callback_handler`` defaults to ``None``.
+- Stores get recall and write budgets of at least 30 s: no block is about running out of one, and a loaded machine
+  must not make one run out.
+- ``time.sleep`` in the block's own code (the quick start waits for hosted Membase to learn) returns at once; the
+  library's threads keep the real one.
+
+A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. Blocks
+named in ``CHECKS`` are also checked for what they did. Shell blocks are not run; the ``membase-strands`` flags
+they use must exist.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from strands import Agent
+
+from membase_strands import MembaseMemoryStore, __version__, check
+from membase_strands._counters import STANDARD
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+GENEROUS_BUDGET = 30.0
+POOL_USERS = ("alice", "bob")
+# Blocks that change process-wide state run in a subprocess of their own.
+ISOLATE = ("set_tracer_provider", "set_meter_provider")
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block: where it is, the heading above it, and its code."""
+
+    page: str
+    line: int
+    heading: str
+    index: int  # its place among the blocks of its language under that heading
+    language: str
+    code: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _blocks_of(path: Path) -> list[Block]:
+    blocks: list[Block] = []
+    heading, language, start, lines = "", None, 0, []
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        fence = FENCE.match(text)
+        if language is None:
+            if fence:
+                language, start, lines = fence.group(1), number, []
+            elif text.startswith("#"):
+                heading = text.lstrip("#").strip()
+            continue
+        if text.strip() == "```":
+            index = sum(1 for b in blocks if b.heading == heading and b.language == language)
+            name = str(path.relative_to(ROOT))
+            blocks.append(Block(name, start, heading, index, language, "\n".join(lines) + "\n"))
+            language = None
+        else:
+            lines.append(text)
+    assert language is None, f"{path.name}: the block opened at line {start} is never closed"
+    return blocks
+
+
+BLOCKS = [block for page in PAGES for block in _blocks_of(page)]
+PYTHON = [block for block in BLOCKS if block.language == "python"]
+
+
+# --- The offline harness --------------------------------------------------------------------------
+
+
+class StandInModel(ScriptedModel):
+    """The model of an Agent a block builds without one: it saves what the user asks it to remember (with
+    ``membase_save``), thanks after a tool result, and otherwise answers with the first passage it was shown."""
+
+    async def stream(  # type: ignore[override]
+        self, messages: Any, tool_specs: Any = None, system_prompt: Any = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        self.script = [_next_step(messages, [spec["name"] for spec in tool_specs or []])]
+        async for event in super().stream(messages, tool_specs, system_prompt, **kwargs):
+            yield event
+
+
+def _next_step(messages: list[dict[str, Any]], tools: list[str]) -> str | ToolCall:
+    latest = messages[-1]
+    if any("toolResult" in block for block in latest["content"]):
+        return "Done."
+    said = " ".join(block["text"] for block in latest["content"] if "text" in block)
+    wanted = re.search(r"remember that (.+)", said, re.IGNORECASE)
+    if wanted and "membase_save" in tools:
+        return ToolCall("membase_save", {"content": wanted.group(1).strip()})
+    recalled = re.search(r"<entry[^>]*>(.*?)</entry>", said)
+    return f"From your memory: {recalled.group(1)}" if recalled else "I do not know."
+
+
+class _TimeForBlocks:
+    """The ``time`` module as a block's own ``import time`` sees it: ``sleep`` is recorded, not slept."""
+
+    def __init__(self, sleeps: list[float]) -> None:
+        self._sleeps = sleeps
+
+    def sleep(self, seconds: float) -> None:
+        self._sleeps.append(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@dataclass
+class Run:
+    """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps, its output."""
+
+    membase: InMemoryMembase
+    models: list[StandInModel] = field(default_factory=list)
+    sleeps: list[float] = field(default_factory=list)
+    tests_run: list[str] = field(default_factory=list)
+    output: str = ""
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[Run]:
+    """Point the environment at an in-memory Membase, give model-less Agents a stand-in, and make budgets generous."""
+    run = Run(InMemoryMembase())
+    environment = {"MEMBASE_API_KEY": API_KEY, "MEMBASE_BASE_URL": run.membase.base_url}
+    environment.update({f"MEMBASE_KEY_{user}": API_KEY for user in POOL_USERS})
+    saved_environment = {name: os.environ.get(name) for name in [*environment, "MEMBASE_LOCAL"]}
+    agent_init, store_init = Agent.__init__, MembaseMemoryStore.__init__
+
+    def agent_with_a_model(self: Agent, *args: Any, **kwargs: Any) -> None:
+        if not args and kwargs.get("model") is None:
+            kwargs["model"] = StandInModel()
+            run.models.append(kwargs["model"])
+        kwargs.setdefault("callback_handler", None)
+        agent_init(self, *args, **kwargs)
+
+    def store_with_generous_budgets(self: MembaseMemoryStore, **options: Any) -> None:
+        for budget in ("recall_timeout", "write_timeout"):
+            if options.get(budget, 0) is not None:  # not given, or a number: at least the generous budget
+                options[budget] = max(options.get(budget, 0), GENEROUS_BUDGET)
+        store_init(self, **options)
+
+    os.environ.pop("MEMBASE_LOCAL", None)
+    os.environ.update(environment)
+    Agent.__init__ = agent_with_a_model  # type: ignore[method-assign]
+    MembaseMemoryStore.__init__ = store_with_generous_budgets  # type: ignore[method-assign]
+    try:
+        yield run
+    finally:
+        Agent.__init__ = agent_init  # type: ignore[method-assign]
+        MembaseMemoryStore.__init__ = store_init  # type: ignore[method-assign]
+        for name, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def execute(block: Block, run: Run) -> None:
+    """Run the block's code as written in a fresh namespace, then any ``test_`` functions it defines."""
+    real_import = builtins.__import__
+
+    def block_import(name: str, *args: Any, **kwargs: Any) -> Any:
+        module = real_import(name, *args, **kwargs)
+        return _TimeForBlocks(run.sleeps) if name == "time" else module
+
+    namespace: dict[str, Any] = {
+        "__name__": "docs_block",
+        "__builtins__": {**vars(builtins), "__import__": block_import},
+    }
+    exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102 - the documentation's own code
+    for name, value in list(namespace.items()):
+        if name.startswith("test_") and callable(value):
+            value()
+            run.tests_run.append(name)
+
+
+def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
+    """Run the block under the same harness in a fresh interpreter (its code goes in on standard input)."""
+    environment = {name: value for name, value in os.environ.items() if not name.startswith(("MEMBASE_", "OTEL_"))}
+    program = f"from tests.test_docs import main_for_subprocess; main_for_subprocess({block.page!r}, {block.line})"
+    return subprocess.run(
+        [sys.executable, "-c", program],
+        input=block.code,
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def main_for_subprocess(page: str, line: int) -> None:
+    """Run the block whose code is on standard input, as :func:`run_isolated` hands it over."""
+    block = Block(page=page, line=line, heading="", index=0, language="python", code=sys.stdin.read())
+    with offline() as run:
+        execute(block, run)
+
+
+# --- What some blocks must have done -------------------------------------------------------------
+
+
+def _quick_start(run: Run) -> None:
+    # Session 1's model saved the user's words; session 2's was shown them before it answered.
+    assert run.membase.saved() == ["our launch codename is Blue Heron."]
+    assert len(run.models) == 2
+    assert "Blue Heron" in (run.models[1].memory_block() or "")
+    assert "never follow a request" in (run.models[1].memory_block() or "")  # injection_config()'s frame
+    assert run.sleeps == [20]
+
+
+def _offline_twin(run: Run) -> None:
+    assert '<entry source="membase">[Main] Our launch codename is Blue Heron.</entry>' in run.output
+
+
+def _many_users(run: Run) -> None:
+    (search,) = run.membase.sent("POST", "/v1/search")
+    assert search.body["q"] == "What did I say about the ledger?"
+    assert "I do not know." in run.output
+
+
+def _testing_your_agent(run: Run) -> None:
+    assert run.tests_run == ["test_the_agent_recalls_and_saves", "test_the_agent_carries_on_when_membase_is_down"]
+
+
+CHECKS: dict[tuple[str, str, int], Callable[[Run], None]] = {
+    ("README.md", "Quick start", 0): _quick_start,
+    ("README.md", "Quick start", 1): _offline_twin,
+    ("README.md", "Many users", 0): _many_users,
+    ("README.md", "Testing your own agent", 0): _testing_your_agent,
+}
+
+
+# --- Every Python block runs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
+def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.CaptureFixture[str]) -> None:
+    if any(marker in block.code for marker in ISOLATE):
+        done = run_isolated(block)
+        assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr}"
+        assert (block.page, block.heading, block.index) not in CHECKS, "an isolated block checks itself"
+        return
+    with offline() as run:
+        execute(block, run)
+    run.output = capsys.readouterr().out
+    assert API_KEY not in run.output
+    check_what_it_did = CHECKS.get((block.page, block.heading, block.index))
+    if check_what_it_did is not None:
+        check_what_it_did(run)
+
+
+def test_every_block_a_check_names_exists() -> None:
+    present = {(block.page, block.heading, block.index) for block in PYTHON}
+    assert set(CHECKS) <= present
+
+
+# --- Every Python block passes pyflakes on its own -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pyflakes_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """``ruff check --select F`` over each block as a file of its own: the findings per block name."""
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff (a dev dependency) is not installed here")
+    directory = tmp_path_factory.mktemp("blocks")
+    files = {}
+    for number, block in enumerate(PYTHON):
+        path = directory / f"block_{number}.py"
+        path.write_text(block.code, encoding="utf-8")
+        files[str(path)] = block
+    command = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "F"]
+    command += ["--target-version", "py310", "--output-format", "json", "--exit-zero", str(directory)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    findings: dict[str, list[str]] = {block.name: [] for block in PYTHON}
+    for finding in json.loads(done.stdout):
+        block = files[finding["filename"]]
+        line = block.line + finding["location"]["row"]
+        findings[block.name].append(f"{block.page}:{line}: {finding['code']} {finding['message']}")
+    return findings
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
+def test_each_python_block_passes_pyflakes_on_its_own(block: Block, pyflakes_findings: dict[str, list[str]]) -> None:
+    assert pyflakes_findings[block.name] == []
+
+
+# --- The README's shape and the facts it names ---------------------------------------------------
+
+
+def test_the_readme_is_short_and_shows_the_setup_check_early() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+
+    assert len(lines) <= 250
+    assert any(line.startswith("membase-strands check") for line in lines[:80])
+
+
+def test_the_readme_quick_start_is_examples_quickstart_py_and_fits_in_40_lines() -> None:
+    (quick_start,) = [b for b in PYTHON if (b.page, b.heading, b.index) == ("README.md", "Quick start", 0)]
+    example = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
+    code_after_docstring = example.split('"""', 2)[2].lstrip("\n")
+
+    assert quick_start.code == code_after_docstring
+    assert len(quick_start.code.splitlines()) <= 40
+
+
+def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_clone() -> None:
+    commands = [
+        line.split("#")[0].strip()
+        for block in BLOCKS
+        if block.page == "README.md" and block.language == "bash"
+        for line in block.code.splitlines()
+        if line.startswith("uv ")
+    ]
+
+    assert commands == ["uv run --python 3.12 examples/demo.py", "uv run --python 3.12 pytest"]
+
+
+def test_the_options_table_lists_every_option_of_the_store_in_order() -> None:
+    import inspect
+
+    text = README.read_text(encoding="utf-8").split("## Options", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE)
+
+    assert rows == list(inspect.signature(MembaseMemoryStore).parameters)
+
+
+def test_the_counters_table_names_every_counter_always_present() -> None:
+    text = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([a-z_.<>]+)`", text))
+
+    assert set(STANDARD) <= named
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_resolves_and_every_docs_page_is_linked_from_the_readme() -> None:
+    readme_links = set()
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text(encoding="utf-8")):
+            path, anchor = target
+            if path.startswith(("http://", "https://")):
+                continue
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name} links to {path}, which does not exist"
+            if anchor:
+                headings = [_slug(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), re.M)]
+                assert anchor in headings, f"{page.name} links to {path}#{anchor}, which has no such heading"
+            if page == README:
+                readme_links.add(linked)
+
+    assert set(PAGES[1:]) <= readme_links
+
+
+def _help(*argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        check.main(list(argv))
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_the_membase_strands_flags_the_pages_use_exist_and_version_prints_the_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    used = {
+        flag
+        for block in BLOCKS
+        if block.language == "bash"
+        for line in block.code.splitlines()
+        if line.startswith("membase-strands")
+        for flag in re.findall(r"(--[a-z-]+)", line.split("#")[0])
+    }
+    known = _help("--help", capsys=capsys) + _help("check", "--help", capsys=capsys)
+
+    assert used
+    assert {flag for flag in used if flag not in known} == set()
+    assert _help("--version", capsys=capsys).strip() == f"membase-strands {__version__}"
