@@ -1,7 +1,7 @@
 """OpenTelemetry traces and metrics of what the store did: recalls, writes, tool calls, late outcomes.
 
 Uses only ``opentelemetry-api``, through the global providers: with none set (the default), every span is a
-no-op and nothing is recorded. Spans are children of the current span, so under Strands 1.50+ a recall shows
+no-op and nothing is recorded. Spans are children of the current span, so under Strands 1.46+ a recall shows
 inside the manager's ``memory.search`` span, a write inside ``memory.add`` or ``memory.extract``. A recall or
 write that ends after its caller stopped waiting is recorded on a new root span (``membase.recall.late``,
 ``membase.write.late``) linked to the span of the turn that started it.
