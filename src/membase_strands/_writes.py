@@ -139,6 +139,7 @@ class WriteRecord:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
+        self._unsettled: set[_Request] = set()  # started, and their outcome not reported yet
         self._saves = 0
         self._closing = False  # close() began: no retry will come from the manager
         self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
@@ -148,6 +149,7 @@ class WriteRecord:
     def _after_fork_in_child(self) -> None:
         # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
         self._lock = threading.Lock()
+        self._unsettled = set()
         for key in [key for key, entry in self._entries.items() if entry.request is not None]:
             del self._entries[key]
 
@@ -215,9 +217,10 @@ class WriteRecord:
         return result
 
     def running(self) -> list[Future[Any]]:
-        """The futures of the writes still running; each settles once its outcome is on record."""
+        """The futures of the writes still running, or still reporting how they ended; each settles once its
+        outcome is on record, logged and counted (and a failed batch kept for sending again)."""
         with self._lock:
-            return list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+            return [request.future for request in self._unsettled]
 
     def drain(self, until: float | None = None) -> bool:
         """Close the record: wait for the writes still running, then send the kept batches once and wait for those,
@@ -311,6 +314,7 @@ class WriteRecord:
     def _register(self, parts: list[Part], send: Send) -> _Request:
         """A request for ``parts``, on record as running. Called with the lock held."""
         request = _Request(parts, send)
+        self._unsettled.add(request)
         for part in parts:
             self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
         return request
@@ -362,6 +366,8 @@ class WriteRecord:
             if request.abandoned is not None:
                 self._report_late(request, request.abandoned)
         finally:
+            with self._lock:
+                self._unsettled.discard(request)
             if error is None:
                 request.future.set_result(result)
             else:
