@@ -36,9 +36,20 @@ from membase_strands.testing import InMemoryMembase, hang
 from membase_strands.testing._membase import error
 from tests.support.local_engine import engine_unavailable
 from tests.support.loopback import LoopbackMembase
-from tests.support.store_helpers import LONG, QUESTION, client_of, make_agent, routed, settle, until, wait_until
+from tests.support.store_helpers import (
+    LONG,
+    QUESTION,
+    client_of,
+    make_agent,
+    routed,
+    set_write_budget,
+    settle,
+    until,
+    wait_until,
+)
 
 T = TypeVar("T")
+BUDGET = 0.1  # only for writes a gate holds: it always runs out
 ROOT = Path(__file__).resolve().parent.parent
 FACTS = {
     "alice": "We chose Postgres for the ledger.",
@@ -399,12 +410,12 @@ def test_a_write_still_running_on_a_store_let_go_of_and_dropped_is_saved_once(us
     alice = users.fakes["alice"]
     alice.on("POST", "/v1/memories", hang(release, routed(alice)))
     try:
-        with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=0.5) as pool:
+        with MembaseStorePool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=BUDGET) as pool:
             store = pool.store_for("alice")
             counters = store._counters
             agent, _ = make_agent(store, ["ok"])
             agent(QUESTION)  # the write runs out of its budget and goes on in the background
-            assert len(alice.sent("POST", "/v1/memories")) == 1
+            assert wait_until(lambda: len(alice.sent("POST", "/v1/memories")) == 1, timeout=LONG)
             still_running = store._writes.running()
             assert still_running
             pool.store_for("bob")
@@ -535,13 +546,15 @@ def test_close_returns_within_one_write_budget_however_many_stores_wait(monkeypa
     release = threading.Event()
     for fake in many.fakes.values():
         fake.on("POST", "/v1/memories", hang(release, routed(fake)))
-    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=0.5)
+    pool = MembaseStorePool(key_of, capture=True, extraction=True, write_timeout=BUDGET)
     try:
         stores = [pool.store_for(user) for user in many.fakes]
         turns = [in_thread(make_agent(store, ["ok"])[0], QUESTION) for store in stores]
         for turn in turns:
-            turn.result(timeout=LONG)  # each write ran out of its 0.5 s and stays in flight
-        assert all(fake.sent("POST", "/v1/memories") for fake in many.fakes.values())
+            turn.result(timeout=LONG)  # each write ran out of its budget and stays in flight
+        assert wait_until(lambda: all(fake.sent("POST", "/v1/memories") for fake in many.fakes.values()), LONG)
+        for store in stores:
+            set_write_budget(store, 1.0)  # how long each close waits: long enough for 8 threads to start on any machine
 
         pool.close()
 
@@ -549,9 +562,9 @@ def test_close_returns_within_one_write_budget_however_many_stores_wait(monkeypa
         # Side by side: every store began waiting for its write before the first one's wait ended, so the
         # whole close took about one budget (one after another, 8 stores would take 8 budgets).
         lines = [record.getMessage() for record in caplog.records]
-        first_given_up = next(i for i, line in enumerate(lines) if "writes still running after 0.5 s" in line)
+        first_given_up = next(i for i, line in enumerate(lines) if "writes still running after 1 s" in line)
         assert sum("waiting for writes still running" in line for line in lines[:first_given_up]) == 8
-        assert sum("writes still running after 0.5 s" in line for line in lines) == 8
+        assert sum("writes still running after 1 s" in line for line in lines) == 8
     finally:
         release.set()
 

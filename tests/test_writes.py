@@ -49,7 +49,7 @@ from tests.support.store_helpers import (
     wait_until,
 )
 
-BUDGET = 0.3  # only for writes a gate holds: it always runs out
+BUDGET = 0.1  # only for writes a gate holds (or the server): it always runs out
 WRITE_THREAD = "membase-write["
 MEMORIES = ("POST", "/v1/memories")
 
@@ -166,7 +166,7 @@ def test_a_hung_write_returns_within_the_budget_and_nothing_is_reported_saved(fa
     # The turn is over while Membase still holds the request (only the gate, opened after the test, ends it).
     assert "Noted." in str(result)
     assert not gate.is_set()
-    assert posted(fake) == [GREEN_TEA]  # the request was made, and is still hanging
+    assert wait_until(lambda: posted(fake) == [GREEN_TEA], timeout=LONG)  # the request was made, and still hangs
     assert fake.notes == []
     counters = store.counters()
     assert counters["writes_saved"] == 0
@@ -422,7 +422,7 @@ async def test_a_retry_that_waited_past_its_budget_still_sends_nothing(fake, mak
     for _ in range(2):  # the first call, then a retry while the first request still hangs
         with pytest.raises(MembaseWriteTimeout):
             await store.add_messages(batch, context)
-    assert posted(fake) == [GREEN_TEA]
+    assert await until(lambda: posted(fake) == [GREEN_TEA], timeout=LONG)
     assert store.counters()["write_timeouts"] == 2
 
     gate.set()
@@ -749,8 +749,8 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
             agent, model = make_agent(store, ["Noted too."])
             await agent.invoke_async(LISBON)
             await agent.memory_manager.flush()  # the next write: the kept batch goes out beside it
-            assert await until(lambda: store.counters()["writes_saved"] == 2, timeout=LONG)
-            assert await until(lambda: SENT_AGAIN_SAVED in " ".join(logged(caplog)), timeout=LONG)
+            settle(store._writes.running())  # the store's own request, if still running or reporting how it ended
+            assert any(SENT_AGAIN_SAVED in m for m in logged(caplog))
         else:
             await store.aclose()  # sends the kept batch, and returns once its outcome is on record
             assert any(SENT_AGAIN_SAVED in m for m in logged(caplog))
@@ -841,7 +841,7 @@ async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(
     settle(failing)
 
     await store.add_messages([user(LISBON)], batch_context([1]))  # sends the kept batch again: 503
-    assert await until(lambda: store.counters()["writes_lost"] == 1, timeout=LONG)
+    settle(store._writes.running())  # that request, if still running or reporting how it ended
     await store.add_messages([user("Call me Sam")], batch_context([2]))  # never a third attempt
 
     assert occurrences(posted(fake), GREEN_TEA) == 2
@@ -1166,6 +1166,7 @@ async def test_record_size_bound_never_forgets_a_write_in_flight():
         set_write_budget(record, BUDGET)
         with pytest.raises(MembaseWriteTimeout):
             await record.write([part("x")], send)  # waits for the running request, sends nothing
+        assert await until(stuck.arrived.is_set, timeout=LONG)
         assert stuck.sent() == ["x"]
         assert "x" not in send.sent()
     finally:
