@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import httpx
+import membase
 import pytest
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool, MembaseWriteTimeout, _background, _http
@@ -401,8 +402,9 @@ async def test_close_of_a_local_store_closes_the_engine_only_after_its_running_w
         return save(*args, **kwargs)
 
     def recorded_close() -> None:
-        engine_closed.append(store.counters()["writes_saved"])
+        saved = store.counters()["writes_saved"]
         close()
+        engine_closed.append(saved)  # once closed: nothing may call into the engine while it closes
 
     gateway.save, gateway.close = held_save, recorded_close  # type: ignore[method-assign]
     with pytest.raises(MembaseWriteTimeout):
@@ -418,8 +420,6 @@ async def test_close_of_a_local_store_closes_the_engine_only_after_its_running_w
     assert wait_until(lambda: engine_closed == [1], timeout=LONG)  # closed, after the write was saved
     assert any("a write that ran out of time finished; it is saved" in m for m in messages(caplog, logging.INFO))
     assert store.counters()["write_errors"] == 0
-
-    import membase
 
     reopened = membase.Membase(local=directory)  # the engine wrote it down before it closed
     try:

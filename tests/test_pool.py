@@ -724,10 +724,7 @@ def test_forty_users_at_once_on_a_pool_of_sixteen_all_keep_their_memory_and_writ
             let_go = [user for user in facts if user not in kept]
             assert all(collected(refs[user]) for user in let_go)
             assert not any(store._closed for store in pool._stores.values())
-            # All 40 users' requests went through one shared pool: no more connections than users in flight at
-            # once (never a pool of sockets per store), and the idle ones it keeps are bounded by its limits.
-            assert server.connections <= turns, server.connections
-            assert server.open_connections <= _http.LIMITS.max_keepalive_connections
+            # (That the stores share one pool of sockets, whatever the bound, is the next test's.)
         finally:
             pool.close()
         assert all(is_closed(refs[user]()) for user in kept)
@@ -775,34 +772,31 @@ def test_a_path_credential_builds_a_local_store_for_that_user(tmp_path, monkeypa
     assert is_closed(alice) and is_closed(bob)
 
 
-def engine_answers(engine: Any) -> bool:
-    """Whether a local engine still takes calls (a closed one refuses them)."""
-    try:
-        engine.profile()
-    except RuntimeError:
-        return False
-    return True
-
-
 @pytest.mark.skipif(ENGINE_UNAVAILABLE is not None, reason=f"local Membase cannot run here: {ENGINE_UNAVAILABLE}")
 def test_a_local_store_let_go_of_and_dropped_mid_write_closes_its_engine_only_after_that_write(tmp_path, caplog):
     """A web server cancelled the turn (its client hung up) while the write ran, and nothing holds the store any more:
     it is collected, but its engine is closed only once the write that still uses it has ended. A standing fact is
     saved without the engine's LLM, so the real engine runs here; the test holds the write at the door between the
-    store and the engine."""
+    store and the engine, and watches the engine's own close."""
     caplog.set_level(logging.DEBUG, logger="membase_strands")
     at_the_door, release = threading.Event(), threading.Event()
+    closed_after: list[int] = []  # writes saved when the engine was closed
     with MembaseStorePool(lambda user_id: tmp_path / user_id, max_stores=1, capture=True, write_timeout=LONG) as pool:
         store = pool.store_for("alice")
         gateway, counters, engine, gone = store._gateway, store._counters, client_of(store), weakref.ref(store)
-        save = gateway.save
+        save, close = gateway.save, engine.close
 
         def held_save(*args: Any, **kwargs: Any) -> Any:
             at_the_door.set()
             release.wait(LONG)
             return save(*args, **kwargs)
 
-        gateway.save = held_save  # type: ignore[method-assign]
+        def recorded_close() -> None:
+            saved = counters.snapshot()["writes_saved"]
+            close()
+            closed_after.append(saved)
+
+        gateway.save, engine.close = held_save, recorded_close  # type: ignore[method-assign]
 
         async def cancelled_mid_write(writing: MembaseMemoryStore) -> None:
             write = asyncio.create_task(writing.add("Alice prefers green tea", {"static": True}))
@@ -818,13 +812,13 @@ def test_a_local_store_let_go_of_and_dropped_mid_write_closes_its_engine_only_af
             del store
             assert collected(gone)
             waits = "closing its client once its running writes end"
-            assert wait_until(lambda: any(waits in m for m in caplog.messages) or not engine_answers(engine), LONG)
-            assert engine_answers(engine)  # not closed under the write
+            assert wait_until(lambda: any(waits in m for m in caplog.messages) or closed_after, timeout=LONG)
+            assert closed_after == []  # not closed under the write
         finally:
             release.set()
         settle(running)
         assert (counters.snapshot()["writes_saved"], counters.snapshot()["write_errors"]) == (1, 0)
-        assert wait_until(lambda: not engine_answers(engine), timeout=LONG)  # and closed once it ended
+        assert wait_until(lambda: closed_after == [1], timeout=LONG)  # and closed once it ended
 
 
 # --- The example --------------------------------------------------------------------------------
