@@ -35,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +139,7 @@ class WriteRecord:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
+        self._unsettled: set[_Request] = set()  # started, and their outcome not reported yet
         self._saves = 0
         self._closing = False  # close() began: no retry will come from the manager
         self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
@@ -148,6 +149,7 @@ class WriteRecord:
     def _after_fork_in_child(self) -> None:
         # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
         self._lock = threading.Lock()
+        self._unsettled = set()
         for key in [key for key, entry in self._entries.items() if entry.request is not None]:
             del self._entries[key]
 
@@ -215,25 +217,21 @@ class WriteRecord:
         return result
 
     def running(self) -> list[Future[Any]]:
-        """The futures of the writes still running; each settles once its outcome is on record."""
+        """The futures of the writes still running, or still reporting how they ended; each settles once its
+        outcome is on record, logged and counted (and a failed batch kept for sending again)."""
         with self._lock:
-            return list({entry.request.future for entry in self._entries.values() if entry.request is not None})
+            return [request.future for request in self._unsettled]
 
     def drain(self, until: float | None = None) -> bool:
-        """Close the record: wait for the writes still running, then send the kept batches once and wait for those,
-        each up to the budget (or both until the monotonic time ``until``); whether no write is left running.
-        Every outcome waited for is on record and logged when this returns."""
+        """Close the record: wait for the writes still running (those that start meanwhile too), then send the kept
+        batches once and wait for those, each up to the budget (or both until the monotonic time ``until``); whether
+        no write is left running. Every outcome waited for is on record and logged when this returns."""
         self._closing = True
-        running = self.running()
-        if running or self._kept:
-            logger.info(
-                "store=<%s>, writes=<%d> | waiting for writes still running",
-                self._store_name,
-                len(running) + len(self._kept),
-            )
-        wait(running, timeout=self._time_left(until))
+        waited: set[Future[Any]] = set()
+        self._wait_running(until, waited, kept=len(self._kept))
         self._closed = True
-        wait(self._send_kept(), timeout=self._time_left(until))
+        waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
+        self._wait_running(until, waited)
         left = len(self.running())
         if left:
             logger.warning(
@@ -244,6 +242,24 @@ class WriteRecord:
                 "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end",
             )
         return not left
+
+    def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
+        """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
+        running that were not waited for yet (a daemon thread may start one during the exit wait)."""
+        deadline = time.monotonic() + self._time_left(until)
+        while True:
+            running = self.running()
+            new = [future for future in running if future not in waited]
+            if new or kept:
+                logger.info(
+                    "store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(new) + kept
+                )
+                waited.update(new)
+                kept = 0
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                return
+            wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
     async def drain_async(self) -> bool:
         """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
@@ -311,6 +327,7 @@ class WriteRecord:
     def _register(self, parts: list[Part], send: Send) -> _Request:
         """A request for ``parts``, on record as running. Called with the lock held."""
         request = _Request(parts, send)
+        self._unsettled.add(request)
         for part in parts:
             self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
         return request
@@ -362,6 +379,8 @@ class WriteRecord:
             if request.abandoned is not None:
                 self._report_late(request, request.abandoned)
         finally:
+            with self._lock:
+                self._unsettled.discard(request)
             if error is None:
                 request.future.set_result(result)
             else:

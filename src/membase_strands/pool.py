@@ -2,13 +2,15 @@
 
 One Membase key (or local directory) is one person's memory. :class:`MembaseStorePool` hands
 out the store for a user id, built from the credential the app's own function returns for that
-user, and keeps it (and its client's warm connection pool) for that user's next turns.
+user, and keeps it for that user's next turns. Stores built from keys send through the process's
+shared connection pool for their Membase host (each request with its own user's key), so users share
+warm sockets, never credentials.
 
 The bound on kept stores never breaks a turn. When the pool must make room it lets go of the
 least recently used store instead of closing it: whoever still holds that store (an agent mid-turn,
-a write still running in the background) keeps using it, and its client is closed once nothing
-does any more (when the store is garbage-collected). Until then the pool remembers it weakly, so
-the same user coming back gets that same store, never a second client.
+a write still running in the background) keeps using it, and it is collected once nothing does
+(a local engine is closed then, after its running writes). Until then the pool remembers it weakly,
+so the same user coming back gets that same store, never a second one.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ class MembaseStorePool:
     Safe to use from several threads and event loops at once. It keeps at most ``max_stores``
     stores for reuse; when it must make room, it lets go of the least recently used one. A store it
     let go of is not closed under whoever still uses it: an agent mid-turn keeps its recall and its
-    captured writes, and the store's client is closed once nothing uses the store any more. A
-    user's store is only ever built from that user's own credential: there is no shared or fallback
-    client.
+    captured writes, and the store is collected once nothing uses it any more. A user's store is
+    only ever built from that user's own credential: there is no shared or fallback key.
 
     Example:
         ```python
@@ -61,10 +62,11 @@ class MembaseStorePool:
                 object such as ``pathlib.Path``) for a user id.
             max_stores: How many users' stores to keep for their next turns. Past it, the least recently
                 used store is let go of: a turn still using it keeps its recall and its captured writes,
-                and its client is closed once nothing uses it. A user whose store was let go of and
-                closed gets a new one (and a new connection) on their next turn, so size it to the users
-                active within a few minutes to keep their connections warm. A smaller bound costs
-                reconnections, never a turn's memory; more users in flight than ``max_stores`` is fine.
+                and it is collected once nothing uses it. A user whose store was let go of and collected
+                gets a new one on their next turn (over the same shared connections; a local directory's
+                engine starts again), so size it to the users active within a few minutes. A smaller
+                bound costs rebuilt stores, never a turn's memory; more users in flight than
+                ``max_stores`` is fine.
             **store_options: Options for every user's store (``container``, ``recall_timeout``,
                 ``capture``, ``base_url``, ...). ``client``, ``api_key`` and ``local`` come from
                 ``credential_for``.
@@ -230,7 +232,7 @@ class MembaseStorePool:
         self._stores.move_to_end(user_id)
         while len(self._stores) > self._max_stores:
             old_user, old = self._stores.popitem(last=False)
-            # Not closed here: an agent may be mid-turn on it. It closes its client once nothing uses it.
+            # Not closed here: an agent may be mid-turn on it. It is collected once nothing uses it.
             self._released[old_user] = old
             logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
 
@@ -248,7 +250,7 @@ class MembaseStorePool:
             )
         else:
             store = MembaseMemoryStore(api_key=credential, **self._store_options)
-        return store  # one let go of and then dropped by its last user closes its client when collected
+        return store  # one let go of and then dropped by its last user is collected (a local engine closed then)
 
     def _check_open(self) -> None:
         if self._closed:

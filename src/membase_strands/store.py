@@ -148,11 +148,12 @@ class MembaseMemoryStore:
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
         # A store dropped without close() (say, one a pool let go of) must not keep its local engine: close it
-        # once the store is collected. Running writes and recalls hold the store, so this waits for them. The
-        # callback holds the gateway, never the store.
+        # once the store is collected, after the writes still running on it (a write whose caller was cancelled
+        # holds no store). The callback holds the gateway and the write record, never the store.
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._gateway.owns_engine:
-            self._finalizer = weakref.finalize(self, _close_unused, self._gateway.close, self.name)
+            running = self._writes.running
+            self._finalizer = weakref.finalize(self, _close_unused, self._gateway.close, self.name, running)
             self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
 
     @property
@@ -613,14 +614,25 @@ class MembaseMemoryStore:
         return parts
 
 
-def _close_unused(close_engine: Callable[[], None], store_name: str) -> None:
-    """Close the local engine of a store nothing uses any more; called when the store is garbage-collected.
+def _close_unused(
+    close_engine: Callable[[], None], store_name: str, running: Callable[[], list[Future[Any]]] = list
+) -> None:
+    """Close the local engine of a store nothing uses any more, once the writes still ``running`` on it end; called
+    when the store is garbage-collected.
 
-    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a thread
-    inside a lock): the close, which may wait on the engine's disk, goes to a daemon thread of its own.
+    Garbage collection runs on whatever thread happens to allocate (an async app's event loop, a thread inside a
+    lock): the close, which may wait for writes or the engine's disk, goes to a daemon thread of its own.
     """
 
     def close() -> None:
+        writes = running()
+        if writes:
+            logger.debug(
+                "store=<%s>, writes=<%d> | a store nothing uses: closing its local engine once its running writes end",
+                store_name,
+                len(writes),
+            )
+            wait(writes)
         try:
             close_engine()
         except Exception as error:

@@ -236,3 +236,58 @@ def set_recall_budget(store: MembaseMemoryStore, seconds: float | None) -> None:
     return memory gets a budget a loaded machine cannot run out of.
     """
     store._recall_timeout = seconds
+
+
+# --- Write budgets and the writes still running ----------------------------------------------------
+
+LONG = 30.0
+"""A budget (seconds) a slow, loaded machine cannot run out of, for what a test does not time out on purpose."""
+
+
+def set_write_budget(target: Any, seconds: float | None) -> None:
+    """Give the captured writes of a store (or of a ``WriteRecord``) a new budget from now on.
+
+    For a test that runs one write out of a short budget (the request held by the server) and then needs the
+    manager's retry, or a close, to run under a budget a loaded machine cannot run out of.
+    """
+    record = getattr(target, "_writes", target)
+    record._budget = seconds
+    if record is not target:
+        target._write_timeout = seconds
+
+
+def settle(futures: Any, timeout: float = LONG) -> None:
+    """Wait (bounded) for the futures of writes (``record.running()``, taken while they ran): each settles only
+    once its outcome is on record, counted and logged."""
+    from concurrent.futures import wait  # here, not at the top: this block is appended to the module
+
+    _, not_done = wait(list(futures), timeout=timeout)
+    assert not not_done, f"{len(not_done)} writes still running after {timeout:g} s"
+
+
+def signalling(event: threading.Event, then: Responder) -> Responder:
+    """A responder that sets ``event`` once the request is in (the fake has recorded it), then answers with
+    ``then``: a test waits for that moment instead of sleeping."""
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        event.set()
+        return then(request)
+
+    return respond
+
+
+def drain_began(caplog: Any) -> Callable[[], bool]:
+    """Whether a close (or the exit wait) has reached its wait for the writes still running (caplog at INFO)."""
+    return lambda: any("waiting for writes still running" in record.getMessage() for record in caplog.records)
+
+
+async def close_then_release(store: MembaseMemoryStore, caplog: Any, release: threading.Event) -> None:
+    """``store.close()`` on a thread; ``release`` (the held write's gate) once close() waits for that write, so the
+    write ends during the close, never before it; returns once close() has."""
+    import logging  # here, not at the top: this block is appended to the module
+
+    caplog.set_level(logging.INFO)
+    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    assert await until(drain_began(caplog), timeout=LONG)
+    release.set()
+    await closing
