@@ -811,7 +811,7 @@ def test_a_local_store_let_go_of_and_dropped_mid_write_closes_its_engine_only_af
             pool.store_for("bob")  # the pool lets go of alice's store, and nothing else holds it
             del store
             assert collected(gone)
-            waits = "closing its client once its running writes end"
+            waits = "closing its local engine once its running writes end"
             assert wait_until(lambda: any(waits in m for m in caplog.messages) or closed_after, timeout=LONG)
             assert closed_after == []  # not closed under the write
         finally:

@@ -957,14 +957,24 @@ def no_thread_for_one_write(monkeypatch) -> list[str]:
     The library's threads start afresh and retire as soon as they are idle, so no thread is left alive to take
     the write instead: it fails at once.
     """
-    monkeypatch.setattr(_background, "_threads", _background._Threads())
+    submitting: list[str] = []  # the name of the call being handed to the threads right now, if any
+
+    class Threads(_background._Threads):
+        def submit(self, fn: Any, name: str, lane: Any) -> Any:
+            submitting.append(name)
+            try:
+                return super().submit(fn, name, lane)
+            finally:
+                submitting.pop()
+
+    monkeypatch.setattr(_background, "_threads", Threads())
     monkeypatch.setattr(_background, "IDLE_SECONDS", 0.0)
     refused: list[str] = []
     start = threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:
-        if thread.name.startswith(WRITE_THREAD) and not refused:
-            refused.append(thread.name)
+        if submitting and submitting[-1].startswith(WRITE_THREAD) and not refused:
+            refused.append(submitting[-1])
             raise RuntimeError("can't start new thread")
         start(thread)
 
