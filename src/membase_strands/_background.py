@@ -165,10 +165,13 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     if not future.done():
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
+        # The callback stays on the future until the call ends: it must not keep the waiter (and through its
+        # exception's traceback, the caller's frames: an agent, a store) alive that long.
+        box = [waiter]
 
         def wake(_: Future[T]) -> None:
-            with contextlib.suppress(RuntimeError):  # that loop has closed: nobody waits for this any more
-                loop.call_soon_threadsafe(_settle, waiter, None)
+            with contextlib.suppress(RuntimeError, IndexError):  # that loop has closed, or nobody waits any more
+                loop.call_soon_threadsafe(_settle, box[0], None)
 
         future.add_done_callback(wake)
         # A timer on the waiter rather than asyncio.wait_for, which would cancel the wrapped call.
@@ -176,6 +179,7 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
         try:
             await waiter
         finally:
+            box.clear()
             if timer is not None:
                 timer.cancel()
     return future.result()
