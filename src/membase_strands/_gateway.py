@@ -1,21 +1,17 @@
 """The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`.
 
-It holds the SDK clients a store calls through and says what their answers mean: search answers parsed, a
-2xx body that cannot be read, Memory names resolved to ids, error texts with the key masked. Every call here
-blocks; the store decides where it runs (``_background``) and how long it waits.
+It holds the SDK clients a store calls through, all built with the SDK's own constructor, and says what their
+answers mean (parsed searches, Memory names resolved to ids, unreadable 2xx bodies, error texts with the key
+masked). Every call blocks; the store decides where it runs and how long it waits.
 
-The clients, all built through the SDK's own constructor:
+- From a key: two ``membase.Membase`` clients over the process's shared pool for the base URL (``_http``). One
+  retries as the SDK does (the tools, which should wait out a waking memory); one makes a single attempt (recall,
+  whose late request must hold the in-flight guard for one attempt, not three; and writes, since a POST that
+  timed out may be stored already).
+- ``local=DIR``: the SDK's local engine, closed with the store. ``client=``: used as it is, never closed.
 
-- From a key, two ``membase.Membase`` clients over the process's shared connection pool for the base URL
-  (``_http``): one retries as the SDK does (the tools, which should wait out a waking memory), one makes a
-  single attempt (automatic recall, whose late request must hold the in-flight guard for one attempt, not
-  three; and writes, since a POST that timed out may be stored already).
-- ``local=DIR``: the SDK's local engine, closed with the store.
-- ``client=``: used as it is (its retries and timeout included), never changed or closed.
-
-In a forked child a store's own clients are rebuilt over the child's own pools, so no process reads another's
-socket. A client passed in cannot be rebuilt: used before the fork, it is refused in the child with a
-sentence saying to build it after the fork.
+In a forked child the store's own clients are rebuilt over the child's pools, so no process reads another's
+socket. A client passed in cannot be rebuilt: used before the fork, it is refused in the child.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import membase
 
@@ -40,7 +35,11 @@ from ._text import sendable
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEFAULT_BASE_URL = "https://api.app.membase.com"
+# What the SDK lets through for a 2xx whose body it cannot decode (``response.json()`` raises either).
+_UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
 
 
 class MembaseGateway:
@@ -55,16 +54,11 @@ class MembaseGateway:
         local: str | os.PathLike[str] | None = None,
         store_name: str = "membase",
     ) -> None:
-        """Build the clients (a local engine starts here). Makes no network call.
-
-        Raises:
-            ValueError: The options contradict each other, or there is no key.
-        """
+        """Build the clients (a local engine starts here); no network call. ``ValueError``: bad options, no key."""
         self._store_name = store_name
         self._given = client
         self._local = local
-        self._key = ""
-        self._url = ""
+        self._key = self._url = ""
         if client is not None:
             if api_key is not None or base_url is not None or local is not None:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local, not both")
@@ -80,8 +74,7 @@ class MembaseGateway:
                 self._url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
         self._lock = threading.Lock()
         self._resolver = ContainerResolver()
-        self._used = False  # whether a client passed in was called (to refuse it in a forked child)
-        self._refused = False
+        self._used = self._refused = False  # a client passed in: called yet; refused (forked after it was called)
         self._clients: tuple[membase.Membase, membase.Membase] | None = self._build()
         _background.reset_after_fork(self)
 
@@ -89,24 +82,32 @@ class MembaseGateway:
         """The clients: (the one that retries, the one that makes a single attempt)."""
         if self._given is not None:
             return self._given, self._given
-        if not self._key:
-            try:
-                engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
-            except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
-                raise membase.MissingDependencyError(_local_unavailable()) from error
-            return engine, engine  # the local engine makes one attempt
-        http = shared_client(self._url)
-        return (
-            membase.Membase(api_key=self._key, base_url=self._url, http_client=http),
-            membase.Membase(api_key=self._key, base_url=self._url, max_retries=0, http_client=http),
-        )
+        if self._key:
+            http = shared_client(self._url)
+            return (
+                membase.Membase(api_key=self._key, base_url=self._url, http_client=http),
+                membase.Membase(api_key=self._key, base_url=self._url, max_retries=0, http_client=http),
+            )
+        try:
+            engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
+        except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
+            raise membase.MissingDependencyError(_local_unavailable()) from error
+        return engine, engine  # the local engine makes one attempt
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._resolver = ContainerResolver()
+        if self._given is None:
+            self._clients = None  # rebuilt at the first call, over this process's own pools
+        elif self._used:
+            self._refused = True
 
     # --- What it is connected to ---------------------------------------------------------------
 
     @property
     def hosted(self) -> bool:
         """Whether Membase is reached over HTTP with a key (not the local engine)."""
-        return bool(self._key) or (self._given is not None and bool(self._given.api_key))
+        return bool(self._secret)
 
     @property
     def owns_engine(self) -> bool:
@@ -116,7 +117,7 @@ class MembaseGateway:
     @property
     def base_url(self) -> str:
         """The Membase host (meaningful when :attr:`hosted`)."""
-        return self._url or str(self._given.base_url if self._given is not None else "")
+        return self._url or (str(self._given.base_url) if self._given is not None else "")
 
     @property
     def location(self) -> str:
@@ -126,18 +127,72 @@ class MembaseGateway:
         return f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
 
     def close(self) -> None:
-        """Close the local engine the gateway started; a hosted or passed-in client has nothing of its own to close."""
-        clients = self._clients
-        if self.owns_engine and clients is not None:
-            clients[0].close()
+        """Close the local engine the gateway started; a hosted or passed-in client has nothing of its own."""
+        if self.owns_engine and self._clients is not None:
+            self._clients[0].close()
 
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        self._resolver = ContainerResolver()
-        if self._given is None:
-            self._clients = None  # rebuilt at the first call, over this process's own pools
-        elif self._used:
-            self._refused = True
+    # --- Calls ---------------------------------------------------------------------------------
+
+    def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
+        """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
+
+        Raises:
+            ValueError: ``container`` names no Memory in reach, or several.
+            membase.MembaseError: The call failed, or the answer could not be read.
+        """
+
+        def search(client: membase.Membase) -> Any:
+            return self._resolver.call(
+                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
+            )
+
+        return parse_search(self._call(search, retry=retry), limit)
+
+    def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
+        """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored.
+
+        A 2xx whose body cannot be read means Membase took the note: it counts as saved (``None``).
+        """
+
+        def save(client: membase.Membase) -> Any:
+            def send(container_id: str | None) -> Any:
+                try:
+                    return client.memories.add(sendable(content), container=container_id, static=static, title=title)
+                except _UNREADABLE as error:
+                    logger.warning(
+                        "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
+                        self._store_name,
+                        _unreadable(error),
+                    )
+                    return None
+
+            return self._resolver.call(client, container, send)
+
+        return self._call(save, retry=False)
+
+    def profile(self, topic: str | None) -> Any:
+        """The profile: standing facts, recent changes and, with ``topic``, relevant results (SDK retries)."""
+        return self._call(lambda client: client.profile(q=sendable(topic) if topic else None), retry=True)
+
+    def memories_in_reach(self) -> list[Container]:
+        """The Memories this key reaches, in one attempt."""
+        return parse_containers(self._call(lambda client: client.containers.list(), retry=False))
+
+    def container_id(self, name: str) -> str:
+        """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
+        return self._call(lambda client: self._resolver.resolve(client, name), retry=True)
+
+    def remember_container(self, name: str, container_id: str) -> None:
+        """Cache an id found by another route (the store's set-up check)."""
+        self._resolver.remember(name, container_id)
+
+    def _call(self, call: Callable[[membase.Membase], T], *, retry: bool) -> T:
+        """``call`` with the client that retries (or not); a 2xx body that cannot be read becomes a Membase error."""
+        client = self._client(retry=retry)
+        try:
+            return call(client)
+        except _UNREADABLE as error:  # a ValueError of the library's own (a Memory name) passes
+            raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
 
     def _client(self, *, retry: bool) -> membase.Membase:
         if self._refused:
@@ -152,78 +207,6 @@ class MembaseGateway:
                 clients = self._clients = self._clients or self._build()
         self._used = True
         return clients[0] if retry else clients[1]
-
-    # --- Calls ---------------------------------------------------------------------------------
-
-    def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
-        """Search one Memory (by name or id) or all in reach.
-
-        Args:
-            query: The text to search for.
-            limit: Passages to ask for (1-50).
-            container: A Memory's name or id, or ``None`` for every Memory in reach.
-            retry: Let the SDK retry (the tools); without, one attempt (automatic recall).
-
-        Raises:
-            ValueError: ``container`` names no Memory in reach, or several.
-            membase.MembaseError: The call failed, or the answer could not be read.
-        """
-        client = self._client(retry=retry)
-        with readable_answers():
-            body = self._resolver.call(
-                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
-            )
-        return parse_search(body, limit)
-
-    def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (or, with ``static``, a standing fact), in one attempt.
-
-        A POST that timed out may already be stored, so it is never retried blindly. A 2xx whose body cannot
-        be read means Membase took the note: that counts as saved (``None``), not as a failure that would make
-        a caller send it again.
-
-        Raises:
-            ValueError: ``container`` names no Memory in reach, or several.
-            membase.MembaseError: The call failed.
-        """
-        client = self._client(retry=False)
-
-        def send(container_id: str | None) -> Any:
-            try:
-                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-            except UNREADABLE as error:
-                logger.warning(
-                    "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
-                    self._store_name,
-                    unreadable_reason(error),
-                )
-                return None
-
-        with readable_answers():
-            return self._resolver.call(client, container, send)
-
-    def profile(self, topic: str | None) -> Any:
-        """The profile: standing facts, recent changes and, with ``topic``, relevant results (SDK retries)."""
-        with readable_answers():
-            return self._client(retry=True).profile(q=sendable(topic) if topic else None)
-
-    def memories_in_reach(self) -> list[Container]:
-        """The Memories this key reaches, in one attempt."""
-        with readable_answers():
-            return parse_containers(self._client(retry=False).containers.list())
-
-    def container_id(self, name: str) -> str:
-        """The id of the Memory ``name`` names (cached after the first lookup).
-
-        Raises:
-            ValueError: No Memory of that name is in reach, or several are.
-        """
-        with readable_answers():
-            return self._resolver.resolve(self._client(retry=True), name)
-
-    def remember_container(self, name: str, container_id: str) -> None:
-        """Cache an id found by another route (the store's set-up check)."""
-        self._resolver.remember(name, container_id)
 
     # --- Secrets -------------------------------------------------------------------------------
 
@@ -240,17 +223,6 @@ class MembaseGateway:
         return without_secret(error, self._secret)
 
 
-def _local_unavailable() -> str:
-    """What to do when local Membase cannot start here."""
-    major, minor = sys.version_info[:2]
-    if (major, minor) < (3, 12):
-        return (
-            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
-            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
-        )
-    return 'local Membase needs its engine: pip install "membase-strands[local]"'
-
-
 def _checked_key(key: str | None) -> str:
     if not isinstance(key, str) or not key.strip():
         raise ValueError(
@@ -263,25 +235,19 @@ def _checked_key(key: str | None) -> str:
     return key
 
 
-# --- Answers that cannot be read ---------------------------------------------------------------
+def _local_unavailable() -> str:
+    """What to do when local Membase cannot start here."""
+    major, minor = sys.version_info[:2]
+    if (major, minor) < (3, 12):
+        return (
+            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
+            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
+        )
+    return 'local Membase needs its engine: pip install "membase-strands[local]"'
 
-UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
-"""What the SDK lets through for a 2xx whose body it cannot decode (``response.json()`` raises either)."""
 
-
-def unreadable_reason(error: ValueError) -> str:
+def _unreadable(error: ValueError) -> str:
     """Why a 2xx body could not be read, in a few words."""
     if isinstance(error, UnicodeDecodeError):
         return f"not valid UTF-8: {error.reason} at byte {error.start}"
-    if isinstance(error, json.JSONDecodeError):
-        return f"not JSON: {error.msg}"
-    return type(error).__name__
-
-
-@contextmanager
-def readable_answers() -> Iterator[None]:
-    """Turn a 2xx answer that cannot be decoded into a Membase error; a ``ValueError`` of the library's own passes."""
-    try:
-        yield
-    except UNREADABLE as error:
-        raise BadResponseError(f"Membase answered with a body that is {unreadable_reason(error)}") from None
+    return f"not JSON: {error.msg}" if isinstance(error, json.JSONDecodeError) else type(error).__name__

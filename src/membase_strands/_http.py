@@ -1,15 +1,10 @@
 """The process's connection pools: one shared ``httpx.Client`` per base URL and proxy/TLS environment.
 
-Every store built from a key sends through the client :func:`shared_client` hands out for its base URL (the SDK
-sends the key with each request, so stores never share credentials, only sockets). Its limits bound the idle
-sockets however many stores there are, and it is a :class:`DeadlineClient`: httpx's timeouts count per read, so
-a server that drips a byte at a time would hold a call for as long as it drips; this client ends an attempt
-whose body is still arriving at its timeout (the SDK's 90 s), counted for the whole body.
-
-httpx reads the proxy and certificate variables when a client is built, so stores share a pool only when they
-were built under the same values. A forked child starts with no pools (``_background``): the parent's are
-dropped, not closed, since a parent thread may have held their locks at the fork, and their sockets are the
-parent's.
+Every store built from a key sends through :func:`shared_client` (the SDK sends the key with each request, so
+stores share sockets, never credentials); its limits bound the idle sockets however many stores there are.
+httpx's timeouts count per read, so a server that drips a byte at a time could hold a call as long as it drips:
+:class:`DeadlineClient` ends an attempt whose body still arrives past its timeout (the SDK's 90 s). A forked
+child starts with no pools: the parent's are dropped, not closed (a parent thread may have held their locks).
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ ATTEMPT_SECONDS = DEFAULT_TIMEOUT
 """The whole-call deadline of one attempt through the shared pools: the SDK's own timeout."""
 LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50, keepalive_expiry=5.0)
 """The shared pools' limits: idle sockets past 50 are closed, and any idle for 5 s at the pool's next use."""
-# httpx reads these when a client is built: stores share a pool only when they were built under the same values.
+# httpx reads these when it builds a client: stores share a pool only when built under the same values.
 _HTTP_ENVIRONMENT = tuple(
     name
     for base in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR")
