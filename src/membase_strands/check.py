@@ -227,10 +227,12 @@ def _probe_save(gateway: MembaseGateway, container_id: str | None, need_save: bo
     except membase.BadRequestError as error:
         if describe_failure(error).kind == "bad_container":
             return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
-        return Step("save", True, f"saving is allowed ({how}: it answered 400 for the empty note, not 403)")
+        return Step(
+            "save", True, f"saving is allowed ({how}: it answered 400 for the empty note, not 403)", required=need_save
+        )
     except Exception as error:  # noqa: BLE001
         return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
-    return Step("save", True, f"saving is allowed ({how}: Membase accepted it, with nothing in it)")
+    return Step("save", True, f"saving is allowed ({how}: Membase accepted it, with nothing in it)", required=need_save)
 
 
 def _suggest_recall_timeout(warm_seconds: float) -> float:
