@@ -164,24 +164,29 @@ class StandInLLM:
         return seen.status, payload
 
     def _reply(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
+        """What one request gets, and what is recorded of it."""
         if self._failing is not None:
             status = self._failing
             kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request"
             message = f"stand-in LLM is failing on purpose ({status})"
             return Seen(path, "failed", status), {"error": {"message": message, "type": kind, "code": kind}}
         if path.endswith("/embeddings"):
-            texts = [body["input"]] if isinstance(body.get("input"), str) else list(body.get("input") or [])
-            if not all(isinstance(text, str) for text in texts):
-                logger.warning("stand-in LLM: embeddings input is not text (token ids?): %r", repr(texts)[:200])
-                return Seen(path, "unknown", 400, repr(texts)[:500]), _error("stand-in embeds text input only")
-            data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
-            usage = {"prompt_tokens": 0, "total_tokens": 0}
-            model = body.get("model", "standin-embed")
-            return Seen(path, "embeddings", 200), {"object": "list", "data": data, "model": model, "usage": usage}
+            return self._embeddings(path, body)
         if path.endswith("/chat/completions"):
             return self._chat(path, body)
         logger.warning("stand-in LLM: no route for %s", path)
         return Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
+
+    def _embeddings(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
+        raw = body.get("input")
+        texts = [raw] if isinstance(raw, str) else list(raw or [])
+        if not all(isinstance(text, str) for text in texts):
+            logger.warning("stand-in LLM: embeddings input is not text (token ids?): %r", repr(raw)[:200])
+            return Seen(path, "unknown", 400, repr(raw)[:500]), _error("stand-in embeds text input only")
+        data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
+        usage = {"prompt_tokens": 0, "total_tokens": 0}
+        model = body.get("model", "standin-embed")
+        return Seen(path, "embeddings", 200), {"object": "list", "data": data, "model": model, "usage": usage}
 
     def _chat(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
         prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
