@@ -74,7 +74,7 @@ class InMemoryMembase:
 
     def __post_init__(self) -> None:
         self.base_url = f"https://membase-{next(_NUMBERS)}.test"
-        # route() holds while the client it returns lives: this Membase keeps it for as long as it lives.
+        # A route lasts as long as the client route() returns: this Membase keeps it for its own life.
         self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
