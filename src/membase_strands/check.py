@@ -1,20 +1,20 @@
 """The setup check: does Membase answer this key, and what may the key do?
 
-Run it as ``membase-strands check`` or ``python -m membase_strands check`` (add ``--json`` for
-scripts), or call :func:`run_check`. It never prints the key and saves nothing: whether the key may
-save is found out by sending an empty note, which Membase refuses without storing anything (403 when
-the key may not write, 400 for the empty content otherwise).
+Run it as ``membase-strands check`` (``--json`` for scripts) or call :func:`run_check`. It never prints the key
+and saves nothing: whether the key may save is found out with an empty note, which Membase refuses without
+storing anything (403 when the key may not write, 400 for the empty content otherwise).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import membase
@@ -29,6 +29,7 @@ from ._version import __version__
 PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
 _LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
+_SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
 
 
 @dataclass
@@ -53,8 +54,7 @@ class CheckReport:
         second_search_seconds: The second search's time (the memory is awake).
         suggested_recall_timeout: A ``recall_timeout`` that covers a warm search with room to spare.
         probe_query: What the probe searches asked.
-        scores: The scores Membase gave the passages of the (second) probe search, highest first, to
-            choose ``min_score`` from.
+        scores: The scores of the passages the (second) probe search found, highest first, to choose ``min_score``.
     """
 
     target: str
@@ -84,21 +84,18 @@ class CheckReport:
         """The report for people."""
         lines = [f"Membase setup check for {self.target}"]
         for step in self.steps:
-            mark = "ok" if step.ok else ("FAIL" if step.required else "note")
+            mark = "ok" if step.ok else "FAIL" if step.required else "note"
             lines.append(f"  [{mark:>4}] {step.name}: {step.detail}")
         if self.suggested_recall_timeout is not None:
             lines.append(f"  suggested recall_timeout: {self.suggested_recall_timeout:g} s")
+        scores = f'  passage scores for "{clip(self.probe_query, 60)}": '
         if self.score_range is not None:
-            low, high = self.score_range
-            count = len(self.scores)
-            lines.append(
-                f'  passage scores for "{clip(self.probe_query, 60)}": {low:.4g} to {high:.4g} '
-                f"({count} passage{'s' if count != 1 else ''}); min_score leaves out passages scored below it"
-            )
+            (low, high), count = self.score_range, len(self.scores)
+            passages = f"{count} passage{'s' if count != 1 else ''}"
+            lines.append(f"{scores}{low:.4g} to {high:.4g} ({passages}); min_score leaves out passages scored below it")
         elif any(step.name == "search" and step.ok for step in self.steps):
             lines.append(
-                f'  passage scores for "{clip(self.probe_query, 60)}": none (no scored passage matched; '
-                "try --query with a question your Memories can answer)"
+                f"{scores}none (no scored passage matched; try --query with a question your Memories can answer)"
             )
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
@@ -136,52 +133,46 @@ def run_check(
     try:
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, membase.MembaseError) as error:
-        report = CheckReport(target="(not configured)")
-        report.steps.append(Step("configuration", False, str(error)))
-        return report
+        return CheckReport("(not configured)", [Step("configuration", False, str(error))])
     try:
-        if local is not None:
-            target = f"local Membase in {os.fspath(local)}"
-        elif not gateway.hosted:
-            target = "local Membase (MEMBASE_LOCAL)"
-        else:
+        if gateway.hosted:
             target = gateway.base_url
-        report = CheckReport(target=target, probe_query=query_text(query or "") or PROBE_QUERY)
-        _check(gateway, report, container, need_save, need_profile, clock)
-        for step in report.steps:
-            step.detail = gateway.redact(step.detail)
+        else:
+            target = f"local Membase in {os.fspath(local)}" if local is not None else "local Membase (MEMBASE_LOCAL)"
+        report = CheckReport(target, probe_query=query_text(query or "") or PROBE_QUERY)
+        needed = {"profile": need_profile, "save": need_save}
+        report.steps = [
+            replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True))
+            for step in _steps(gateway, report, container, clock)
+        ]
         report.probe_query = gateway.redact(report.probe_query)
     finally:
         gateway.close()
     return report
 
 
-def _check(
-    gateway: MembaseGateway,
-    report: CheckReport,
-    container: str | None,
-    need_save: bool,
-    need_profile: bool,
-    clock: Callable[[], float],
-) -> None:
+def _steps(
+    gateway: MembaseGateway, report: CheckReport, container: str | None, clock: Callable[[], float]
+) -> Iterator[Step]:
+    """The checks, in order, filling in what ``report`` found; a failure the next checks need ends them."""
     started = clock()
     try:
         containers = gateway.memories_in_reach()
     except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-        report.steps.append(Step("reach", False, _fix_for(error)))
+        yield Step("reach", False, _fix_for(error))
         return
-    report.steps.append(Step("reach", True, f"Membase answered in {clock() - started:.2f} s"))
+    yield Step("reach", True, f"Membase answered in {clock() - started:.2f} s")
     report.memories = [c.name for c in containers]
-    report.steps.append(Step("memories in reach", True, ", ".join(report.memories) or "none yet"))
+    yield Step("memories in reach", True, ", ".join(report.memories) or "none yet")
 
     container_id = None
     if container is not None:
         try:
             container_id = match(container, containers).id
-            report.steps.append(Step("container", True, f"'{container}' is in reach (id {container_id})"))
         except ValueError as error:
-            report.steps.append(Step("container", False, str(error)))
+            yield Step("container", False, str(error))
             return
+        yield Step("container", True, f"'{container}' is in reach (id {container_id})")
 
     timings = []
     for attempt in ("first", "second"):
@@ -189,59 +180,49 @@ def _check(
         try:
             answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
-            report.steps.append(Step("search", False, f"the {attempt} search failed: {_fix_for(error)}"))
+            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error)}")
             return
         timings.append(clock() - started)
     report.first_search_seconds, report.second_search_seconds = timings
     # The same query twice: the second (warm) answer's scores stand for both.
-    report.scores = sorted((score for score in (p.score for p in answer.passages) if score is not None), reverse=True)
-    report.suggested_recall_timeout = _suggest_recall_timeout(timings[1])
+    report.scores = sorted((p.score for p in answer.passages if p.score is not None), reverse=True)
+    # Room for five warm searches, at least 2 s, at most 30 s, rounded up to a whole second.
+    report.suggested_recall_timeout = float(min(30, max(2, math.ceil(timings[1] * 5))))
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
         hint = "" if gateway.hosted else _LOCAL_LLM_HINT
-        report.steps.append(
-            Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
-        )
+        yield Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
         return
-    report.steps.append(
-        Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
-    )
+    yield Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
 
     try:
         gateway.profile(None)
-        report.steps.append(Step("profile", True, "the profile can be read", required=need_profile))
     except Exception as error:  # noqa: BLE001
-        report.steps.append(Step("profile", False, _fix_for(error, verb="read the profile"), required=need_profile))
+        yield Step("profile", False, _fix_for(error, may_not="read the profile"))
+    else:
+        yield Step("profile", True, "the profile can be read")
 
     # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
-    probe_target = container_id or (containers[0].id if containers else None)
-    report.steps.append(_probe_save(gateway, probe_target, need_save))
-
-
-def _probe_save(gateway: MembaseGateway, container_id: str | None, need_save: bool) -> Step:
-    how = "tried with an empty note, which Membase refuses without saving anything"
     try:
-        gateway.save("", container_id)
+        gateway.save("", container_id or (containers[0].id if containers else None))
     except membase.PermissionDeniedError:
-        return Step("save", False, f"the key may not save ({how}: it answered 403)", required=need_save)
-    except membase.BadRequestError as error:
-        if describe_failure(error).kind == "bad_container":
-            return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
-        return Step("save", True, f"saving is allowed ({how}: it answered 400 for the empty note, not 403)")
+        yield Step("save", False, f"the key may not save ({_SAVE_PROBE}: it answered 403)")
     except Exception as error:  # noqa: BLE001
-        return Step("save", False, f"could not tell ({how}): {_fix_for(error)}", required=need_save)
-    return Step("save", True, f"saving is allowed ({how}: Membase accepted it, with nothing in it)")
+        if isinstance(error, membase.BadRequestError) and describe_failure(error).kind != "bad_container":
+            yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
+        else:
+            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error)}")
+    else:
+        yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
 
 
-def _suggest_recall_timeout(warm_seconds: float) -> float:
-    """Room for five warm searches, at least 2 s, at most 30 s, rounded up to a whole second."""
-    return float(min(30, max(2, math.ceil(warm_seconds * 5))))
-
-
-def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
+def _fix_for(error: BaseException, may_not: str = "") -> str:
+    """What went wrong, and what to do about it."""
     failure = describe_failure(error)
-    if failure.kind == "access" and verb != "use Membase":
-        return f"Membase refused (403): the key may not {verb}; its owner did not allow it, or narrowed or revoked it"
+    if failure.kind == "access" and may_not:
+        return (
+            f"Membase refused (403): the key may not {may_not}; its owner did not allow it, or narrowed or revoked it"
+        )
     if failure.kind == "access":
         return (
             "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
@@ -255,47 +236,33 @@ def _fix_for(error: BaseException, verb: str = "use Membase") -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
-    """``membase-strands check`` (or ``python -m membase_strands check``): print the report.
+    """``membase-strands check`` (or ``python -m membase_strands check``): print the report; return the exit code.
 
-    ``--version`` prints the version and exits 0; with no command the help is printed (to stderr).
-
-    Args:
-        argv: The arguments (default: the command line's).
-        prog: The program name shown in the usage line.
-
-    Returns:
-        The exit code: 0 only when everything needed works, 2 when no command was given.
+    The exit code is 0 only when everything needed works, 1 otherwise, and 2 (the help on stderr) when no command was
+    given; ``--version`` exits 0. ``argv`` defaults to the command line's; ``prog`` is the name in the usage line.
     """
-    import argparse
-
     parser = argparse.ArgumentParser(prog=prog, description="Check a Membase setup.")
     parser.add_argument("--version", action="version", version=f"membase-strands {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command")
     check = commands.add_parser("check", help="check the key (MEMBASE_API_KEY) or local directory")
+    # Each option's dest is run_check's keyword; without --api-key or --local, MEMBASE_API_KEY or MEMBASE_LOCAL.
     check.add_argument("--api-key", help="the key (safer: set MEMBASE_API_KEY, which stays out of shell history)")
     check.add_argument("--local", metavar="DIR", help="check local Membase in DIR instead of a key")
     check.add_argument("--base-url", help="the Membase host (default: MEMBASE_BASE_URL, else the hosted API)")
     check.add_argument("--container", help="the Memory the store will be pinned to")
-    check.add_argument("--read-only", action="store_true", help="the key need not save")
-    check.add_argument("--no-profile", action="store_true", help="the key need not read the profile")
+    check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
+    check.add_argument(
+        "--no-profile", dest="need_profile", action="store_false", help="the key need not read the profile"
+    )
     check.add_argument(
         "--query", help="what the probe searches ask (a question your Memories can answer shows real scores)"
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    if args.command is None:  # a usage error, as argparse reports one: exit 2, on stderr
+    options = vars(parser.parse_args(argv))
+    if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr
         parser.print_help(sys.stderr)
         return 2
-
-    # Without --api-key or --local, the store reads MEMBASE_API_KEY, or MEMBASE_LOCAL as the SDK does.
-    report = run_check(
-        api_key=args.api_key,
-        base_url=args.base_url,
-        local=args.local,
-        container=args.container,
-        need_save=not args.read_only,
-        need_profile=not args.no_profile,
-        query=args.query,
-    )
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_text())
+    as_json = options.pop("json")
+    report = run_check(**options)
+    print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
     return 0 if report.ok else 1

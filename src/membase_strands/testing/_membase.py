@@ -1,7 +1,6 @@
-"""An in-memory Membase that answers the REST routes the SDK uses, over ``httpx.MockTransport``.
+"""An in-memory Membase for tests, served to the real SDK client over ``httpx.MockTransport``.
 
-It really stores notes and searches them (by shared words), so tests assert on behaviour, and it
-records every request. Faults are injected per route with :meth:`InMemoryMembase.on`.
+It saves notes and searches them by shared words, records every request, and injects faults per route.
 """
 
 from __future__ import annotations
@@ -10,17 +9,15 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import membase
 
 from .. import _http
-
-if TYPE_CHECKING:
-    from ..store import MembaseMemoryStore
+from ..store import MembaseMemoryStore
 
 API_KEY = "mb_test_key_5ecr3t_do_not_log"
 """The key the in-memory Membase's clients send: a test can assert it never shows up anywhere."""
@@ -54,18 +51,8 @@ class Note:
 class InMemoryMembase:
     """The Membase REST API, in memory, for testing an agent offline.
 
-    The real ``membase.Membase`` client talks to it over ``httpx.MockTransport``, so everything between
-    your agent and the HTTP request is the real thing. It starts with one Memory, ``Main`` (id
-    ``ctr_main``); add more with :meth:`add_memory`.
-
-    Example:
-        ```python
-        membase = InMemoryMembase()
-        membase.remember("We chose Postgres for the ledger.")
-        store = membase.store()  # a MembaseMemoryStore on it
-        ...
-        assert membase.saved() == ["I like green tea."]
-        ```
+    The real ``membase.Membase`` client talks to it over ``httpx.MockTransport``, so everything between your agent
+    and the HTTP request is the real thing. It starts with one Memory, ``Main`` (id ``ctr_main``).
 
     Attributes:
         containers: The Memories in reach, as Membase lists them (``{"id": ..., "name": ...}``).
@@ -73,6 +60,7 @@ class InMemoryMembase:
         standing: The profile's standing facts.
         unsearchable: Memory id -> the reason it cannot answer a search.
         requests: Every request that reached it, in order.
+        base_url: Where stores reach it: a host of its own, routed to it while it lives.
     """
 
     containers: list[dict[str, Any]] = field(default_factory=lambda: [{"id": "ctr_main", "name": "Main"}])
@@ -81,16 +69,13 @@ class InMemoryMembase:
     unsearchable: dict[str, str] = field(default_factory=dict)
     requests: list[Recorded] = field(default_factory=list)
     base_url: str = field(init=False)
-    """Where stores reach this Membase: a host of its own, served through ``httpx.MockTransport``."""
-    _faults: dict[tuple[str, str], list[Responder]] = field(default_factory=dict)
+    _faults: dict[tuple[str, str], Iterator[Responder]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.base_url = f"https://membase-{next(_NUMBERS)}.test"
-        # Stores built for base_url send here while this Membase lives: the production path, minus the sockets.
+        # A route lasts as long as the client route() returns: this Membase keeps it for its own life.
         self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))
-
-    # --- Test controls --------------------------------------------------------------------------
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
@@ -114,23 +99,20 @@ class InMemoryMembase:
 
     def store(self, **options: Any) -> MembaseMemoryStore:
         """A :class:`~membase_strands.MembaseMemoryStore` built from a key, as in production, on this Membase."""
-        from ..store import MembaseMemoryStore  # here, so the kit imports without a cycle
-
         return MembaseMemoryStore(api_key=API_KEY, base_url=self.base_url, **options)
 
-    def _id_of(self, container: str) -> str:
-        for row in self.containers:
-            if container in (row["id"], row["name"]):
-                return str(row["id"])
-        return container
+    def client(self, **kwargs: Any) -> membase.Membase:
+        """A real ``membase.Membase`` client whose transport is this fake."""
+        http = httpx.Client(base_url=self.base_url, transport=httpx.MockTransport(self.handle))
+        return membase.Membase(api_key=API_KEY, base_url=self.base_url, http_client=http, **kwargs)
 
     def on(self, method: str, path: str, *responders: Responder) -> None:
         """Answer the next requests to ``method path`` with ``responders``, one each, in order."""
-        self._faults.setdefault((method, path), []).extend(responders)
+        self._faults[(method, path)] = itertools.chain(self._faults.get((method, path), ()), responders)
 
     def always(self, method: str, path: str, responder: Responder) -> None:
         """Answer every request to ``method path`` with ``responder``."""
-        self._faults[(method, path)] = _Repeat(responder)  # type: ignore[assignment]
+        self._faults[(method, path)] = itertools.repeat(responder)
 
     def heal(self) -> None:
         """Drop every injected fault."""
@@ -139,86 +121,57 @@ class InMemoryMembase:
     def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
         """The recorded requests, optionally only those to one route."""
         with self._lock:
-            return [r for r in self.requests if (method in (None, r.method)) and (path in (None, r.path))]
+            return [r for r in self.requests if method in (None, r.method) and path in (None, r.path)]
 
-    def client(self, **kwargs: Any) -> membase.Membase:
-        """A real ``membase.Membase`` client whose transport is this fake."""
-        http = httpx.Client(base_url=self.base_url, transport=httpx.MockTransport(self.handle))
-        return membase.Membase(api_key=API_KEY, base_url=self.base_url, http_client=http, **kwargs)
-
-    # --- The transport --------------------------------------------------------------------------
+    def _id_of(self, container: str) -> str:
+        return next((str(c["id"]) for c in self.containers if container in (c["id"], c["name"])), container)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        raw = request.read()
-        body = json.loads(raw) if raw else None
+        """Record ``request``, then answer it with the route's next injected fault, if any, else as Membase would."""
+        params = dict(request.url.params.multi_items())
         with self._lock:
-            self.requests.append(
-                Recorded(request.method, request.url.path, body, dict(request.url.params.multi_items()))
-            )
-            queued = self._faults.get((request.method, request.url.path))
-            responder = None
-            if isinstance(queued, _Repeat):
-                responder = queued.responder
-            elif queued:
-                responder = queued.pop(0)
-        if responder is not None:
-            return responder(request)
-        return self._route(request.method, request.url.path, body, dict(request.url.params))
+            self.requests.append(Recorded(request.method, request.url.path, _body(request), params))
+            responder = next(self._faults.get((request.method, request.url.path), iter(())), None)
+        return (responder or self.answer)(request)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` as the in-memory Membase does, ignoring injected faults (for custom responders)."""
-        raw = request.read()
-        return self._route(request.method, request.url.path, json.loads(raw) if raw else None, dict(request.url.params))
-
-    def _route(self, method: str, path: str, body: Any, params: dict[str, str]) -> httpx.Response:
-        if (method, path) == ("GET", "/v1/containers"):
+        route, body = (request.method, request.url.path), _body(request)
+        if route == ("GET", "/v1/containers"):
             return httpx.Response(200, json={"containers": self.containers})
-        if (method, path) == ("POST", "/v1/search"):
+        if route == ("POST", "/v1/search"):
             return self._search(body)
-        if (method, path) == ("POST", "/v1/memories"):
+        if route == ("POST", "/v1/memories"):
             return self._add(body)
-        if (method, path) == ("GET", "/v1/profile"):
-            topic = params.get("q")
-            out: dict[str, Any] = {"static": list(self.standing), "dynamic": [], "available": True}
-            out["dynamic"] = [{"content": n.content, "updated_at": "2026-11-01T00:00:00Z"} for n in self.notes[-3:]]
-            if topic:
-                out["results"] = self._hits(topic, None, 5)
-            return httpx.Response(200, json=out)
-        return error(404, "not_found", f"no route {method} {path}")
+        if route == ("GET", "/v1/profile"):
+            recent = [{"content": n.content, "updated_at": "2026-11-01T00:00:00Z"} for n in self.notes[-3:]]
+            profile: dict[str, Any] = {"static": list(self.standing), "dynamic": recent, "available": True}
+            if topic := request.url.params.get("q"):
+                profile["results"] = self._hits(topic, None, 5)
+            return httpx.Response(200, json=profile)
+        return error(404, "not_found", f"no route {request.method} {request.url.path}")
 
     def _search(self, body: dict[str, Any]) -> httpx.Response:
-        q, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
+        query, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
         if limit is not None and not 1 <= limit <= 50:
             return error(400, "bad_request", "limit must be 1-50")
         if container is not None and container not in {c["id"] for c in self.containers}:
             return error(403, "unauthorized", f"container {container!r} is not in reach")
-        targets = [c for c in self.containers if container in (None, c["id"])]
-        return httpx.Response(
-            200,
-            json={
-                "query": q,
-                "results": self._hits(q, container, limit or 8),
-                "containers": [self._answered(c) for c in targets],
-            },
-        )
+        searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
+        for row in searched:
+            if row["id"] in self.unsearchable:
+                row["error"] = self.unsearchable[row["id"]]
+        hits = self._hits(query, container, limit or 8)
+        return httpx.Response(200, json={"query": query, "results": hits, "containers": searched})
 
-    def _answered(self, container: dict[str, Any]) -> dict[str, Any]:
-        row = {"id": container["id"], "name": container["name"]}
-        if container["id"] in self.unsearchable:
-            row["error"] = self.unsearchable[container["id"]]
-        return row
-
-    def _hits(self, q: str, container: str | None, limit: int) -> list[dict[str, Any]]:
-        words = set(_words(q))
+    def _hits(self, query: str, container: str | None, limit: int) -> list[dict[str, Any]]:
+        """The notes that share the most words with ``query``, best first, as Membase lists passages."""
+        wanted = set(_words(query))
         names = {c["id"]: c["name"] for c in self.containers}
-        scored = []
-        for note in self.notes:
-            if container not in (None, note.container) or note.container in self.unsearchable:
-                continue
-            overlap = len(words & set(_words(note.content)))
-            if overlap:
-                scored.append((overlap, note))
-        scored.sort(key=lambda pair: -pair[0])
+        searchable = [
+            n for n in self.notes if container in (None, n.container) and n.container not in self.unsearchable
+        ]
+        scored = sorted(((len(wanted & set(_words(n.content))), n) for n in searchable), key=lambda pair: -pair[0])
         return [
             {
                 "content": note.content,
@@ -229,6 +182,7 @@ class InMemoryMembase:
                 "title": note.title,
             }
             for overlap, note in scored[:limit]
+            if overlap
         ]
 
     def _add(self, body: dict[str, Any]) -> httpx.Response:
@@ -249,11 +203,6 @@ class InMemoryMembase:
         return httpx.Response(200, json={"memory_id": f"{container}:{len(self.notes)}", "container": container})
 
 
-@dataclass
-class _Repeat:
-    responder: Responder
-
-
 def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> httpx.Response:
     """A Membase error envelope. Retry-After 0 keeps the SDK's retries instant in tests."""
     body = {"error": {"code": code, "message": message, "details": None, "retryable": status == 429, "trace_id": ""}}
@@ -266,10 +215,7 @@ def status(code: int, message: str = "refused", headers: dict[str, str] | None =
 
 
 def hang(release: threading.Event, then: Responder | None = None, limit: float = 30.0) -> Responder:
-    """A responder that blocks until ``release`` is set (at most ``limit`` s), then answers with ``then``.
-
-    Without ``then`` it raises a read timeout, as httpx would for a host that never answered.
-    """
+    """A responder that waits for ``release`` (at most ``limit`` s), then answers with ``then``, else times out."""
 
     def respond(request: httpx.Request) -> httpx.Response:
         release.wait(limit)
@@ -285,5 +231,9 @@ def refuse_connection(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
 
 
+def _body(request: httpx.Request) -> Any:
+    return json.loads(request.read() or "null")
+
+
 def _words(text: str) -> list[str]:
-    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if len(w) > 2]
+    return re.findall(r"[a-z0-9]{3,}", text.lower())

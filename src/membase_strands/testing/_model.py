@@ -1,9 +1,8 @@
 """A Strands model that replays a script and records what it was sent, for testing agents offline."""
 
-from __future__ import annotations
-
 import copy
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +26,8 @@ Step = str | ToolCall | Callable[[str], "str | ToolCall"]
 class ScriptedModel(Model):
     """Replays scripted turns: a string is a final text answer, a :class:`ToolCall` calls a tool.
 
-    A callable step is given all the text the model was sent in that call (the memory block
-    included) and returns the answer or tool call, so a turn can depend on what was recalled.
-    Every call's messages are recorded (deep-copied) in :attr:`calls`. When the script runs out
-    the model answers ``"ok"``.
+    A callable step gets the text sent in that call (the memory block included), so a turn can depend on what
+    was recalled. :attr:`calls` records each call's messages (deep-copied); past the script's end it answers ``"ok"``.
 
     Example:
         ```python
@@ -59,60 +56,40 @@ class ScriptedModel(Model):
     async def stream(  # type: ignore[override]
         self, messages: Any, tool_specs: Any = None, system_prompt: Any = None, **kwargs: Any
     ) -> AsyncIterator[dict[str, Any]]:
-        self.calls.append(
-            {
-                "messages": copy.deepcopy(messages),
-                "tool_names": [spec["name"] for spec in tool_specs or []],
-                "system_prompt": system_prompt,
-            }
-        )
+        tools = [spec["name"] for spec in tool_specs or []]
+        self.calls.append({"messages": copy.deepcopy(messages), "tool_names": tools, "system_prompt": system_prompt})
         step = self.script.pop(0) if self.script else "ok"
         if callable(step):
             step = step(self.sent_text())
+        text, tool_call = (step.text, step) if isinstance(step, ToolCall) else (step, None)
         yield {"messageStart": {"role": "assistant"}}
-        if isinstance(step, ToolCall):
-            if step.text:
-                yield {"contentBlockStart": {"start": {}}}
-                yield {"contentBlockDelta": {"delta": {"text": step.text}}}
-                yield {"contentBlockStop": {}}
-            tool_use_id = f"call-{len(self.calls)}"
-            yield {"contentBlockStart": {"start": {"toolUse": {"toolUseId": tool_use_id, "name": step.name}}}}
-            yield {"contentBlockDelta": {"delta": {"toolUse": {"input": json.dumps(step.input)}}}}
-            yield {"contentBlockStop": {}}
-            yield {"messageStop": {"stopReason": "tool_use"}}
-        else:
+        if text or tool_call is None:
             yield {"contentBlockStart": {"start": {}}}
-            yield {"contentBlockDelta": {"delta": {"text": step}}}
+            yield {"contentBlockDelta": {"delta": {"text": text}}}
             yield {"contentBlockStop": {}}
-            yield {"messageStop": {"stopReason": "end_turn"}}
-
-    # --- What the model saw --------------------------------------------------------------------
+        if tool_call is not None:
+            tool_use = {"toolUseId": f"call-{len(self.calls)}", "name": tool_call.name}
+            yield {"contentBlockStart": {"start": {"toolUse": tool_use}}}
+            yield {"contentBlockDelta": {"delta": {"toolUse": {"input": json.dumps(tool_call.input)}}}}
+            yield {"contentBlockStop": {}}
+        yield {"messageStop": {"stopReason": "end_turn" if tool_call is None else "tool_use"}}
 
     def sent_text(self, call: int = -1) -> str:
-        """All text the model was sent in one call, joined."""
-        return "\n".join(
-            block["text"] for message in self.calls[call]["messages"] for block in message["content"] if "text" in block
-        )
+        """All text the model was sent in one call (``calls[call]``, the latest by default), joined."""
+        return "\n".join(block["text"] for block in self._blocks(call) if "text" in block)
 
     def memory_block(self, call: int = -1) -> str | None:
         """The manager's ``<memory>`` block in one call, or ``None`` when nothing was injected."""
-        text = self.sent_text(call)
-        start = text.find("<memory>")
-        if start < 0:
-            return None
-        end = text.find("</memory>", start)
-        return text[start : end + len("</memory>")]
+        found = re.search(r"<memory>.*?</memory>", self.sent_text(call), re.S)
+        return found.group() if found else None
 
     def tool_results(self, call: int = -1) -> list[dict[str, Any]]:
-        """The tool results the model was sent in one call (the latest by default)."""
-        return [
-            block["toolResult"]
-            for message in self.calls[call]["messages"]
-            for block in message["content"]
-            if "toolResult" in block
-        ]
+        """The tool results the model was sent in one call."""
+        return [block["toolResult"] for block in self._blocks(call) if "toolResult" in block]
 
     def tool_result_text(self, call: int = -1) -> str:
-        """The text of the last tool result the model was sent."""
-        result = self.tool_results(call)[-1]
-        return "\n".join(item["text"] for item in result["content"] if "text" in item)
+        """The text of the last tool result the model was sent in one call."""
+        return "\n".join(item["text"] for item in self.tool_results(call)[-1]["content"] if "text" in item)
+
+    def _blocks(self, call: int) -> list[dict[str, Any]]:
+        return [block for message in self.calls[call]["messages"] for block in message["content"]]
