@@ -118,7 +118,7 @@ class MembaseMemoryStore:
             raise ValueError(f"capture must be True or False, got {capture!r}")
         if extraction not in (None, False) and not capture:
             raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
-        self._capture = capture
+        self.writable: bool = capture
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
@@ -153,20 +153,10 @@ class MembaseMemoryStore:
             self._finalizer = weakref.finalize(self, _background.submit, close, name=f"membase-close[{self.name}]")
             self._finalizer.atexit = False
 
-    @property
-    def writable(self) -> bool:
-        """Whether the manager may write to this store; the same thing as ``capture``."""
-        return self._capture
-
-    @writable.setter
-    def writable(self, value: bool) -> None:
-        # The protocol declares a plain attribute; writing is decided once, by capture= and extraction=.
-        raise AttributeError("writable follows capture=; build the store with capture=True to let the manager write")
-
     def __repr__(self) -> str:
         return (
             f"MembaseMemoryStore(name={self.name!r}, {self._gateway.location}, container={self._container!r}, "
-            f"capture={self._capture}, recall_timeout={self._recall_timeout!r})"
+            f"capture={self.writable}, recall_timeout={self._recall_timeout!r})"
         )
 
     # --- The MemoryStore protocol -------------------------------------------------------------
@@ -182,7 +172,7 @@ class MembaseMemoryStore:
         Raises:
             ValueError: The configuration cannot work with the Memories this key reaches.
         """
-        if self._container is None and not self._capture:
+        if self._container is None and not self.writable:
             return
         self._check_open()
         with self._lock:
@@ -483,7 +473,7 @@ class MembaseMemoryStore:
 
     def _require_capture(self, method: str) -> None:
         self._check_open()
-        if not self._capture:
+        if not self.writable:
             raise ValueError(
                 f"{method}: capture is off for store '{self.name}'; pass capture=True to let the manager "
                 "write to Membase"
