@@ -139,7 +139,8 @@ class MembaseMemoryStore:
         self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=self._engine_closed)
         self._writes = WriteRecord(self.name, self._counters, redact, budget=self._write_timeout)
         self._lock = threading.Lock()  # for the set-up check, the tools and closing
-        self._closing: Future[None] | None = None  # settled once the first close() or aclose() has finished
+        self._closed = False
+        self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
         self._setup_check: Future[list[Container]] | None = None
         self._setup_waited_out: Future[list[Container]] | None = None  # a check an agent waited the budget for
         self._setup_checked = False
@@ -382,14 +383,13 @@ class MembaseMemoryStore:
         is logged and counted before this returns. This blocks the calling thread: from async code, use
         :meth:`aclose`. If another caller is already closing the store, this waits for it, up to ``write_timeout``.
         """
-        first, closed = self._begin_close()
-        if not first:
-            wait([closed], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
+        if not self._begin_close():
+            wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
         try:
             self._writes.drain()
         finally:
-            closed.set_result(None)
+            self._close_done.set_result(None)
             if self._release():
                 self._gateway.close()
 
@@ -399,16 +399,15 @@ class MembaseMemoryStore:
         If this is cancelled, the store still ends closed, and the writes still running go on (their outcome is
         logged when they end).
         """
-        first, closed = self._begin_close()
-        if not first:
+        if not self._begin_close():
             with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for_future(closed, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
+                await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
         closing = None
         try:
             await self._writes.drain_async()
         finally:
-            closed.set_result(None)  # also when cancelled: the store never ends half closed
+            self._close_done.set_result(None)  # also when cancelled: the store never ends half closed
             if self._release():
                 closing = _background.submit(self._gateway.close, name=f"membase-close[{self.name}]")
         if closing is not None:
@@ -426,13 +425,11 @@ class MembaseMemoryStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _begin_close(self) -> tuple[bool, Future[None]]:
-        """Whether this caller is the first to close the store (and so closes it); a future settled once it has."""
+    def _begin_close(self) -> bool:
+        """Mark the store closed; whether this caller is the first (and so closes it)."""
         with self._lock:
-            if self._closing is None:
-                self._closing = Future()
-                return True, self._closing
-            return False, self._closing
+            first, self._closed = not self._closed, True
+            return first
 
     def _release(self) -> bool:
         """Let go of the local engine this store started; whether the caller is to close it now.
@@ -447,10 +444,6 @@ class MembaseMemoryStore:
         return self._finalizer.detach() is not None
 
     # --- Private helpers ----------------------------------------------------------------------
-
-    @property
-    def _closed(self) -> bool:
-        return self._closing is not None
 
     @property
     def _default_limit(self) -> int:
