@@ -25,7 +25,7 @@ from strands.types.content import Message
 
 from . import _background, _options, _telemetry
 from ._background import wait_for_future
-from ._containers import Container, match, names_in_reach
+from ._containers import match, names_in_reach
 from ._counters import Counters
 from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
 from ._formatting import arrange, memory_entries
@@ -141,9 +141,8 @@ class MembaseMemoryStore:
         self._lock = threading.Lock()  # for the set-up check, the tools and closing
         self._closed = False
         self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
-        self._setup_check: Future[list[Container]] | None = None
-        self._setup_waited_out: Future[list[Container]] | None = None  # a check an agent waited the budget for
-        self._setup_checked = False
+        self._setup_check: Future[None] | None = None
+        self._setup_waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
         # A store dropped unclosed (say, one a pool let go of) must not keep its local engine. The callback holds the
@@ -165,10 +164,11 @@ class MembaseMemoryStore:
     async def initialize(self) -> None:
         """Check the configuration against Membase before the agent runs, without depending on it.
 
-        With a pinned ``container`` (or capture on) the Memories in reach are listed once per store, within
-        the recall budget: an unknown or ambiguous Memory name, or capture with several Memories in reach and
-        none pinned, raises here, when the agent is built. If Membase does not answer, the check is left for
-        first use; agents built while that late check still runs do not wait for it again.
+        With a pinned ``container`` (or capture on) the Memories in reach are listed once per store, within the
+        recall budget: an unknown or ambiguous Memory name, or capture with several Memories in reach and none
+        pinned, raises here, when the agent is built. If Membase does not answer in time, the check goes on in the
+        background (agents built meanwhile do not wait for it again, and the next one uses its answer), and first
+        use checks the Memory too.
 
         Raises:
             ValueError: The configuration cannot work with the Memories this key reaches.
@@ -178,45 +178,28 @@ class MembaseMemoryStore:
         self._check_open()
         with self._lock:
             check = self._setup_check
-            if self._setup_checked:
-                return
-            if check is None or (check.done() and check.exception() is not None):
-                # A running check is shared, one that ended late is used below, one that failed told nothing.
-                name = f"membase-check[{self.name}]"
+            if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
+                # A running check is shared, and one that ended late is used; one that failed told nothing.
+                setup = functools.partial(_check_setup, self._gateway, self._container)
                 check = self._setup_check = _background.submit(
-                    self._gateway.memories_in_reach, name=name, lane=self._gateway
+                    setup, name=f"membase-check[{self.name}]", lane=self._gateway
                 )
             elif check is self._setup_waited_out and not check.done():
-                # An agent built per request during an outage must not cost every request that wait again.
-                logger.debug(
-                    "store=<%s>, reason=<Membase did not answer in time> | set-up check is still running; "
-                    "not waiting for it again, checking at first use",
-                    self.name,
-                )
+                # Building an agent per request during an outage must not cost every request that wait again.
+                logger.debug("store=<%s> | set-up check is still running; not waiting for it again", self.name)
                 return
         try:
-            containers = await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
+            await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
         except asyncio.TimeoutError:
             with self._lock:
                 first, self._setup_waited_out = self._setup_waited_out is not check, check
             if first:  # agents built together during one outage warn once
                 logger.warning(_UNLISTED, self.name, "no answer in time")
-            return
         except membase.MembaseError as error:
             logger.warning(_UNLISTED, self.name, self._gateway.redact(detail_of(error)))
-            return
-        try:
-            if self._container is not None:
-                self._gateway.remember_container(self._container, match(self._container, containers).id)
-            elif len(containers) > 1:
-                raise ValueError(
-                    f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= "
-                    "naming the one to write to"
-                )
-        except ValueError:
+        except Exception:
             self._setup_check = None  # the next agent lists the Memories again: they may have changed
             raise
-        self._setup_checked = True
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
@@ -526,6 +509,18 @@ class MembaseMemoryStore:
             line = f"{role}: {text}" if prefix else text
             parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
         return parts
+
+
+def _check_setup(gateway: MembaseGateway, container: str | None) -> None:
+    """The set-up check: the pinned Memory's id, remembered; or, capturing unpinned, one Memory in reach at most."""
+    containers = gateway.memories_in_reach()
+    if container is not None:
+        gateway.remember_container(container, match(container, containers).id)
+    elif len(containers) > 1:
+        raise ValueError(
+            f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming the "
+            "one to write to"
+        )
 
 
 def _close_engine(gateway: MembaseGateway, store_name: str, running: Callable[[], list[Future[Any]]]) -> None:
