@@ -32,7 +32,7 @@ from ._formatting import arrange, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
 from ._tools import ToolContext, build_tools
-from ._writes import Part, Send, WriteRecord, fingerprint
+from ._writes import Part, WriteRecord, fingerprint
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
 if TYPE_CHECKING:
@@ -455,7 +455,7 @@ class MembaseMemoryStore:
                 "write to Membase"
             )
 
-    async def _write(self, parts: list[Part], send: Send) -> Any:
+    async def _write(self, parts: list[Part], send: Callable[[list[Part]], Any]) -> Any:
         with _telemetry.operation(_telemetry.WRITE, self.name, parts=len(parts)) as operation:
             operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
             try:
