@@ -146,12 +146,13 @@ class MembaseMemoryStore:
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
         # A store dropped unclosed (say, one a pool let go of) must not keep its local engine. The callback holds the
-        # gateway and the write record, never the store; at exit the process lets go of everything.
+        # gateway and the write record, never the store.
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._gateway.owns_engine:
-            close = functools.partial(_close_engine, self._gateway, self.name, self._writes.running)
-            self._finalizer = weakref.finalize(self, _background.submit, close, name=f"membase-close[{self.name}]")
-            self._finalizer.atexit = False
+            close_engine = functools.partial(_close_engine, self._gateway, self.name, self._writes.running)
+            name = f"membase-close[{self.name}]"
+            self._finalizer = weakref.finalize(self, _background.submit, close_engine, name=name)
+            self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
 
     def __repr__(self) -> str:
         return (
