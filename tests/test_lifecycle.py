@@ -46,6 +46,7 @@ from tests.support.store_helpers import (
     FACT,
     LONG,
     QUESTION,
+    client_of,
     drain_began,
     make_agent,
     set_write_budget,
@@ -391,10 +392,10 @@ async def test_close_of_a_local_store_closes_the_engine_only_after_its_running_w
     caplog.set_level(logging.INFO)
     directory = tmp_path / "membase"
     store = MembaseMemoryStore(local=directory, capture=True, write_timeout=BUDGET)
-    gateway = store._gateway
+    gateway, engine = store._gateway, client_of(store)
     at_the_door, release = threading.Event(), gates.new()
     engine_closed: list[int] = []  # writes saved when the engine was closed
-    save, close = gateway.save, gateway.close
+    save, close = gateway.save, engine.close
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         at_the_door.set()
@@ -406,7 +407,7 @@ async def test_close_of_a_local_store_closes_the_engine_only_after_its_running_w
         close()
         engine_closed.append(saved)  # once closed: nothing may call into the engine while it closes
 
-    gateway.save, gateway.close = held_save, recorded_close  # type: ignore[method-assign]
+    gateway.save, engine.close = held_save, recorded_close  # type: ignore[method-assign]
     with pytest.raises(MembaseWriteTimeout):
         await store.add("Sam prefers green tea", {"static": True})
     assert await until(at_the_door.is_set, timeout=LONG)

@@ -22,12 +22,13 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import membase
 
 from . import _background
-from ._containers import Container, ContainerResolver, parse_containers
+from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._failures import BadResponseError, redact, without_secret
 from ._formatting import SearchAnswer, parse_search
 from ._http import shared_client
@@ -126,10 +127,24 @@ class MembaseGateway:
             return f"local={os.fspath(self._local)!r}"
         return f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
 
-    def close(self) -> None:
-        """Close the local engine the gateway started; a hosted or passed-in client has nothing of its own."""
-        if self.owns_engine and self._clients is not None:
-            self._clients[0].close()
+    def close(self, after: Callable[[], list[Future[Any]]] = list) -> None:
+        """Close the local engine the gateway started, once the writes ``after`` lists end (so none loses it); a
+        hosted or passed-in client has nothing of its own. Blocks while it waits."""
+        writes = after()
+        if writes:
+            logger.debug(
+                "store=<%s>, writes=<%d> | closing its local engine once its running writes end",
+                self._store_name,
+                len(writes),
+            )
+            wait(writes)
+        try:
+            if self.owns_engine and self._clients is not None:
+                self._clients[0].close()
+        except Exception as error:
+            logger.warning(
+                "store=<%s>, reason=<%s> | could not close its local engine", self._store_name, type(error).__name__
+            )
 
     # --- Calls ---------------------------------------------------------------------------------
 
@@ -182,9 +197,21 @@ class MembaseGateway:
         """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
         return self._call(lambda client: self._resolver.resolve(client, name), retry=True)
 
-    def remember_container(self, name: str, container_id: str) -> None:
-        """Cache an id found by another route (the store's set-up check)."""
-        self._resolver.remember(name, container_id)
+    def check_setup(self, container: str | None) -> None:
+        """The store's set-up check: the pinned Memory's id, remembered; or, with none pinned, one Memory at most.
+
+        Raises:
+            ValueError: The pinned Memory is not in reach (or several match), or several are in reach and none is
+                pinned (capture must know where to write).
+        """
+        containers = self.memories_in_reach()
+        if container is not None:
+            self._resolver.remember(container, match(container, containers).id)
+        elif len(containers) > 1:
+            raise ValueError(
+                f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming "
+                "the one to write to"
+            )
 
     def _call(self, call: Callable[[membase.Membase], T], *, retry: bool) -> T:
         """``call`` with the client that retries (or not); a 2xx body that cannot be read becomes a Membase error."""

@@ -25,7 +25,6 @@ from strands.types.content import Message
 
 from . import _background, _options, _telemetry
 from ._background import wait_for_future
-from ._containers import match, names_in_reach
 from ._counters import Counters
 from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
 from ._formatting import arrange, memory_entries
@@ -149,7 +148,7 @@ class MembaseMemoryStore:
         # gateway and the write record, never the store.
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._gateway.owns_engine:
-            close_engine = functools.partial(_close_engine, self._gateway, self.name, self._writes.running)
+            close_engine = functools.partial(self._gateway.close, after=self._writes.running)
             name = f"membase-close[{self.name}]"
             self._finalizer = weakref.finalize(self, _background.submit, close_engine, name=name)
             self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
@@ -181,7 +180,7 @@ class MembaseMemoryStore:
             check = self._setup_check
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
                 # A running check is shared, and one that ended late is used; one that failed told nothing.
-                setup = functools.partial(_check_setup, self._gateway, self._container)
+                setup = functools.partial(self._gateway.check_setup, self._container)
                 check = self._setup_check = _background.submit(
                     setup, name=f"membase-check[{self.name}]", lane=self._gateway
                 )
@@ -510,36 +509,6 @@ class MembaseMemoryStore:
             line = f"{role}: {text}" if prefix else text
             parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
         return parts
-
-
-def _check_setup(gateway: MembaseGateway, container: str | None) -> None:
-    """The set-up check: the pinned Memory's id, remembered; or, capturing unpinned, one Memory in reach at most."""
-    containers = gateway.memories_in_reach()
-    if container is not None:
-        gateway.remember_container(container, match(container, containers).id)
-    elif len(containers) > 1:
-        raise ValueError(
-            f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming the "
-            "one to write to"
-        )
-
-
-def _close_engine(gateway: MembaseGateway, store_name: str, running: Callable[[], list[Future[Any]]]) -> None:
-    """Close a store's local engine once the writes still ``running`` on it end, so no write loses it.
-
-    Runs on a thread: for a store closed while writes run, or dropped unclosed (garbage collection runs on whatever
-    thread allocates: an event loop, a thread inside a lock).
-    """
-    writes = running()
-    if writes:
-        logger.debug(
-            "store=<%s>, writes=<%d> | closing its local engine once its running writes end", store_name, len(writes)
-        )
-        wait(writes)
-    try:
-        gateway.close()
-    except Exception as error:
-        logger.warning("store=<%s>, reason=<%s> | could not close its local engine", store_name, type(error).__name__)
 
 
 if TYPE_CHECKING:
