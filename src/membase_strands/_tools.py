@@ -1,14 +1,13 @@
-"""The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile``.
+"""The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile`` (none deletes anything).
 
-A Membase failure never raises out of a tool: it becomes a sentence the model can relay (a 403, a timeout, a
-busy memory, ...) in a result whose status is ``"error"``, so tracing sees the failure and the model reads why.
-There is deliberately no tool to delete anything. Strands builds a pydantic model from a tool's signature
-(milliseconds), so each tool's spec and model are made once per process from the method on the class, which
-holds no store: a server that builds a store per user pays for them once.
+A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
+Each tool's spec and pydantic model (milliseconds to build) are made once per process from the method on the
+class, which holds no store: a server that builds a store per user pays for them once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -30,6 +29,7 @@ from ._options import passages_wanted, query_text
 
 logger = logging.getLogger(__name__)
 
+_FAILED_LOG = "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told"
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
 _DESCRIPTIONS = {
     "membase_search": (
@@ -124,8 +124,7 @@ class ToolContext:
         _telemetry.annotate(
             outcome, passages=len(shown.passages), unanswered=len(answer.unsearched), chars_returned=len(reply)
         )
-        # When no Memory could answer, the search did not really happen: say so with an error status.
-        return _error(reply) if answer.none_answered else _ok(reply)
+        return _error(reply) if answer.none_answered else _ok(reply)  # no Memory could answer: nothing was searched
 
     @_tool
     def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
@@ -141,26 +140,26 @@ class ToolContext:
         target = None if standing_fact else (container or self.container)
         try:
             if target is not None:
-                try:  # Find the Memory first, so a failure here is known to have saved nothing.
+                try:  # Find the Memory first, so a lookup that timed out is known to have saved nothing.
                     self.gateway.container_id(target)
-                except membase.MembaseError as error:
-                    return self._failed("membase_save", error, container_named=True)
+                except membase.APITimeoutError as error:
+                    return self._failed("membase_save", error)
             self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _error(f"Nothing was saved: {error}.")
         except membase.BadRequestError as error:
-            if target is None and not standing_fact and (several := self._several_memories()):
-                return _error(
-                    f"Nothing was saved: several Memories are in reach ({several}). Ask the user which one, "
-                    "then call membase_save again with container set to its name."
-                )
+            with contextlib.suppress(Exception):  # only a better sentence is at stake
+                if target is None and not standing_fact and len(in_reach := self.gateway.memories_in_reach()) > 1:
+                    return _error(
+                        f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
+                        "user which one, then call membase_save again with container set to its name."
+                    )
             return self._failed("membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
-            return self._failed(
-                "membase_save",
-                error,
-                sentence="Membase did not answer in time, so the note may or may not have been saved; try again "
-                "in a minute, after checking with membase_search that it is not already there.",
+            self._failed("membase_save", error)  # counted and logged as any failure, but the model reads this:
+            return _error(
+                "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
+                "after checking with membase_search that it is not already there."
             )
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_save", error, container_named=target is not None)
@@ -181,27 +180,13 @@ class ToolContext:
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_profile", error)
 
-    def _several_memories(self) -> str | None:
-        try:
-            containers = self.gateway.memories_in_reach()
-        except Exception:  # noqa: BLE001 - only a better sentence is at stake
-            return None
-        return names_in_reach(containers) if len(containers) > 1 else None
-
-    def _failed(
-        self, tool: str, error: BaseException, *, container_named: bool = False, sentence: str | None = None
-    ) -> dict[str, Any]:
-        """Count and log a failed Membase call, and tell the model why (or ``sentence``)."""
+    def _failed(self, tool: str, error: BaseException, *, container_named: bool = False) -> dict[str, Any]:
+        """Count and log a failed Membase call, and tell the model why."""
         failure = describe_failure(error, container_named=container_named)
         self.counters.add(f"errors.{failure.kind}")
         _telemetry.annotate("error", error_kind=failure.kind)
-        logger.warning(
-            "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told",
-            self.store_name,
-            tool,
-            failure.kind,
-        )
-        return _error(sentence or self.gateway.redact(failure.sentence))
+        logger.warning(_FAILED_LOG, self.store_name, tool, failure.kind)
+        return _error(self.gateway.redact(failure.sentence))
 
 
 def _ok(text: str) -> dict[str, Any]:
