@@ -2,11 +2,10 @@
 
 Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them,
 passages lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed
-notice. The work on an answer is bounded by what can be shown, however large the answer: the first ``limit``
-hits per Memory listed (at most 50 Memories), and of a passage its first ``max_recall_chars`` characters.
-Passages are the same when those characters, cleaned and whitespace-normalised, are equal and either both go
-on past them or neither; each is read only as far as it takes to tell it from the others. Cleaning maps each
-character on its own, so a cleaned start of a text is a start of the cleaned text.
+notice. The work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of
+a passage its first ``max_recall_chars`` characters. Passages are the same when those, cleaned and whitespace-
+normalised, are equal and either both go on past them or neither; each is read only as far as it takes to tell it
+apart (cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text).
 """
 
 from __future__ import annotations
@@ -29,13 +28,11 @@ _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
 _NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
 _FOLD_START = 256
-_BRACKETS = str.maketrans({"[": "(", "]": ")"})
 
 
 @dataclass
 class Passage:
-    """One passage. Parsed, ``content`` is the text as sent; arranged, the text as shown (cleaned, perhaps cut),
-    and ``also_in`` names the other Memories that returned the same text."""
+    """A passage: parsed, its text as sent; arranged, its text as shown and the other Memories that returned it."""
 
     memory: str
     content: str
@@ -53,7 +50,6 @@ class Passage:
 
     @property
     def score(self) -> float | None:
-        """Membase's score for the passage, or ``None`` when it has no usable one."""
         value = self.metadata.get("score")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return None
@@ -70,8 +66,7 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer: its passages, the Memories that could not answer, and whether none could. :func:`arrange`
-    sets the rest: the ``floor`` it applied, and the passages it left out below it or as copies (``folded``)."""
+    """A search answer; :func:`arrange` sets the ``floor`` it applied and what it left out below it or as copies."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]
@@ -82,14 +77,13 @@ class SearchAnswer:
 
 
 def memory_label(name: str) -> str:
-    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters (of the
-    name's first 4,096: a server's megabyte of a name is not read)."""
-    return _label_of(name[:4096])
+    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
+    return _label_of(name[:4096])  # a server's megabyte of a name is not read
 
 
 @functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
 def _label_of(name: str) -> str:
-    return clip(clean_text(name), 80).translate(_BRACKETS) or "unnamed Memory"
+    return clip(clean_text(name), 80).translate(str.maketrans("[]", "()")) or "unnamed Memory"
 
 
 def parse_search(body: Any, limit: int) -> SearchAnswer:
@@ -126,15 +120,20 @@ def parse_search(body: Any, limit: int) -> SearchAnswer:
 def arrange(
     answer: SearchAnswer, most: int, *, min_score: float | None = None, budget: int | None = None
 ) -> SearchAnswer:
-    """What the model is shown of a parsed answer: at most ``most`` passages, their text cleaned, best first
-    when all are scored. A text several Memories (or one, twice) returned is shown once, naming each; blank
-    ones and those scored below ``min_score`` are left out. A passage that does not fit in ``budget`` (labels
-    included) is skipped; only a best passage alone longer than it is cut, with :data:`CUT_MARKER`."""
+    """What the model is shown of a parsed answer: at most ``most`` passages, cleaned, best first when all are scored,
+    each text once naming every Memory that returned it, none blank or below ``min_score``. One that does not fit in
+    ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with :data:`CUT_MARKER`."""
     readings = _readings(answer.passages, budget)
     if all(reading.score is not None for reading in readings):
         readings.sort(key=lambda reading: -(reading.score or 0.0))  # sort() is stable: ties keep their order
-    shown = _fold(readings)
-    kept = [r for r in shown if min_score is None or r.score is None or r.score >= min_score]
+    order = {reading: position for position, reading in enumerate(readings)}
+    shown = []  # one reading per text (see the module doc), the first copy, naming every Memory that returned it
+    for same in _same_texts(readings, _FOLD_START):
+        same.sort(key=order.__getitem__)
+        same[0].memories = list(dict.fromkeys(reading.passage.memory for reading in same))
+        shown.append(same[0])
+    shown.sort(key=order.__getitem__)
+    kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
     passages = _fit(kept[: max(0, most)], budget)
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
     return replace(answer, passages=passages, floor=min_score, below_floor=below, folded=folded)
@@ -150,8 +149,7 @@ class _Reading:
         self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
 
     @functools.cached_property
-    def head(self) -> str:
-        """The characters that may be read (copied only when needed: a copy of a long text costs)."""
+    def head(self) -> str:  # copied only when needed: a copy of a long text costs
         return self.passage.content[: self.end]
 
     def start(self, size: int) -> str:
@@ -168,18 +166,7 @@ class _Reading:
 
 
 def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
-    return [reading for reading in (_Reading(p, cap) for p in passages) if reading.start(_FOLD_START)]
-
-
-def _fold(readings: list[_Reading]) -> list[_Reading]:
-    """One reading per text (see the module doc), the first copy kept, naming every Memory that returned it."""
-    order = {reading: position for position, reading in enumerate(readings)}
-    shown = []
-    for same in _same_texts(readings, _FOLD_START):
-        same.sort(key=order.__getitem__)
-        same[0].memories = list(dict.fromkeys(reading.passage.memory for reading in same))
-        shown.append(same[0])
-    return sorted(shown, key=order.__getitem__)
+    return [reading for reading in (_Reading(passage, cap) for passage in passages) if reading.start(_FOLD_START)]
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
@@ -220,25 +207,24 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
-    """The entries the manager injects for what :func:`arrange` returned: ``[Memory] passage`` (several
-    Memories listed under ``memories``), then a notice per Memory that could not answer."""
+    """The manager's entries for what :func:`arrange` returned, then a notice per Memory that could not answer."""
     entries = []
-    for p in answer.passages:
-        several = {"memories": [p.memory, *p.also_in]} if p.also_in else {}
-        entries.append(MemoryEntry(content=p.label + p.text, metadata={"memory": p.memory, **p.metadata, **several}))
-    for u in answer.unsearched:
+    for passage in answer.passages:
+        several = {"memories": [passage.memory, *passage.also_in]} if passage.also_in else {}
+        metadata = {"memory": passage.memory, **passage.metadata, **several}
+        entries.append(MemoryEntry(content=passage.label + passage.text, metadata=metadata))
+    for failed in answer.unsearched:
         notice = (
-            f"[Membase notice] The Memory ({u.memory}) could not be searched: {u.reason}. Nothing from it is "
-            "included, so its silence is not evidence that it holds nothing relevant."
+            f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. Nothing "
+            "from it is included, so its silence is not evidence that it holds nothing relevant."
         )
-        metadata = {"memory": u.memory, "unsearched": True, "reason": u.reason}
+        metadata = {"memory": failed.memory, "unsearched": True, "reason": failed.reason}
         entries.append(MemoryEntry(content=notice, metadata=metadata))
     return entries
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer to what :func:`arrange` returned: numbered passages, what the
-    floor left out, and the Memories that could not answer under "Not searched"."""
+    """The ``membase_search`` tool's answer to what :func:`arrange` returned."""
     quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
     weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
@@ -256,7 +242,7 @@ def search_text(query: str, answer: SearchAnswer) -> str:
     else:
         lines = [f"Nothing in Membase matched {quoted}."]
     if answer.unsearched:
-        lines += ["", _NOT_SEARCHED, *(f"- {u.memory}: {u.reason}" for u in answer.unsearched)]
+        lines += ["", _NOT_SEARCHED, *(f"- {failed.memory}: {failed.reason}" for failed in answer.unsearched)]
     return "\n".join(lines)
 
 
@@ -295,7 +281,9 @@ def _bulleted(items: Any) -> list[str]:
 
 
 def _numbered(passages: list[Passage]) -> list[str]:
-    return [f"{i}. {p.label}" + p.text.replace("\n", "\n   ") for i, p in enumerate(passages, start=1)]
+    return [
+        f"{number}. {passage.label}" + passage.text.replace("\n", "\n   ") for number, passage in enumerate(passages, 1)
+    ]
 
 
 def _as_list(value: Any) -> list[Any]:
