@@ -211,7 +211,7 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
     entries = []
     for passage in answer.passages:
         several = {"memories": [passage.memory, *passage.also_in]} if passage.also_in else {}
-        metadata = {"memory": passage.memory, **passage.metadata, **several}
+        metadata = {**passage.metadata, "memory": passage.memory, **several}  # the label, not a hit's own "memory"
         entries.append(MemoryEntry(content=passage.label + passage.text, metadata=metadata))
     for failed in answer.unsearched:
         notice = (
