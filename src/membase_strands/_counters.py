@@ -7,14 +7,23 @@ from collections import Counter
 
 from . import _background
 
+# Counts always present in a snapshot. Others appear once they happen: ``errors.<kind>`` (the kind of each Membase
+# failure, as :func:`membase_strands._failures.describe_failure` names it) and ``tool_calls.<tool>``.
+STANDARD = tuple(
+    """
+    recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled
+    recall_late_completions recall_errors
+    writes_saved writes_deduplicated writes_sent_again writes_lost write_timeouts write_cancellations write_errors
+    """.split()
+)
+
 
 class Counters:
     """Thread-safe event counts. Incrementing takes one uncontended lock; reading copies the counts."""
 
     def __init__(self) -> None:
-        """Start every count at zero."""
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = Counter(dict.fromkeys(STANDARD, 0))
         _background.reset_after_fork(self)
 
     def add(self, name: str, amount: int = 1) -> None:
@@ -22,32 +31,10 @@ class Counters:
         with self._lock:
             self._counts[name] += amount
 
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counts, the standard names first (even at zero)."""
+        with self._lock:
+            return dict(self._counts)
+
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # a metrics scrape in another thread may have held it at the fork
-
-    def snapshot(self) -> dict[str, int]:
-        """A copy of the counts, with the standard names present even when zero."""
-        with self._lock:
-            counts = dict(self._counts)
-        return {**dict.fromkeys(STANDARD, 0), **counts}
-
-
-STANDARD = (
-    "recalls",
-    "recall_hits",
-    "recall_empty",
-    "recall_timeouts",
-    "recall_skipped",
-    "recall_cancelled",
-    "recall_late_completions",
-    "recall_errors",
-    "writes_saved",
-    "writes_deduplicated",
-    "writes_sent_again",
-    "writes_lost",
-    "write_timeouts",
-    "write_cancellations",
-    "write_errors",
-)
-"""Counts always present in a snapshot. Others appear once they happen: ``errors.<kind>`` (the kind of
-each Membase failure, as in :func:`membase_strands._failures.describe_failure`) and ``tool_calls.<tool>``."""

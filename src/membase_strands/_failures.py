@@ -21,8 +21,6 @@ ACCESS_SENTENCE = (
     "or the action is above what the key may do. The request was not retried."
 )
 
-_MAX_DETAIL = 300
-
 
 class BadResponseError(membase.MembaseError):
     """Membase answered 2xx with a body this library cannot read (not JSON, or the wrong shape)."""
@@ -30,12 +28,8 @@ class BadResponseError(membase.MembaseError):
 
 @dataclass(frozen=True)
 class Failure:
-    """What went wrong with one Membase call, for logs and for the model.
-
-    Attributes:
-        kind: A short machine-readable label (``"access"``, ``"timeout"``, ``"rate_limited"``, ...).
-        sentence: A complete sentence a model can relay to the user.
-    """
+    """What went wrong with one Membase call: a ``kind`` for logs and counters (``"access"``, ``"timeout"``, ...)
+    and a complete ``sentence`` a model can relay to the user."""
 
     kind: str
     sentence: str
@@ -44,7 +38,7 @@ class Failure:
 def detail_of(error: BaseException) -> str:
     """The server's own message for an error, on one line and capped in length."""
     text = error.message if isinstance(error, membase.MembaseError) else str(error)
-    return clip(text or type(error).__name__, _MAX_DETAIL)
+    return clip(text or type(error).__name__, 300)
 
 
 def redact(text: str, secret: str) -> str:
@@ -60,35 +54,21 @@ def _forms_of(secret: str) -> list[str]:
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
-    """``error`` itself, or, when it or any error chained to it carries ``secret``, a masked copy.
-
-    A server may echo what it was sent in an error message, and the SDK chains the transport's
-    error to its own. The copy keeps the class (so callers still catch what they expect) and the
-    status, and has no body, cause or traceback that could hold the secret.
-    """
-    text = str(error)
-    chain = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    if not any(form in chain for form in _forms_of(secret)):
+    """``error`` itself or, when it or any error chained to it (the SDK chains the transport's) carries ``secret``,
+    a masked copy: of the same class (so callers still catch it) and status, with no body, cause or traceback."""
+    if not any(form in "".join(traceback.format_exception(error)) for form in _forms_of(secret)):
         return error
     if isinstance(error, membase.MembaseError):
         try:
             return type(error)(redact(error.message, secret), status=error.status)
         except TypeError:  # a subclass with another signature
             pass
-    return BadResponseError(redact(text, secret), status=getattr(error, "status", None))
+    return BadResponseError(redact(str(error), secret), status=getattr(error, "status", None))
 
 
 def describe_failure(error: BaseException, *, container_named: bool = False) -> Failure:
-    """Turn an exception from a Membase call into a :class:`Failure`.
-
-    Args:
-        error: What the Membase SDK (or this library, for an unreadable answer) raised.
-        container_named: Whether the failed request named a Memory, so a 400 about it can be
-            told apart from any other 400.
-
-    Returns:
-        The failure's kind and the sentence the model reads.
-    """
+    """The :class:`Failure` of an exception from a Membase call (or of this library, for an unreadable answer);
+    ``container_named``: the request named a Memory, so a 400 is about it."""
     detail = detail_of(error)
     # Order matters: APITimeoutError is an APIConnectionError, every status error an APIStatusError.
     if isinstance(error, (membase.PermissionDeniedError, MembaseAccessError)):
@@ -97,13 +77,11 @@ def describe_failure(error: BaseException, *, container_named: bool = False) -> 
         return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
     if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout, MembaseWriteTimeout)):
         return Failure(
-            "timeout",
-            "Membase did not answer in time (the memory may still be waking up); try again in a minute.",
+            "timeout", "Membase did not answer in time (the memory may still be waking up); try again in a minute."
         )
     if isinstance(error, membase.APIConnectionError):
         return Failure(
-            "connection",
-            f"Membase could not be reached (the connection failed: {detail}); try again in a minute.",
+            "connection", f"Membase could not be reached (the connection failed: {detail}); try again in a minute."
         )
     if isinstance(error, membase.BadRequestError):
         if container_named or "container" in detail.lower():
@@ -117,8 +95,7 @@ def describe_failure(error: BaseException, *, container_named: bool = False) -> 
         return Failure("not_found", f"Membase could not find what was asked for (404: {detail}).")
     if isinstance(error, membase.InternalServerError):
         return Failure(
-            "server_error",
-            f"Membase had an internal error ({error.status}: {detail}); try again in a minute.",
+            "server_error", f"Membase had an internal error ({error.status}: {detail}); try again in a minute."
         )
     if isinstance(error, (BadResponseError, json.JSONDecodeError)):
         return Failure("bad_response", f"Membase sent an answer that could not be read ({detail}).")

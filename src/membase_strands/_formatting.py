@@ -1,30 +1,20 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
-Everything that comes from Membase (Memory names, passages, a server's error text) is treated as
-data. Names are folded onto one line and cannot close the brackets that frame them; passages lose
-control characters and unpaired surrogates; a Memory that could not answer becomes a clearly framed
-notice, never text that reads like a remembered fact.
-
-An answer can be far larger than what the model is shown (500,000 hits, or 50 passages of a megabyte
-against a recall budget of 20,000 characters), so the store's own work is bounded by what it can show:
-
-- Hits: :func:`parse_search` reads the first ``limit`` hits for each Memory the answer lists (at most
-  50 Memories): every hit of a server that sends at most ``limit`` per Memory searched, as asked. The
-  list of Memories is read whole: each one that could not answer is shown.
-- Text: of a passage, at most what the budget could show is read: its first ``max_recall_chars``
-  characters (all, without a budget). A longer passage is never shown whole; the best one is cut.
-- Folding: passages are the same when what could be shown of them is the same: those first characters,
-  cleaned and whitespace-normalised, are equal, and either both passages go on past them or neither.
-  A read identical character for character is the same without being cleaned; otherwise passages are
-  told apart by their first 256 normalised characters, read further (twice as far) only while equal.
-
-Cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text.
+Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them,
+passages lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed
+notice. The work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of
+a passage its first ``max_recall_chars`` characters. Passages are the same when those, cleaned and whitespace-
+normalised, are equal and either both go on past them or neither; each is read only as far as it takes to tell it
+apart (cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,18 +24,15 @@ from ._failures import BadResponseError
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
+_PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
+_NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
 _FOLD_START = 256
-_BRACKETS = str.maketrans({"[": "(", "]": ")"})
 
 
 @dataclass
 class Passage:
-    """One passage: the Memory it came from, its text and the hit's other fields.
-
-    Parsed, ``content`` is the text as Membase sent it; arranged, the text as shown (cleaned, perhaps
-    cut), and ``also_in`` names the other Memories that returned the same text.
-    """
+    """A passage: parsed, its text as sent; arranged, its text as shown and the other Memories that returned it."""
 
     memory: str
     content: str
@@ -59,12 +46,10 @@ class Passage:
 
     @property
     def text(self) -> str:
-        """The text without control characters or unpaired surrogates."""
         return clean_text(self.content)
 
     @property
     def score(self) -> float | None:
-        """Membase's score for the passage, or ``None`` when it has no usable one."""
         value = self.metadata.get("score")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return None
@@ -81,12 +66,7 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer: its passages and the Memories that could not answer.
-
-    ``none_answered``: every Memory searched reported that it could not answer. :func:`arrange` sets the
-    rest: the relevance ``floor`` it applied, and how many passages it left out for scoring below it
-    (``below_floor``) or as copies of a passage shown once (``folded``).
-    """
+    """A search answer; :func:`arrange` sets the ``floor`` it applied and what it left out below it or as copies."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]
@@ -97,36 +77,25 @@ class SearchAnswer:
 
 
 def memory_label(name: str) -> str:
-    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters (of the
-    name's first 4,096: a server's megabyte of a name is not read)."""
-    return _label_of(name[:4096])
+    """A Memory name fit to stand inside ``[...]``: one line, no brackets, at most 80 characters."""
+    return _label_of(name[:4096])  # a server's megabyte of a name is not read
 
 
 @functools.lru_cache(maxsize=1024)  # the same few Memory names come back on every search
 def _label_of(name: str) -> str:
-    return clip(clean_text(name), 80).translate(_BRACKETS) or "unnamed Memory"
+    return clip(clean_text(name), 80).translate(str.maketrans("[]", "()")) or "unnamed Memory"
 
 
 def parse_search(body: Any, limit: int) -> SearchAnswer:
-    """The passages of a ``client.search()`` answer in Membase's order (their text not read yet; hits
-    without text skipped), and an :class:`Unsearched` per Memory reported with an ``error``.
-
-    Args:
-        body: Membase's answer.
-        limit: The passages asked for; it bounds the hits read (see the module doc).
-
-    Raises:
-        BadResponseError: The answer has no ``results`` list.
-    """
+    """A ``client.search()`` answer to a search for ``limit`` passages: its passages in Membase's order (their
+    text not read yet) and its Memories that report an ``error``. No ``results`` list is a BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
-    containers = body.get("containers")
-    rows = [row for row in containers if isinstance(row, dict)] if isinstance(containers, list) else []
+    rows = [row for row in _as_list(body.get("containers")) if isinstance(row, dict)]
     names = {
         row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
     }
-
     passages = []
     for hit in results[: limit * min(max(1, len(rows)), _MEMORIES_READ)]:
         content = hit.get("content") if isinstance(hit, dict) else None
@@ -135,7 +104,6 @@ def parse_search(body: Any, limit: int) -> SearchAnswer:
             name = hit.get("container_name") or names.get(container) or container or "Membase"
             metadata = {key: value for key, value in hit.items() if key != "content"}
             passages.append(Passage(memory_label(str(name)), content, metadata))
-
     unsearched = [
         Unsearched(
             memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
@@ -152,25 +120,20 @@ def parse_search(body: Any, limit: int) -> SearchAnswer:
 def arrange(
     answer: SearchAnswer, most: int, *, min_score: float | None = None, budget: int | None = None
 ) -> SearchAnswer:
-    """What the model is shown of a parsed answer (text cleaned), with ``floor``, ``below_floor`` and ``folded``.
-
-    Order: when every passage carries a score, best first across Memories (ties keep Membase's order),
-    else Membase's order. A passage several Memories (or one, twice) returned is shown once, where it
-    first appears, naming each (``[Work] [Home] text``); blank ones are dropped.
-
-    Args:
-        answer: What :func:`parse_search` returned.
-        most: How many passages to show at most.
-        min_score: A passage scored below it is left out (one without a score is kept).
-        budget: The characters to show at most, labels included: passages best first, each whole; one
-            that does not fit is skipped and smaller ones after it may fit. Only a best passage alone
-            longer than the budget is cut, with :data:`CUT_MARKER`.
-    """
+    """What the model is shown of a parsed answer: at most ``most`` passages, cleaned, best first when all are scored,
+    each text once naming every Memory that returned it, none blank or below ``min_score``. One that does not fit in
+    ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with :data:`CUT_MARKER`."""
     readings = _readings(answer.passages, budget)
-    if readings and all(reading.score is not None for reading in readings):
+    if all(reading.score is not None for reading in readings):
         readings.sort(key=lambda reading: -(reading.score or 0.0))  # sort() is stable: ties keep their order
-    shown = _fold(readings)
-    kept = [r for r in shown if min_score is None or r.score is None or r.score >= min_score]
+    order = {reading: position for position, reading in enumerate(readings)}
+    shown = []  # one reading per text (see the module doc), the first copy, naming every Memory that returned it
+    for same in _same_texts(readings, _FOLD_START):
+        same.sort(key=order.__getitem__)
+        same[0].memories = list(dict.fromkeys(reading.passage.memory for reading in same))
+        shown.append(same[0])
+    shown.sort(key=order.__getitem__)
+    kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
     passages = _fit(kept[: max(0, most)], budget)
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
     return replace(answer, passages=passages, floor=min_score, below_floor=below, folded=folded)
@@ -186,16 +149,11 @@ class _Reading:
         self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
 
     @functools.cached_property
-    def head(self) -> str:
-        """The characters that may be read (copied only when needed: a copy of a long text costs)."""
+    def head(self) -> str:  # copied only when needed: a copy of a long text costs
         return self.passage.content[: self.end]
 
     def start(self, size: int) -> str:
-        """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter).
-
-        Reads each character once, and only as far as that takes: a start of the normalised text is the
-        normalised start of the text (a word the cut splits is only a start of that word).
-        """
+        """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter)."""
         while len(self._normal) < size and self._read < self.end:
             end = min(self.end, max(size, 2 * self._read))
             piece, self._read = clean_text(self.passage.content[self._read : end]), end
@@ -208,88 +166,66 @@ class _Reading:
 
 
 def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
-    return [reading for reading in (_Reading(p, cap) for p in passages) if reading.start(_FOLD_START)]
+    return [reading for reading in (_Reading(passage, cap) for passage in passages) if reading.start(_FOLD_START)]
 
 
-def _fold(readings: list[_Reading]) -> list[_Reading]:
-    """One reading per text (see the module doc), the first copy kept, naming every Memory that returned it."""
-    shown: list[_Reading] = []
-    # A start of some size -> the one shown reading that starts so, or None once several do (each of them
-    # is then filed under its start twice that size): a reading is read only as far as it starts like another.
-    starts: dict[tuple[bool, int, str], _Reading | None] = {}
-    copies: dict[tuple[str, bool], _Reading] = {}  # a head as sent -> the shown reading it is a copy of
+def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
+    """The readings grouped by text, each read only as far as it takes to tell it from the others."""
+    alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
-        size, key = _FOLD_START, (reading.long, _FOLD_START, reading.start(_FOLD_START))
-        alike = key in starts  # only then may it be a copy as sent, found without reading on
-        if alike and (other := starts[key]) is not None:
-            copies.setdefault((other.head, other.long), other)
-        twin = copies.get((reading.head, reading.long)) if alike else None
-        while twin is None:
-            if key not in starts:
-                starts[key] = twin = reading
-                shown.append(reading)
-            elif len(key[2]) < size and starts[key] is not None:  # both read to their end: the same text
-                twin = starts[key]
-            else:
-                if (other := starts[key]) is not None:
-                    starts[key] = None
-                    starts[(other.long, 2 * size, other.start(2 * size))] = other
-                size *= 2
-                key = (reading.long, size, reading.start(size))
-        if alike:
-            copies.setdefault((reading.head, reading.long), twin)
-        if reading.passage.memory not in twin.memories:
-            twin.memories.append(reading.passage.memory)
-    return shown
+        alike[reading.long, reading.start(size)].append(reading)
+    for (_, start), group in alike.items():
+        if len(group) == 1 or len(start) < size:  # alone, or all read to their end: one text
+            yield group
+            continue
+        copies: dict[str, list[_Reading]] = defaultdict(list)  # the same as sent: no need to read on
+        for reading in group:
+            copies[reading.head].append(reading)
+        firsts = [first for first, *_ in copies.values()]
+        for same in _same_texts(firsts, 2 * size) if len(firsts) > 1 else [firsts]:
+            yield [copy for first in same for copy in copies[first.head]]
 
 
 def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     """The passages that fit in ``budget`` (see :func:`arrange`), their text cleaned."""
     kept: list[Passage] = []
-    used = 0
+    left = sys.maxsize if budget is None else budget
     for reading in readings:
         passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
-        label = len(passage.label)
-        room = math.inf if budget is None else budget - used - label
-        text = "" if reading.long or room < 0 else clean_text(reading.head)
-        if not reading.long and len(text) <= room:
-            used += label + len(text)
-        elif kept or budget is None:
+        room = left - len(passage.label)
+        text = clean_text(reading.head) if not reading.long and room >= 0 else None
+        if text is not None and len(text) <= room:
+            left = room - len(text)
+        elif kept:
             continue
-        else:
-            room = max(0, budget - label - len(CUT_MARKER))
-            text = (text or clean_text(reading.head))[:room].rstrip() + CUT_MARKER
-            passage.metadata, used = {**passage.metadata, "cut": True}, budget
+        else:  # the best passage alone is longer than the budget: cut it
+            text = (text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
+            passage.metadata, left = {**passage.metadata, "cut": True}, 0
         passage.content = text
         kept.append(passage)
     return kept
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
-    """The entries the manager injects for what :func:`arrange` returned: ``[Memory] passage`` (the
-    metadata of one from several Memories lists them under ``memories``), then a notice per Memory
-    that could not answer."""
-    entries = [
-        MemoryEntry(
-            content=f"{p.label}{p.text}",
-            metadata={"memory": p.memory, **p.metadata, **({"memories": [p.memory, *p.also_in]} if p.also_in else {})},
+    """The manager's entries for what :func:`arrange` returned, then a notice per Memory that could not answer."""
+    entries = []
+    for passage in answer.passages:
+        several = {"memories": [passage.memory, *passage.also_in]} if passage.also_in else {}
+        metadata = {**passage.metadata, "memory": passage.memory, **several}  # the label, not a hit's own "memory"
+        entries.append(MemoryEntry(content=passage.label + passage.text, metadata=metadata))
+    for failed in answer.unsearched:
+        notice = (
+            f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. Nothing "
+            "from it is included, so its silence is not evidence that it holds nothing relevant."
         )
-        for p in answer.passages
-    ]
-    return entries + [
-        MemoryEntry(
-            content=f"[Membase notice] The Memory ({u.memory}) could not be searched: {u.reason}. Nothing from "
-            "it is included, so its silence is not evidence that it holds nothing relevant.",
-            metadata={"memory": u.memory, "unsearched": True, "reason": u.reason},
-        )
-        for u in answer.unsearched
-    ]
+        metadata = {"memory": failed.memory, "unsearched": True, "reason": failed.reason}
+        entries.append(MemoryEntry(content=notice, metadata=metadata))
+    return entries
 
 
 def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer to what :func:`arrange` returned: numbered passages, what the
-    floor left out, and the Memories that could not answer under "Not searched"."""
-    shown, below, count = clip(query, 120), answer.below_floor, len(answer.passages)
+    """The ``membase_search`` tool's answer to what :func:`arrange` returned."""
+    quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
     weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
         f"(min_score={answer.floor:g}) and {'are' if below != 1 else 'is'} not shown"
@@ -297,82 +233,58 @@ def search_text(query: str, answer: SearchAnswer) -> str:
         else ""
     )
     if answer.passages:
-        lines = [f'Membase found {count} passage{"s" if count != 1 else ""} for "{shown}":']
-        lines += _numbered(answer.passages) + (["", f"({weaker}.)"] if weaker else [])
-    elif weaker:
-        lines = [f'Nothing matched "{shown}" above the relevance floor: {weaker}.']
+        lines = [f"Membase found {count} passage{'s' if count != 1 else ''} for {quoted}:", *_numbered(answer.passages)]
+        lines += ["", f"({weaker}.)"] if below else []
+    elif below:
+        lines = [f"Nothing matched {quoted} above the relevance floor: {weaker}."]
     elif answer.unsearched:
-        lines = [f'Nothing matched "{shown}" in the Memories that answered.']
+        lines = [f"Nothing matched {quoted} in the Memories that answered."]
     else:
-        lines = [f'Nothing in Membase matched "{shown}".']
+        lines = [f"Nothing in Membase matched {quoted}."]
     if answer.unsearched:
-        lines += [
-            "",
-            "Not searched (these Memories could not answer, so a missing result is not evidence of absence):",
-            *(f"- {u.memory}: {u.reason}" for u in answer.unsearched),
-        ]
+        lines += ["", _NOT_SEARCHED, *(f"- {failed.memory}: {failed.reason}" for failed in answer.unsearched)]
     return "\n".join(lines)
 
 
 def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
-    """The ``membase_profile`` tool's answer: standing facts, recent changes and topic results.
-
-    Args:
-        body: Membase's answer to ``client.profile()``.
-        topic: The topic asked about, if any.
-        limit: The recall budget in characters. Topic results (the first 50) are fitted to it as by
-            :func:`arrange`, in the profile's order; a longer answer is cut at a line, with a marker.
-
-    Raises:
-        BadResponseError: The answer is not a JSON object.
-    """
+    """The ``membase_profile`` tool's answer: standing facts, recent changes and the first 50 results on
+    ``topic``, fitted to ``limit`` as by :func:`arrange` in the profile's order, and cut at a line past it."""
     if not isinstance(body, dict):
         raise BadResponseError("the profile answer is not an object")
-    standing = [fact for fact in map(_fact_text, _as_list(body.get("static"))) if fact]
-    recent = [fact for fact in map(_fact_text, _as_list(body.get("dynamic"))) if fact]
+    standing, recent = _bulleted(body.get("static")), _bulleted(body.get("dynamic"))
     results = parse_search({"results": _as_list(body.get("results"))}, 50).passages if topic else []
-    topical = _fit(_readings(results, limit), limit)
-
+    topical = _numbered(_fit(_readings(results, limit), limit))
+    about = f'"{clip(topic or "", 120)}"'
     if not (standing or recent or topical):
         if topic:
-            return (
-                f'The Membase profile is empty: no standing facts, recent changes or results on "{clip(topic, 120)}".'
-            )
+            return f"The Membase profile is empty: no standing facts, recent changes or results on {about}."
         return "The Membase profile is empty: no standing facts or recent changes are recorded yet."
-    lines: list[str] = []
-    if standing:
-        lines += ["Standing facts:", *_bulleted(standing)]
-    if recent:
-        lines += [*([""] if lines else []), "Recent changes:", *_bulleted(recent)]
+    sections = {"Standing facts:": standing, "Recent changes:": recent}
     if topic:
-        lines += [*([""] if lines else []), f'On "{clip(topic, 120)}":']
-        lines += _numbered(topical) if topical else ["Nothing in the profile matched this topic."]
-    return _cut_at_line("\n".join(lines), limit)
-
-
-def _bulleted(facts: list[str]) -> list[str]:
-    # Continuation lines are indented, so a fact can never pass for a heading or another fact.
-    return ["- " + fact.replace("\n", "\n  ") for fact in facts]
-
-
-def _cut_at_line(text: str, limit: int | None) -> str:
+        sections[f"On {about}:"] = topical or ["Nothing in the profile matched this topic."]
+    text = "\n\n".join("\n".join([heading, *lines]) for heading, lines in sections.items() if lines)
     if limit is None or len(text) <= limit:
         return text
-    marker = "[... cut: the profile is longer than the recall budget]"
-    head = text[: max(0, limit - len(marker) - 1)]
-    head = head[: head.rfind("\n")] if "\n" in head else head
-    return f"{head}\n{marker}"
+    head = text[: max(0, limit - len(_PROFILE_CUT_MARKER) - 1)]
+    head = head.rpartition("\n")[0] or head  # cut at a line
+    return f"{head}\n{_PROFILE_CUT_MARKER}"
+
+
+def _bulleted(items: Any) -> list[str]:
+    """Profile facts as bullets; continuation lines are indented, so a fact never passes for a heading or another."""
+    bullets = []
+    for item in _as_list(items):
+        fact = item.get("content") or item.get("description") or item.get("text") if isinstance(item, dict) else item
+        if isinstance(fact, str) and (text := clean_text(fact).strip()):
+            bullets.append("- " + text.replace("\n", "\n  "))
+    return bullets
 
 
 def _numbered(passages: list[Passage]) -> list[str]:
-    return [f"{i}. {p.label}" + p.text.replace("\n", "\n   ") for i, p in enumerate(passages, start=1)]
+    return [
+        f"{number}. {passage.label}" + passage.text.replace("\n", "\n   ") for number, passage in enumerate(passages, 1)
+    ]
 
 
 def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
-
-
-def _fact_text(item: Any) -> str:
-    if isinstance(item, dict):
-        item = item.get("content") or item.get("description") or item.get("text")
-    return clean_text(item).strip() if isinstance(item, str) else ""

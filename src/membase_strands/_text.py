@@ -1,10 +1,6 @@
-"""Text hygiene, in one place: what can be sent, what the model may read, and one-line clips for messages.
-
-- :func:`sendable`: text that can go out as UTF-8 JSON (unpaired surrogates become ``?``).
-- :func:`clean_text`: what the model may read of a passage: no control characters (newlines and tabs
-  stay), no unpaired surrogates.
-- :func:`clip`: one line for names, reasons and log text: every control character folds to a space.
-"""
+"""Text hygiene in one place: what can be sent (:func:`sendable`), what the model may read of a passage
+(:func:`clean_text`: no control characters but newline and tab, no unpaired surrogates), and one-line clips for
+names, reasons and log text (:func:`clip`: every control character folds to a space)."""
 
 from __future__ import annotations
 

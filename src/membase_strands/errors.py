@@ -6,8 +6,6 @@ problems catches it; :class:`MembaseRecallTimeout` and :class:`MembaseWriteTimeo
 failed write for a retry) treats a slow memory like any other timeout.
 """
 
-from __future__ import annotations
-
 
 class MembaseAccessError(PermissionError):
     """Membase refused the key (HTTP 403).
