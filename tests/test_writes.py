@@ -886,6 +886,30 @@ async def test_kept_batches_are_bounded_in_bytes_the_oldest_dropped_with_a_warni
     assert counters.snapshot()["writes_sent_again"] == 2
 
 
+async def test_a_failed_batch_over_the_byte_bound_on_its_own_is_lost_once_and_counted_once(caplog):
+    counters = Counters()
+    record = WriteRecord("t", counters, budget=LONG, max_bytes=50, clock=Clock())
+    gate = threading.Event()
+    failing = Sender(gate=gate, fail=1)
+    try:
+        task = asyncio.create_task(record.write([sized("huge", 100)], failing))
+        assert await until(failing.arrived.is_set, timeout=LONG)
+        running = record.running()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        gate.set()
+    settle(running)
+
+    assert warnings(caplog) == [  # nothing about a batch kept, then dropped: it never was kept
+        "store=<t>, reason=<Membase said no> | a write whose caller was cancelled failed; "
+        "it is not saved, and nothing will send it again"
+    ]
+    assert counters.snapshot()["writes_lost"] == 1
+    assert record.retained_bytes == 0
+
+
 async def test_the_record_keeps_a_failed_write_whose_caller_was_cancelled_and_sends_it_with_the_next_write(caplog):
     caplog.set_level(logging.INFO)
     gate = threading.Event()

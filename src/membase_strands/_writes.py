@@ -413,7 +413,9 @@ class WriteRecord:
 
     def _keep(self, request: _Request) -> bool:
         """Keep a failed batch nobody will retry, within the byte bound: the oldest kept ones make room, each
-        dropped one logged and counted as lost. Whether ``request`` itself was kept."""
+        dropped one logged and counted as lost. Whether ``request`` was kept: not if it alone is over the bound."""
+        if _size(request) > self._max_bytes:
+            return False
         with self._lock:
             self._kept.append(request)
             dropped = []
