@@ -148,8 +148,10 @@ class WriteRecord:
 
     def _after_fork_in_child(self) -> None:
         # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
+        # Its kept batches are the parent's to send again: sent from every child too, they would be saved twice.
         self._lock = threading.Lock()
         self._unsettled = set()
+        self._kept = []
         for key in [key for key, entry in self._entries.items() if entry.request is not None]:
             del self._entries[key]
 
