@@ -1,28 +1,11 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any newer
-messages), and on the extractor path every fact of a batch goes through ``add`` again when one of them
-failed. A write that ran out of budget may still succeed in the background. So the store keeps a record of
-its writes by identity:
-
-- saved: a retry does not send it again and reports success;
-- still running: a retry waits for that request (within the budget) instead of sending another;
-- failed: it is forgotten, so the retry sends it.
-
-Each request runs on a daemon thread, which records its outcome before anyone waiting for it wakes. When
-the caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when its
-client hangs up), that thread also logs and counts the outcome. A batch that then fails and that no retry
-will ever bring back (its caller was cancelled, so Strands counts it as handled; or the store was closed) is
-kept and sent again by the store itself, once: with the store's next write, when the store closes, or at
-interpreter exit, whichever comes first. Kept batches are bounded in bytes; one dropped to make room, or
-failing again, is logged at WARNING and counted as lost.
-
-A message's identity is its sequence number in the manager's batch, the message object itself (the manager
-hands the same content block objects on every retry of a batch and new ones in a new agent run; the record
-holds the block, so its ``id`` cannot be reused while the record stands) and a hash of its text. A fact's
-identity is a hash of its text and target. The record is bounded in entries, time and the bytes of text its
-anchors keep alive: past the bounds the oldest saved writes are forgotten, those a retry is still expected
-for (their caller was told they failed) last, and the newest of those never.
+The manager retries a write that raised, and a write that ran out of its budget may still succeed in the
+background. So the record keeps a store's writes by identity: a retry of a saved one sends nothing, a retry of a
+running one waits for that request, a failed one is forgotten so its retry sends it. A batch that fails when no
+retry will come (its caller was cancelled, so Strands counts it as handled; or the store closed) is kept and sent
+again once by the store itself. A part's anchor (a message's content block) is held while the record remembers
+the part, so the ``id`` in its identity cannot be reused meanwhile.
 """
 
 from __future__ import annotations
@@ -52,13 +35,16 @@ RECORD_SECONDS = 3600.0
 RECORD_BYTES = 1024 * 1024
 """The most message text (bytes of ``str`` objects) the record keeps alive: saved anchors, and kept batches."""
 
+# Why nobody waits for a request any more: the words of the line that reports its outcome.
+_RAN_OUT = "that ran out of time"
+_CANCELLED = "whose caller was cancelled"
+_SENT_AGAIN = "the store sent again"
+
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an object to keep alive while it is recorded.
-
-    ``anchor_bytes`` is how much memory the anchor keeps alive (the text it holds), for the byte bound.
-    """
+    """One thing to write: its identity, its text, and an object to keep alive while it is recorded, with the bytes
+    of text that object holds (for the byte bound)."""
 
     key: Hashable
     text: str
@@ -75,29 +61,19 @@ def fingerprint(*fields: object) -> str:
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-# Why nobody waits for a request any more: the words of the line that reports its outcome.
-_RAN_OUT = "that ran out of time"
-_CANCELLED = "whose caller was cancelled"
-_SENT_AGAIN = "the store sent again"
-
-
-def _size(request: _Request) -> int:
-    return sum(part.anchor_bytes or len(part.text) for part in request.parts)
-
-
 class _Request:
-    """One request this record started: its parts while it runs, then its outcome."""
+    """One request the record started. Its thread records the outcome under the record's lock (``ended``), reports
+    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future``."""
 
-    __slots__ = ("abandoned", "done", "error", "future", "linked", "parts", "result", "send")
-
-    def __init__(self, parts: list[Part], send: Send) -> None:
-        self.future: Future[Any] = Future()  # settled by the thread only once the outcome is recorded
+    def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
         self.parts = parts
         self.send = send
-        self.done = False
+        self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
+        self.future: Future[Any] = Future()
+        self.ended = False
         self.result: Any = None
         self.error: BaseException | None = None
-        self.abandoned: str | None = None  # why its caller stopped waiting: its thread reports the outcome
+        self.abandoned = abandoned
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -106,7 +82,7 @@ class _Entry:
     request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
     anchor: object
     anchor_bytes: int
-    saved_at: float | None = None
+    saved_at: float = 0.0
     save: int = 0  # which save, in order; the parts of one request share it
     retry_expected: bool = False  # saved after its caller was told it failed, and no retry has come yet
 
@@ -139,7 +115,7 @@ class WriteRecord:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
-        self._unsettled: set[_Request] = set()  # started, and their outcome not reported yet
+        self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
         self._saves = 0
         self._closing = False  # close() began: no retry will come from the manager
         self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
@@ -163,7 +139,7 @@ class WriteRecord:
     def retained_bytes(self) -> int:
         """The bytes of text the record keeps alive: the anchors of the writes it remembers, and kept batches."""
         with self._lock:
-            kept = sum(_size(request) for request in self._kept)
+            kept = sum(request.size for request in self._kept)
             return kept + sum(entry.anchor_bytes for entry in self._entries.values())
 
     @property
@@ -198,23 +174,21 @@ class WriteRecord:
                 if earlier.error is None:
                     saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
         _telemetry.annotate(
-            sent=len(todo) if request is not None else 0,
+            sent=len(todo),
             deduplicated=len(saved),
             waited_for_earlier=bool(saved_for_us),
-            decision="send" if not saved else "partial" if request is not None else "already saved",
+            decision="send" if not saved else "partial" if todo else "already saved",
         )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
                 "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
+        result = None
         if request is not None:
             self._start(request)
-            result = await self._wait(
-                request, deadline, "it goes on in the background and the manager keeps the batch", own=True
-            )
-        else:
-            result = None
+            what = "it goes on in the background and the manager keeps the batch"
+            result = await self._wait(request, deadline, what, own=True)
         self._retried(saved)
         return result
 
@@ -248,7 +222,7 @@ class WriteRecord:
     def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
         """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
         running that were not waited for yet (a daemon thread may start one during the exit wait)."""
-        deadline = time.monotonic() + self._time_left(until)
+        deadline = time.monotonic() + self._wait_budget if until is None else until
         while True:
             running = self.running()
             new = [future for future in running if future not in waited]
@@ -266,9 +240,6 @@ class WriteRecord:
     async def drain_async(self) -> bool:
         """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
         return await wait_for_future(_background.submit(self.drain, name=f"membase-close[{self._store_name}]"), None)
-
-    def _time_left(self, until: float | None) -> float:
-        return self._wait_budget if until is None else max(0.0, until - time.monotonic())
 
     def _finish_at_exit(self, started: float) -> None:
         """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
@@ -319,16 +290,15 @@ class WriteRecord:
     def _abandon(self, request: _Request, why: str) -> bool:
         """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
         with self._lock:
-            if request.done:
-                return False
-            request.abandoned = why
-            return True
+            if not request.ended:
+                request.abandoned = why
+            return not request.ended
 
     # --- The request's thread -------------------------------------------------------------------
 
-    def _register(self, parts: list[Part], send: Send) -> _Request:
+    def _register(self, parts: list[Part], send: Send, abandoned: str | None = None) -> _Request:
         """A request for ``parts``, on record as running. Called with the lock held."""
-        request = _Request(parts, send)
+        request = _Request(parts, send, abandoned)
         self._unsettled.add(request)
         for part in parts:
             self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
@@ -359,20 +329,16 @@ class WriteRecord:
         """Record the outcome, report it if nobody waits for it any more, then settle the future."""
         try:
             with self._lock:
-                request.done = True
-                request.result, request.error = result, error
+                request.ended, request.result, request.error = True, result, error
                 self._saves += 1
-                now = self._clock()
                 for part in request.parts:
                     entry = self._entries.get(part.key)
                     if entry is None or entry.request is not request:
-                        continue
+                        continue  # a key the request holds twice, recorded already
                     if error is not None:
                         del self._entries[part.key]
                     else:
-                        entry.request = None
-                        entry.saved_at = now
-                        entry.save = self._saves
+                        entry.request, entry.saved_at, entry.save = None, self._clock(), self._saves
                         entry.retry_expected = request.abandoned is not None
                         self._entries.move_to_end(part.key)
                 self._evict()
@@ -389,6 +355,7 @@ class WriteRecord:
                 request.future.set_exception(error)
 
     def _report_late(self, request: _Request, why: str) -> None:
+        """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
         error = request.error
         reason = {_RAN_OUT: "timeout", _CANCELLED: "cancelled"}.get(why, "sent again")
         _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=reason)
@@ -397,33 +364,36 @@ class WriteRecord:
             return
         self._counters.add("write_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        detail = self._redact(detail_of(error))
         if why == _RAN_OUT and not self._closing:
             then = "the manager's retry sends it again"
-        elif why == _SENT_AGAIN or _background.exiting() or not self._keep(request):
+        elif why == _SENT_AGAIN or _background.exiting() or request.size > self._max_bytes:
             self._counters.add("writes_lost", len(request.parts))
             then = "it is not saved, and nothing will send it again"
-        elif self._closed:
-            then = "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
-        elif self._closing:
-            then = "no retry will come from the manager (the store is closing); it is sent again before it closes"
         else:
-            then = "no retry will come from the manager; the store sends it again with its next write or when it closes"
+            self._keep(request)
+            then = "no retry will come from the manager" + (
+                " (the store is closed); it is sent again at interpreter exit"
+                if self._closed
+                else " (the store is closing); it is sent again before it closes"
+                if self._closing
+                else "; the store sends it again with its next write or when it closes"
+            )
+        detail = self._redact(detail_of(error))
         logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
 
     # --- Batches sent again ---------------------------------------------------------------------
 
-    def _keep(self, request: _Request) -> bool:
-        """Keep a failed batch nobody will retry, within the byte bound: the oldest kept ones make room, each
-        dropped one logged and counted as lost. Whether ``request`` was kept: not if it alone is over the bound."""
-        if _size(request) > self._max_bytes:
-            return False
+    def _keep(self, request: _Request) -> None:
+        """Keep a failed batch for sending again: the oldest kept ones make room within the byte bound, each
+        dropped one logged and counted as lost."""
         with self._lock:
             self._kept.append(request)
+            retained = sum(kept.size for kept in self._kept)
             dropped = []
-            while sum(_size(kept) for kept in self._kept) > self._max_bytes:
+            while retained > self._max_bytes:
                 dropped.append(self._kept.pop(0))
-            _background.finish_at_exit(self, hold=bool(self._kept))  # it must live to send them, store or not
+                retained -= dropped[-1].size
+            _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
             logger.warning(
@@ -433,25 +403,21 @@ class WriteRecord:
                 len(lost.parts),
                 self._max_bytes,
             )
-        return request not in dropped
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
-        """Send each kept batch once more, in the background, leaving out parts a caller is sending right now."""
+        """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
         with self._lock:
-            if not self._kept:
-                return []
             kept, self._kept = self._kept, []
-            _background.finish_at_exit(self, hold=False)
+            if kept:
+                _background.finish_at_exit(self, hold=False)
             requests = []
             for old in kept:
                 parts = [part for part in old.parts if part.key not in without and part.key not in self._entries]
                 if parts:
-                    request = self._register(parts, old.send)
-                    request.abandoned = _SENT_AGAIN
-                    requests.append(request)
+                    requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
         for request in requests:
             self._counters.add("writes_sent_again", len(request.parts))
-            with contextlib.suppress(Exception):  # it failed to start: logged, and forgotten
+            with contextlib.suppress(Exception):  # it failed to start: logged, and counted as lost
                 self._start(request)
         return [request.future for request in requests]
 
@@ -459,12 +425,12 @@ class WriteRecord:
 
     def _running(self, parts: Sequence[Part]) -> list[tuple[_Request, list[Hashable]]]:
         """The requests still running for any of ``parts``, each with those parts' keys. Called with the lock held."""
-        running: dict[int, tuple[_Request, list[Hashable]]] = {}
+        running: dict[_Request, list[Hashable]] = {}
         for part in parts:
             entry = self._entries.get(part.key)
             if entry is not None and entry.request is not None:
-                running.setdefault(id(entry.request), (entry.request, []))[1].append(part.key)
-        return list(running.values())
+                running.setdefault(entry.request, []).append(part.key)
+        return list(running.items())
 
     def _retried(self, keys: list[Hashable]) -> None:
         """A retry got success for these saved writes: none is expected any more."""
@@ -483,10 +449,9 @@ class WriteRecord:
         this record exists to stop.
         """
         cutoff = self._clock() - self._seconds
-        for key, entry in list(self._entries.items()):
-            if entry.saved_at is not None and entry.saved_at < cutoff:
-                del self._entries[key]
-        saved = [(key, entry) for key, entry in self._entries.items() if entry.saved_at is not None]
+        for key in [key for key, entry in self._entries.items() if entry.request is None and entry.saved_at < cutoff]:
+            del self._entries[key]
+        saved = [(key, entry) for key, entry in self._entries.items() if entry.request is None]
         excess = len(saved) - self._size
         excess_bytes = sum(entry.anchor_bytes for _, entry in saved) - self._max_bytes
         if excess <= 0 and excess_bytes <= 0:
@@ -495,8 +460,7 @@ class WriteRecord:
         for key, entry in sorted(saved, key=lambda item: item[1].retry_expected):  # stable: oldest first
             if excess <= 0 and excess_bytes <= 0:
                 break
-            if entry.retry_expected and entry.save == newest_expected:
-                continue
-            del self._entries[key]
-            excess -= 1
-            excess_bytes -= entry.anchor_bytes
+            if not (entry.retry_expected and entry.save == newest_expected):
+                del self._entries[key]
+                excess -= 1
+                excess_bytes -= entry.anchor_bytes
