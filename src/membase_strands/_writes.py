@@ -43,8 +43,7 @@ _SENT_AGAIN = "the store sent again"
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an object to keep alive while it is recorded, with the bytes
-    of text that object holds (for the byte bound)."""
+    """One thing to write: its identity, its text, and an anchor kept alive while it is recorded (and its bytes)."""
 
     key: Hashable
     text: str
@@ -78,13 +77,13 @@ class _Request:
 
 
 @dataclass
-class _Entry:
-    request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
+class _Saved:
+    """What the record keeps of a saved part: not the request or its answer."""
+
     anchor: object
     anchor_bytes: int
-    saved_at: float = 0.0
-    save: int = 0  # which save, in order; the parts of one request share it
-    retry_expected: bool = False  # saved after its caller was told it failed, and no retry has come yet
+    at: float
+    late: int  # which save, when its caller was told it failed and no retry has come yet (else 0)
 
 
 class WriteRecord:
@@ -102,8 +101,8 @@ class WriteRecord:
         max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """An empty record. ``budget``: seconds a write may hold its caller (``None``: one whole request), and how
-        long closing waits; ``size``, ``seconds``, ``max_bytes``: its bounds; ``clock``: for tests to move time."""
+        """``budget``: seconds a write may hold its caller (``None``: one whole request), and how long closing
+        waits; ``size``, ``seconds``, ``max_bytes``: the record's bounds; ``clock``: for tests to move time."""
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
@@ -113,10 +112,11 @@ class WriteRecord:
         self._max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
-        self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
+        self._running: dict[Hashable, _Request] = {}
+        self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
         self._saves = 0
+        self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
+        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
         self._closing = False  # close() began: no retry will come from the manager
         self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
         _background.reset_after_fork(self)
@@ -126,53 +126,45 @@ class WriteRecord:
         # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
         # Its kept batches are the parent's to send again: sent from every child too, they would be saved twice.
         self._lock = threading.Lock()
-        self._unsettled = set()
-        self._kept = []
-        for key in [key for key, entry in self._entries.items() if entry.request is not None]:
-            del self._entries[key]
+        self._running, self._unsettled, self._kept = {}, set(), []
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return len(self._running) + len(self._saved)
 
     @property
     def retained_bytes(self) -> int:
-        """The bytes of text the record keeps alive: the anchors of the writes it remembers, and kept batches."""
+        """The bytes of text the byte bound counts: saved writes' anchors, and kept batches."""
         with self._lock:
             kept = sum(request.size for request in self._kept)
-            return kept + sum(entry.anchor_bytes for entry in self._entries.values())
+            return kept + sum(saved.anchor_bytes for saved in self._saved.values())
 
     @property
     def _wait_budget(self) -> float:
-        return self._budget if self._budget is not None else _options.WAIT_WITHOUT_BUDGET
+        return self._budget or _options.WAIT_WITHOUT_BUDGET
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
-        """Send the parts not saved yet as one request, waiting at most the budget in all; what ``send`` returned,
-        or ``None`` when every part was saved already. Kept batches go out first, in the background.
-
-        Raises:
-            MembaseWriteTimeout: The budget ran out; the request goes on in the background.
-            asyncio.CancelledError: The caller was cancelled; the request goes on in the background.
-            Exception: Whatever ``send`` raised (those parts are forgotten, so a retry sends them).
-        """
+        """Send the parts not saved yet as one request, within the budget; what ``send`` returned, or ``None`` when
+        every part was saved already. Raises ``MembaseWriteTimeout`` when the budget runs out (the request goes on
+        in the background), or what ``send`` raised (those parts are forgotten, so a retry sends them)."""
         self._send_kept(without={part.key for part in parts})
         deadline = None if self._budget is None else self._clock() + self._budget
         saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
         while True:
             with self._lock:
                 self._evict()
-                running = self._running([part for part in parts if part.key not in saved_for_us])
-                if not running:
-                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._entries]
-                    todo = [part for part in parts if part.key not in saved_for_us and part.key not in self._entries]
+                keys = [part.key for part in parts if part.key not in saved_for_us]
+                earlier = next((self._running[key] for key in keys if key in self._running), None)
+                if earlier is None:
+                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._saved]
+                    todo = [part for part in parts if part.key not in saved]
                     request = self._register(todo, send) if todo else None
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
-            for earlier, keys in running:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
-                if earlier.error is None:
-                    saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
+            await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+            if earlier.error is None:
+                saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
         _telemetry.annotate(
             sent=len(todo),
             deduplicated=len(saved),
@@ -189,12 +181,15 @@ class WriteRecord:
             self._start(request)
             what = "it goes on in the background and the manager keeps the batch"
             result = await self._wait(request, deadline, what, own=True)
-        self._retried(saved)
+        with self._lock:
+            for key in saved:  # a retry got success for them: none is expected any more
+                if key in self._saved:
+                    self._saved[key].late = 0
         return result
 
     def running(self) -> list[Future[Any]]:
-        """The futures of the writes still running, or still reporting how they ended; each settles once its
-        outcome is on record, logged and counted (and a failed batch kept for sending again)."""
+        """The futures of the writes still running or reporting how they ended; each settles once its outcome is
+        on record, logged and counted (and a failed batch kept for sending again)."""
         with self._lock:
             return [request.future for request in self._unsettled]
 
@@ -210,13 +205,9 @@ class WriteRecord:
         self._wait_running(until, waited)
         left = len(self.running())
         if left:
-            logger.warning(
-                "store=<%s>, writes=<%d> | writes still running after %g s; %s",
-                self._store_name,
-                left,
-                self._wait_budget,
-                "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end",
-            )
+            then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
+            message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
+            logger.warning(message, self._store_name, left, self._wait_budget, then)
         return not left
 
     def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
@@ -227,9 +218,8 @@ class WriteRecord:
             running = self.running()
             new = [future for future in running if future not in waited]
             if new or kept:
-                logger.info(
-                    "store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(new) + kept
-                )
+                message = "store=<%s>, writes=<%d> | waiting for writes still running"
+                logger.info(message, self._store_name, len(new) + kept)
                 waited.update(new)
                 kept = 0
             left = deadline - time.monotonic()
@@ -244,64 +234,47 @@ class WriteRecord:
     def _finish_at_exit(self, started: float) -> None:
         """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
         if self.running() or self._kept:
-            logger.info(
-                "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running",
-                self._store_name,
-                self._wait_budget,
-            )
+            message = "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running"
+            logger.info(message, self._store_name, self._wait_budget)
             self.drain(until=started + self._wait_budget)
-
-    # --- Waiting --------------------------------------------------------------------------------
 
     async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
         """Wait for ``request`` until ``deadline``. With ``own`` this caller started it: its failure is raised here,
         and if this caller stops waiting, the request's thread reports the outcome."""
-        remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await wait_for_future(request.future, remaining)
+            await wait_for_future(request.future, None if deadline is None else max(0.0, deadline - self._clock()))
         except asyncio.TimeoutError:
             if not own or self._abandon(request, _RAN_OUT):
                 self._counters.add("write_timeouts")
-                logger.warning(
-                    "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s",
-                    self._store_name,
-                    what,
-                )
+                message = "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s"
+                logger.warning(message, self._store_name, what)
                 raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
             # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
         except asyncio.CancelledError:
             self._counters.add("write_cancellations")
-            logger.info(
-                "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; "
-                "it goes on in the background",
-                self._store_name,
-            )
+            message = "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; %s"
+            logger.info(message, self._store_name, "it goes on in the background")
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
                 self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
-        except Exception:
-            if own:
-                raise
-            return None
-        if request.error is not None:
+        except Exception:  # noqa: BLE001 - on record: raised below, to its own caller only
+            pass
+        if own and request.error is not None:
             raise request.error
         return request.result
 
     def _abandon(self, request: _Request, why: str) -> bool:
-        """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
         with self._lock:
             if not request.ended:
                 request.abandoned = why
             return not request.ended
 
-    # --- The request's thread -------------------------------------------------------------------
-
     def _register(self, parts: list[Part], send: Send, abandoned: str | None = None) -> _Request:
         """A request for ``parts``, on record as running. Called with the lock held."""
         request = _Request(parts, send, abandoned)
         self._unsettled.add(request)
-        for part in parts:
-            self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
+        self._running.update((part.key, request) for part in parts)
         return request
 
     def _start(self, request: _Request) -> None:
@@ -309,11 +282,8 @@ class WriteRecord:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
             # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
-            logger.warning(
-                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
-                self._store_name,
-                self._redact(detail_of(error)),
-            )
+            message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
+            logger.warning(message, self._store_name, self._redact(detail_of(error)))
             self._finish(request, None, error)
             raise
 
@@ -331,16 +301,10 @@ class WriteRecord:
             with self._lock:
                 request.ended, request.result, request.error = True, result, error
                 self._saves += 1
+                late = self._saves if request.abandoned is not None else 0
                 for part in request.parts:
-                    entry = self._entries.get(part.key)
-                    if entry is None or entry.request is not request:
-                        continue  # a key the request holds twice, recorded already
-                    if error is not None:
-                        del self._entries[part.key]
-                    else:
-                        entry.request, entry.saved_at, entry.save = None, self._clock(), self._saves
-                        entry.retry_expected = request.abandoned is not None
-                        self._entries.move_to_end(part.key)
+                    if self._running.pop(part.key, None) is request and error is None:
+                        self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, self._clock(), late)
                 self._evict()
             if error is None:
                 self._counters.add("writes_saved", len(request.parts))
@@ -370,22 +334,13 @@ class WriteRecord:
             self._counters.add("writes_lost", len(request.parts))
             then = "it is not saved, and nothing will send it again"
         else:
-            self._keep(request)
-            then = "no retry will come from the manager" + (
-                " (the store is closed); it is sent again at interpreter exit"
-                if self._closed
-                else " (the store is closing); it is sent again before it closes"
-                if self._closing
-                else "; the store sends it again with its next write or when it closes"
-            )
+            then = self._keep(request)
         detail = self._redact(detail_of(error))
         logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
 
-    # --- Batches sent again ---------------------------------------------------------------------
-
-    def _keep(self, request: _Request) -> None:
-        """Keep a failed batch for sending again: the oldest kept ones make room within the byte bound, each
-        dropped one logged and counted as lost."""
+    def _keep(self, request: _Request) -> str:
+        """Keep a failed batch to send it again (the oldest kept ones make room within the byte bound, each dropped
+        one logged and counted as lost); when it will be sent, in words."""
         with self._lock:
             self._kept.append(request)
             retained = sum(kept.size for kept in self._kept)
@@ -396,13 +351,15 @@ class WriteRecord:
             _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
-            logger.warning(
-                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
-                "it is not saved",
-                self._store_name,
-                len(lost.parts),
-                self._max_bytes,
+            message = (
+                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes"
             )
+            logger.warning(message + "; it is not saved", self._store_name, len(lost.parts), self._max_bytes)
+        if self._closed:
+            return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
+        if self._closing:
+            return "no retry will come from the manager (the store is closing); it is sent again before it closes"
+        return "no retry will come from the manager; the store sends it again with its next write or when it closes"
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
         """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
@@ -412,7 +369,8 @@ class WriteRecord:
                 _background.finish_at_exit(self, hold=False)
             requests = []
             for old in kept:
-                parts = [part for part in old.parts if part.key not in without and part.key not in self._entries]
+                known = (without, self._saved, self._running)
+                parts = [part for part in old.parts if not any(part.key in keys for keys in known)]
                 if parts:
                     requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
         for request in requests:
@@ -421,46 +379,21 @@ class WriteRecord:
                 self._start(request)
         return [request.future for request in requests]
 
-    # --- The record -----------------------------------------------------------------------------
-
-    def _running(self, parts: Sequence[Part]) -> list[tuple[_Request, list[Hashable]]]:
-        """The requests still running for any of ``parts``, each with those parts' keys. Called with the lock held."""
-        running: dict[_Request, list[Hashable]] = {}
-        for part in parts:
-            entry = self._entries.get(part.key)
-            if entry is not None and entry.request is not None:
-                running.setdefault(entry.request, []).append(part.key)
-        return list(running.items())
-
-    def _retried(self, keys: list[Hashable]) -> None:
-        """A retry got success for these saved writes: none is expected any more."""
-        if keys:
-            with self._lock:
-                for key in keys:
-                    entry = self._entries.get(key)
-                    if entry is not None:
-                        entry.retry_expected = False
-
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest past the size and byte bounds. Lock held.
-
-        Running writes are never forgotten. Those a retry is still expected for go last, and the newest of them
-        stays whatever the bounds: the manager's retry of a batch whose write ran out of time is the duplicate
-        this record exists to stop.
-        """
+        """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late
+        saves go last: the manager's retry of a batch whose write ran out of time is the duplicate to stop."""
         cutoff = self._clock() - self._seconds
-        for key in [key for key, entry in self._entries.items() if entry.request is None and entry.saved_at < cutoff]:
-            del self._entries[key]
-        saved = [(key, entry) for key, entry in self._entries.items() if entry.request is None]
-        excess = len(saved) - self._size
-        excess_bytes = sum(entry.anchor_bytes for _, entry in saved) - self._max_bytes
+        for key in [key for key, saved in self._saved.items() if saved.at < cutoff]:
+            del self._saved[key]
+        excess = len(self._saved) - self._size
+        excess_bytes = sum(saved.anchor_bytes for saved in self._saved.values()) - self._max_bytes
         if excess <= 0 and excess_bytes <= 0:
             return
-        newest_expected = max((entry.save for _, entry in saved if entry.retry_expected), default=None)
-        for key, entry in sorted(saved, key=lambda item: item[1].retry_expected):  # stable: oldest first
+        newest_late = max(saved.late for saved in self._saved.values())  # it stays whatever the bounds
+        for key, saved in sorted(self._saved.items(), key=lambda item: item[1].late > 0):  # stable: oldest first
             if excess <= 0 and excess_bytes <= 0:
                 break
-            if not (entry.retry_expected and entry.save == newest_expected):
-                del self._entries[key]
+            if not saved.late or saved.late != newest_late:
+                del self._saved[key]
                 excess -= 1
-                excess_bytes -= entry.anchor_bytes
+                excess_bytes -= saved.anchor_bytes
