@@ -1,28 +1,15 @@
 """Where the library's blocking work runs: daemon threads, the one fork hook, and the exit wait for writes.
 
-Every Membase call the store makes on its own (recall, captured writes, the set-up check) runs on a thread
-here while its caller waits for it within a budget:
+Daemon threads, not ``asyncio.to_thread``: a synchronous ``agent("...")`` runs on a fresh ``asyncio.run`` loop,
+which joins its executor's threads before it returns, so a request past its budget would hold the call anyway. Not
+a ``ThreadPoolExecutor`` either: its threads are joined at interpreter exit, so one hung request would hold the exit
+for a whole SDK attempt. Threads start while every one is busy, up to :data:`MAX_THREADS`, and retire after
+:data:`IDLE_SECONDS` idle; at the cap, calls wait in a lane per store and the lanes take turns, so one store's burst
+does not hold up another store's recall.
 
-- Daemon threads, not ``asyncio.to_thread``: a synchronous ``agent("...")`` runs on a fresh ``asyncio.run``
-  loop, which joins the loop's default-executor threads before it returns, so a request that outlives its
-  budget would hold the call anyway. Nobody joins a daemon thread.
-- Not a ``ThreadPoolExecutor``: its threads are joined at interpreter exit, so one hung request would hold
-  the exit for a whole SDK attempt.
-
-A thread starts when a call comes and every thread is busy, up to :data:`MAX_THREADS`, and retires after
-:data:`IDLE_SECONDS` with nothing to do. At the cap a call waits its turn, first come first served, inside
-its caller's budget: a recall still fails open on time, and one whose budget ran out before its turn is
-never sent. Each store's calls wait in a lane of their own and the lanes take turns, so one store's burst does
-not hold up another's recall. A thread carries the name of the call it runs (``membase-recall[store]``, ...).
-
-A forked child has none of its parent's threads, and a lock that one of them held at the fork stays held in
-the child. The one ``os.register_at_fork`` hook here starts the child with fresh threads, then calls
-``_after_fork_in_child()`` on every object registered with :func:`reset_after_fork` (stores, pools, the
-connection pools): each takes fresh locks and forgets what its parent's threads were doing.
-
-At interpreter exit, the one ``atexit`` hook here calls ``_finish_at_exit(started)`` on every object
-registered with :func:`finish_at_exit` (the write records), so a write still running gets its bounded chance
-to finish, and a line in the log if it does not.
+A forked child has none of its parent's threads, and inherits their locks as they were: the fork hook gives it
+fresh threads, then calls ``_after_fork_in_child()`` on every object registered with :func:`reset_after_fork`.
+The exit hook calls ``_finish_at_exit(started)`` on every object registered with :func:`finish_at_exit`.
 """
 
 from __future__ import annotations
@@ -38,7 +25,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -54,18 +41,12 @@ IDLE_NAME = "membase-worker[idle]"
 
 
 class _Threads:
-    """Daemon threads that start when every one is busy, up to the cap, and retire when idle.
-
-    Calls wait in lanes, one per store, taken in turn: one store's burst never makes another store's recall
-    wait for more than the calls already running.
-    """
+    """Daemon threads that start when every one is busy, up to the cap, and retire when idle."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
-        self._lanes: dict[Hashable, deque[list[Any]]] = {}
-        self._turns: deque[Hashable] = deque()  # the lanes with calls waiting, in the order they take them
-        self._waiting = 0  # calls in a lane that no thread has taken yet
+        self._lanes: dict[Hashable, deque[list[Any]]] = {}  # calls waiting for a thread; the first lane goes next
         self._idle = 0  # threads waiting for a call
         self.alive = 0
 
@@ -73,68 +54,62 @@ class _Threads:
         future: Future[T] = Future()
         call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
         with self._lock:
-            if lane not in self._lanes:
-                self._lanes[lane] = deque()
-                self._turns.append(lane)
-            self._lanes[lane].append(call)
-            self._waiting += 1
-            self._ready.notify()
-            start = self._idle < self._waiting and self.alive < MAX_THREADS
+            start = self.alive < MAX_THREADS and self._idle <= sum(len(calls) for calls in self._lanes.values())
             if start:
                 self.alive += 1
+            else:
+                self._queue(call, lane)
         if start:
             try:
-                threading.Thread(target=self._work, name=IDLE_NAME, daemon=True).start()  # named per call it takes
-            except BaseException as error:
+                threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
+            except BaseException:
                 with self._lock:
                     self.alive -= 1
-                    stranded = self.alive == 0
-                if stranded:  # no thread will ever take the call: it fails now, so nobody waits for it forever
-                    call[0] = None
-                    with contextlib.suppress(InvalidStateError):
-                        future.set_exception(error)
-                    raise
+                    if not self.alive:
+                        raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
+                    self._queue(call, lane)  # a thread already alive takes it
         return future
 
-    def _work(self) -> None:
+    def _queue(self, call: list[Any], lane: Hashable) -> None:
+        """Put ``call`` in line, behind its lane's earlier calls. Called with the lock held."""
+        self._lanes.setdefault(lane, deque()).append(call)
+        self._ready.notify()
+
+    def _work(self, call: list[Any]) -> None:
+        """Run ``call``, then the calls in line, a lane at a time; retire after :data:`IDLE_SECONDS` with none."""
         thread = threading.current_thread()
         while True:
-            with self._lock:
-                while not self._turns:
-                    self._idle += 1
-                    woken = self._ready.wait(IDLE_SECONDS)
-                    self._idle -= 1
-                    if not woken and not self._turns:
-                        self.alive -= 1
-                        return
-                lane = self._turns.popleft()
-                calls = self._lanes[lane]
-                call = calls.popleft()
-                if calls:
-                    self._turns.append(lane)  # its next call waits for the other lanes' turns
-                else:
-                    del self._lanes[lane]
-                self._waiting -= 1
             thread.name = call[3]
             _run(call)
             thread.name = IDLE_NAME
+            with self._lock:
+                while not self._lanes:
+                    self._idle += 1
+                    woken = self._ready.wait(IDLE_SECONDS)
+                    self._idle -= 1
+                    if not woken and not self._lanes:
+                        self.alive -= 1
+                        return
+                lane = next(iter(self._lanes))
+                calls = self._lanes.pop(lane)
+                call = calls.popleft()
+                if calls:
+                    self._lanes[lane] = calls  # its next call waits for the other lanes' turns
 
 
 def _run(call: list[Any]) -> None:
     fn, context, future, _ = call
     call.clear()  # nothing of the call outlives it here: its closure can hold a store
-    if fn is None or not future.set_running_or_notify_cancel():
-        return  # failed to start, or cancelled while in line
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled while in line
     try:
         result = context.run(fn)
     except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
-        del fn, context
-        with contextlib.suppress(InvalidStateError):
-            future.set_exception(error)
+        del fn, context  # the error's traceback holds this frame
+        future.set_exception(error)
     else:
         del fn, context
-        with contextlib.suppress(InvalidStateError):
-            future.set_result(result)
+        future.set_result(result)
 
 
 _threads = _Threads()
@@ -146,7 +121,7 @@ def submit(fn: Callable[[], T], *, name: str, lane: Hashable = None) -> Future[T
     ``lane``: whose call it is (a store's own object); at the thread cap, lanes take turns.
 
     Raises:
-        RuntimeError: No thread could be started and none is alive to take the call; the future holds it too.
+        RuntimeError: No thread could be started and none is alive to take the call.
     """
     return _threads.submit(fn, name, lane)
 
@@ -192,8 +167,6 @@ def _settle(waiter: asyncio.Future[None], error: BaseException | None) -> None:
         else:
             waiter.set_exception(error)
 
-
-# --- Forked children and interpreter exit ---------------------------------------------------------
 
 _lock = threading.Lock()
 _fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
