@@ -1,15 +1,9 @@
 """Where the library's blocking work runs: daemon threads, the one fork hook, and the exit wait for writes.
 
-Daemon threads, not ``asyncio.to_thread``: a synchronous ``agent("...")`` runs on a fresh ``asyncio.run`` loop,
-which joins its executor's threads before it returns, so a request past its budget would hold the call anyway. Not
-a ``ThreadPoolExecutor`` either: its threads are joined at interpreter exit, so one hung request would hold the exit
-for a whole SDK attempt. Threads start while every one is busy, up to :data:`MAX_THREADS`, and retire after
-:data:`IDLE_SECONDS` idle; at the cap, calls wait in a lane per store and the lanes take turns, so one store's burst
-does not hold up another store's recall.
-
-A forked child has none of its parent's threads, and inherits their locks as they were: the fork hook gives it
-fresh threads, then calls ``_after_fork_in_child()`` on every object registered with :func:`reset_after_fork`.
-The exit hook calls ``_finish_at_exit(started)`` on every object registered with :func:`finish_at_exit`.
+Daemon threads, because nobody joins them: ``asyncio.to_thread``'s are joined when a synchronous ``agent("...")``'s
+own ``asyncio.run`` loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a request past its budget would
+hold the turn or the exit anyway. At the :data:`MAX_THREADS` cap, calls wait in a lane per store and the lanes
+take turns: one store's burst does not hold up another store's recall.
 """
 
 from __future__ import annotations
@@ -116,13 +110,8 @@ _threads = _Threads()
 
 
 def submit(fn: Callable[[], T], *, name: str, lane: Hashable = None) -> Future[T]:
-    """Run ``fn`` on a daemon thread named ``name``, with the caller's context variables; a future for its outcome.
-
-    ``lane``: whose call it is (a store's own object); at the thread cap, lanes take turns.
-
-    Raises:
-        RuntimeError: No thread could be started and none is alive to take the call.
-    """
+    """Run ``fn`` on a daemon thread named ``name``, in the caller's context; a future for its outcome. ``lane``:
+    whose call it is (a store's own object). Raises ``RuntimeError`` if no thread can start and none is alive."""
     return _threads.submit(fn, name, lane)
 
 
@@ -132,27 +121,25 @@ def threads_alive() -> int:
 
 
 async def wait_for_future(future: Future[T], timeout: float | None) -> T:
-    """Await a thread's future on the running loop, for at most ``timeout`` seconds; the call is not cancelled.
-
-    Raises:
-        asyncio.TimeoutError: The budget ran out; the call keeps running (or waiting for its turn).
-    """
+    """Await a thread's future on the running loop for at most ``timeout`` seconds, else raise
+    ``asyncio.TimeoutError``; the call is never cancelled (it keeps running, or waiting for its turn)."""
     if not future.done():
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        # The callback stays on the future until the call ends: it must not keep the waiter (and through its
-        # exception's traceback, the caller's frames: an agent, a store) alive that long.
+        waiter: asyncio.Future[bool] = loop.create_future()  # whether the call ended in time
+        # The callback stays on the future until the call ends: it must not keep the waiter (and through it, the
+        # caller's frames: an agent, a store) alive that long.
         box = [waiter]
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError, IndexError):  # that loop has closed, or nobody waits any more
-                loop.call_soon_threadsafe(_settle, box[0], None)
+                loop.call_soon_threadsafe(_settle, box[0], True)
 
         future.add_done_callback(wake)
         # A timer on the waiter rather than asyncio.wait_for, which would cancel the wrapped call.
-        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, asyncio.TimeoutError())
+        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, False)
         try:
-            await waiter
+            if not await waiter:
+                raise asyncio.TimeoutError
         finally:
             box.clear()
             if timer is not None:
@@ -160,12 +147,9 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     return future.result()
 
 
-def _settle(waiter: asyncio.Future[None], error: BaseException | None) -> None:
+def _settle(waiter: asyncio.Future[bool], ended: bool) -> None:
     if not waiter.done():
-        if error is None:
-            waiter.set_result(None)
-        else:
-            waiter.set_exception(error)
+        waiter.set_result(ended)
 
 
 _lock = threading.Lock()
@@ -176,20 +160,15 @@ _exiting = False
 
 
 def reset_after_fork(member: Any) -> None:
-    """Call ``member._after_fork_in_child()`` in every process forked from this one while ``member`` lives.
-
-    Held weakly. It runs in the child's only thread, before anything else: it must take no lock of its own.
-    """
+    """Call ``member._after_fork_in_child()`` in every child forked while ``member`` lives (held weakly). It runs
+    in the child's only thread, before anything else: it must take no lock of its own."""
     with _lock:
         _fork_members.add(member)
 
 
 def finish_at_exit(member: Any, *, hold: bool | None = None) -> None:
-    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives.
-
-    Held weakly; with ``hold=True`` strongly too, until ``hold=False`` (a record with batches to send again must
-    live to send them, even once its store is gone).
-    """
+    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives (held weakly; with
+    ``hold=True`` strongly too, until ``hold=False``: a record must live to send its kept batches again)."""
     with _lock:
         _exit_members.add(member)
         if hold:
@@ -204,6 +183,7 @@ def exiting() -> bool:
 
 
 def _after_fork_in_child() -> None:
+    """In a forked child (none of the parent's threads, their locks as they were): fresh threads and locks first."""
     global _threads, _lock
     _threads = _Threads()
     _lock = threading.Lock()

@@ -1,11 +1,9 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised, and a write that ran out of its budget may still succeed in the
-background. So the record keeps a store's writes by identity: a retry of a saved one sends nothing, a retry of a
-running one waits for that request, a failed one is forgotten so its retry sends it. A batch that fails when no
-retry will come (its caller was cancelled, so Strands counts it as handled; or the store closed) is kept and sent
-again once by the store itself. A part's anchor (a message's content block) is held while the record remembers
-the part, so the ``id`` in its identity cannot be reused meanwhile.
+The manager retries a write that raised, and a write past its budget may still succeed in the background. So the
+record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it,
+of a failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands
+counts it as handled; or the store closed) is kept and sent again once by the store itself.
 """
 
 from __future__ import annotations
@@ -43,7 +41,8 @@ _SENT_AGAIN = "the store sent again"
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an anchor kept alive while it is recorded (and its bytes)."""
+    """One thing to write: its identity, its text, and an anchor the record holds while it remembers the part (a
+    message's content block, so the ``id`` in its key cannot be reused meanwhile) with the bytes of text it holds."""
 
     key: Hashable
     text: str
@@ -87,7 +86,8 @@ class _Saved:
 
 
 class WriteRecord:
-    """The writes one store started, by identity; safe to share between threads and event loops."""
+    """The writes one store started, by identity; safe to share between threads and event loops. ``budget``: the
+    seconds a write may hold its caller (``None``: one whole request), and that closing waits for running writes."""
 
     def __init__(
         self,
@@ -101,8 +101,6 @@ class WriteRecord:
         max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``budget``: seconds a write may hold its caller (``None``: one whole request), and how long closing
-        waits; ``size``, ``seconds``, ``max_bytes``: the record's bounds; ``clock``: for tests to move time."""
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
@@ -123,8 +121,7 @@ class WriteRecord:
         _background.finish_at_exit(self)
 
     def _after_fork_in_child(self) -> None:
-        # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
-        # Its kept batches are the parent's to send again: sent from every child too, they would be saved twice.
+        # The parent's requests have no thread here (a retry sends them); its kept batches are the parent's to send.
         self._lock = threading.Lock()
         self._running, self._unsettled, self._kept = {}, set(), []
 
@@ -188,8 +185,7 @@ class WriteRecord:
         return result
 
     def running(self) -> list[Future[Any]]:
-        """The futures of the writes still running or reporting how they ended; each settles once its outcome is
-        on record, logged and counted (and a failed batch kept for sending again)."""
+        """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
         with self._lock:
             return [request.future for request in self._unsettled]
 
@@ -203,8 +199,7 @@ class WriteRecord:
         self._closed = True
         waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
         self._wait_running(until, waited)
-        left = len(self.running())
-        if left:
+        if left := len(self.running()):
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
             message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
             logger.warning(message, self._store_name, left, self._wait_budget, then)
@@ -218,8 +213,9 @@ class WriteRecord:
             running = self.running()
             new = [future for future in running if future not in waited]
             if new or kept:
-                message = "store=<%s>, writes=<%d> | waiting for writes still running"
-                logger.info(message, self._store_name, len(new) + kept)
+                logger.info(
+                    "store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(new) + kept
+                )
                 waited.update(new)
                 kept = 0
             left = deadline - time.monotonic()
@@ -252,8 +248,11 @@ class WriteRecord:
             # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
         except asyncio.CancelledError:
             self._counters.add("write_cancellations")
-            message = "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; %s"
-            logger.info(message, self._store_name, "it goes on in the background")
+            logger.info(
+                "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; "
+                "it goes on in the background",
+                self._store_name,
+            )
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
                 self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
@@ -339,8 +338,7 @@ class WriteRecord:
         logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
 
     def _keep(self, request: _Request) -> str:
-        """Keep a failed batch to send it again (the oldest kept ones make room within the byte bound, each dropped
-        one logged and counted as lost); when it will be sent, in words."""
+        """Keep a failed batch to send it again, the oldest kept ones making room; when it will be sent, in words."""
         with self._lock:
             self._kept.append(request)
             retained = sum(kept.size for kept in self._kept)
@@ -351,10 +349,13 @@ class WriteRecord:
             _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
-            message = (
-                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes"
+            logger.warning(
+                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
+                "it is not saved",
+                self._store_name,
+                len(lost.parts),
+                self._max_bytes,
             )
-            logger.warning(message + "; it is not saved", self._store_name, len(lost.parts), self._max_bytes)
         if self._closed:
             return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
         if self._closing:
