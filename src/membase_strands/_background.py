@@ -1,9 +1,8 @@
 """Where the library's blocking work runs: daemon threads, the one fork hook, and the exit wait for writes.
 
 Daemon threads, because nobody joins them: ``asyncio.to_thread``'s are joined when a synchronous ``agent("...")``'s
-own ``asyncio.run`` loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a request past its budget would
-hold the turn or the exit anyway. At the :data:`MAX_THREADS` cap, calls wait in a lane per store and the lanes
-take turns: one store's burst does not hold up another store's recall.
+``asyncio.run`` loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a request past its budget would hold
+the turn or the exit anyway. At the :data:`MAX_THREADS` cap, calls wait in a lane per store, the lanes taking turns.
 """
 
 from __future__ import annotations
