@@ -50,8 +50,7 @@ class Part:
     anchor_bytes: int = 0
 
 
-Send = Callable[[list[Part]], Any]
-"""Makes the blocking request for the parts that still need it."""
+Send = Callable[[list[Part]], Any]  # makes the blocking request for the parts that still need it
 
 
 def fingerprint(*fields: object) -> str:
