@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import logging
+import os
 import threading
 import time
 import tracemalloc
@@ -42,6 +43,7 @@ from tests.support.store_helpers import (
     make_agent,
     membase_threads,
     routed,
+    run_in_child,
     set_write_budget,
     settle,
     signalling,
@@ -886,6 +888,30 @@ async def test_kept_batches_are_bounded_in_bytes_the_oldest_dropped_with_a_warni
     assert counters.snapshot()["writes_sent_again"] == 2
 
 
+async def test_a_failed_batch_over_the_byte_bound_on_its_own_is_lost_once_and_counted_once(caplog):
+    counters = Counters()
+    record = WriteRecord("t", counters, budget=LONG, max_bytes=50, clock=Clock())
+    gate = threading.Event()
+    failing = Sender(gate=gate, fail=1)
+    try:
+        task = asyncio.create_task(record.write([sized("huge", 100)], failing))
+        assert await until(failing.arrived.is_set, timeout=LONG)
+        running = record.running()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        gate.set()
+    settle(running)
+
+    assert warnings(caplog) == [  # nothing about a batch kept, then dropped: it never was kept
+        "store=<t>, reason=<Membase said no> | a write whose caller was cancelled failed; "
+        "it is not saved, and nothing will send it again"
+    ]
+    assert counters.snapshot()["writes_lost"] == 1
+    assert record.retained_bytes == 0
+
+
 async def test_the_record_keeps_a_failed_write_whose_caller_was_cancelled_and_sends_it_with_the_next_write(caplog):
     caplog.set_level(logging.INFO)
     gate = threading.Event()
@@ -916,6 +942,38 @@ async def test_the_record_keeps_a_failed_write_whose_caller_was_cancelled_and_se
     assert await record.write([part("a")], send) is None  # saved by the store's own request
     assert send.sent() == ["b"]
     assert counters.snapshot()["writes_sent_again"] == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no os.fork()")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_batch_kept_for_sending_again_is_sent_again_by_the_parent_only_not_by_a_forked_child(caplog):
+    record = WriteRecord("t", budget=LONG, clock=Clock())
+    gate = threading.Event()
+    failing = Sender(gate=gate, fail=1)
+
+    async def cancelled_then_failed() -> None:
+        task = asyncio.create_task(record.write([part("a")], failing))
+        assert await until(failing.arrived.is_set, timeout=LONG)
+        running = record.running()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        settle(running)
+
+    try:
+        asyncio.run(cancelled_then_failed())
+    finally:
+        gate.set()
+    assert any(KEPT in m for m in warnings(caplog))
+
+    def next_write() -> list[list[str]]:
+        asyncio.run(record.write([part("b")], Sender()))
+        settle(record.running())
+        return failing.requests
+
+    assert run_in_child(next_write) == [["a"]]  # the child's next write sent only its own words
+    assert next_write() == [["a"], ["a"]]  # the parent's sent the kept batch again, once
 
 
 async def test_record_counts_every_cancelled_wait_and_a_write_saved_after_it_is_not_sent_again(caplog):

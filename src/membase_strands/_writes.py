@@ -1,28 +1,9 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised: ``add_messages`` gets the same batch again (plus any newer
-messages), and on the extractor path every fact of a batch goes through ``add`` again when one of them
-failed. A write that ran out of budget may still succeed in the background. So the store keeps a record of
-its writes by identity:
-
-- saved: a retry does not send it again and reports success;
-- still running: a retry waits for that request (within the budget) instead of sending another;
-- failed: it is forgotten, so the retry sends it.
-
-Each request runs on a daemon thread, which records its outcome before anyone waiting for it wakes. When
-the caller stopped waiting (its budget ran out, or its task was cancelled, as a web server does when its
-client hangs up), that thread also logs and counts the outcome. A batch that then fails and that no retry
-will ever bring back (its caller was cancelled, so Strands counts it as handled; or the store was closed) is
-kept and sent again by the store itself, once: with the store's next write, when the store closes, or at
-interpreter exit, whichever comes first. Kept batches are bounded in bytes; one dropped to make room, or
-failing again, is logged at WARNING and counted as lost.
-
-A message's identity is its sequence number in the manager's batch, the message object itself (the manager
-hands the same content block objects on every retry of a batch and new ones in a new agent run; the record
-holds the block, so its ``id`` cannot be reused while the record stands) and a hash of its text. A fact's
-identity is a hash of its text and target. The record is bounded in entries, time and the bytes of text its
-anchors keep alive: past the bounds the oldest saved writes are forgotten, those a retry is still expected
-for (their caller was told they failed) last, and the newest of those never.
+The manager retries a write that raised, and a write past its budget may still succeed in the background. So the
+record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it,
+of a failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands
+counts it as handled; or the store closed) is kept and sent again once by the store itself.
 """
 
 from __future__ import annotations
@@ -52,13 +33,16 @@ RECORD_SECONDS = 3600.0
 RECORD_BYTES = 1024 * 1024
 """The most message text (bytes of ``str`` objects) the record keeps alive: saved anchors, and kept batches."""
 
+# Why nobody waits for a request any more: the words of the line that reports its outcome.
+_RAN_OUT = "that ran out of time"
+_CANCELLED = "whose caller was cancelled"
+_SENT_AGAIN = "the store sent again"
+
 
 @dataclass(frozen=True)
 class Part:
-    """One thing to write: its identity, its text, and an object to keep alive while it is recorded.
-
-    ``anchor_bytes`` is how much memory the anchor keeps alive (the text it holds), for the byte bound.
-    """
+    """One thing to write: its identity, its text, and an anchor the record holds while it remembers the part (a
+    message's content block, so the ``id`` in its key cannot be reused meanwhile) with the bytes of text it holds."""
 
     key: Hashable
     text: str
@@ -66,8 +50,7 @@ class Part:
     anchor_bytes: int = 0
 
 
-Send = Callable[[list[Part]], Any]
-"""Makes the blocking request for the parts that still need it."""
+Send = Callable[[list[Part]], Any]  # makes the blocking request for the parts that still need it
 
 
 def fingerprint(*fields: object) -> str:
@@ -75,44 +58,35 @@ def fingerprint(*fields: object) -> str:
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-# Why nobody waits for a request any more: the words of the line that reports its outcome.
-_RAN_OUT = "that ran out of time"
-_CANCELLED = "whose caller was cancelled"
-_SENT_AGAIN = "the store sent again"
-
-
-def _size(request: _Request) -> int:
-    return sum(part.anchor_bytes or len(part.text) for part in request.parts)
-
-
 class _Request:
-    """One request this record started: its parts while it runs, then its outcome."""
+    """One request the record started. Its thread records the outcome under the record's lock (``ended``), reports
+    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future``."""
 
-    __slots__ = ("abandoned", "done", "error", "future", "linked", "parts", "result", "send")
-
-    def __init__(self, parts: list[Part], send: Send) -> None:
-        self.future: Future[Any] = Future()  # settled by the thread only once the outcome is recorded
+    def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
         self.parts = parts
         self.send = send
-        self.done = False
+        self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
+        self.future: Future[Any] = Future()
+        self.ended = False
         self.result: Any = None
         self.error: BaseException | None = None
-        self.abandoned: str | None = None  # why its caller stopped waiting: its thread reports the outcome
+        self.abandoned = abandoned
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
 @dataclass
-class _Entry:
-    request: _Request | None  # None once saved: a saved write keeps its identity, not the request or its answer
+class _Saved:
+    """What the record keeps of a saved part: not the request or its answer."""
+
     anchor: object
     anchor_bytes: int
-    saved_at: float | None = None
-    save: int = 0  # which save, in order; the parts of one request share it
-    retry_expected: bool = False  # saved after its caller was told it failed, and no retry has come yet
+    at: float
+    late: int  # which save, when its caller was told it failed and no retry has come yet (else 0)
 
 
 class WriteRecord:
-    """The writes one store started, by identity; safe to share between threads and event loops."""
+    """The writes one store started, by identity; safe to share between threads and event loops. ``budget``: the
+    seconds a write may hold its caller (``None``: one whole request), and that closing waits for running writes."""
 
     def __init__(
         self,
@@ -126,8 +100,6 @@ class WriteRecord:
         max_bytes: int = RECORD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """An empty record. ``budget``: seconds a write may hold its caller (``None``: one whole request), and how
-        long closing waits; ``size``, ``seconds``, ``max_bytes``: its bounds; ``clock``: for tests to move time."""
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
@@ -137,88 +109,82 @@ class WriteRecord:
         self._max_bytes = max_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
-        self._unsettled: set[_Request] = set()  # started, and their outcome not reported yet
+        self._running: dict[Hashable, _Request] = {}
+        self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
         self._saves = 0
+        self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
+        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
         self._closing = False  # close() began: no retry will come from the manager
         self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
         _background.reset_after_fork(self)
         _background.finish_at_exit(self)
 
     def _after_fork_in_child(self) -> None:
-        # The parent's running writes have no thread here: forget them, so a retry in the child sends them.
+        # The parent's requests have no thread here (a retry sends them); its kept batches are the parent's to send.
         self._lock = threading.Lock()
-        self._unsettled = set()
-        for key in [key for key, entry in self._entries.items() if entry.request is not None]:
-            del self._entries[key]
+        self._running, self._unsettled, self._kept = {}, set(), []
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return len(self._running) + len(self._saved)
 
     @property
     def retained_bytes(self) -> int:
-        """The bytes of text the record keeps alive: the anchors of the writes it remembers, and kept batches."""
+        """The bytes of text the byte bound counts: saved writes' anchors, and kept batches."""
         with self._lock:
-            kept = sum(_size(request) for request in self._kept)
-            return kept + sum(entry.anchor_bytes for entry in self._entries.values())
+            kept = sum(request.size for request in self._kept)
+            return kept + sum(saved.anchor_bytes for saved in self._saved.values())
 
     @property
     def _wait_budget(self) -> float:
-        return self._budget if self._budget is not None else _options.WAIT_WITHOUT_BUDGET
+        return self._budget or _options.WAIT_WITHOUT_BUDGET
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
-        """Send the parts not saved yet as one request, waiting at most the budget in all; what ``send`` returned,
-        or ``None`` when every part was saved already. Kept batches go out first, in the background.
-
-        Raises:
-            MembaseWriteTimeout: The budget ran out; the request goes on in the background.
-            asyncio.CancelledError: The caller was cancelled; the request goes on in the background.
-            Exception: Whatever ``send`` raised (those parts are forgotten, so a retry sends them).
-        """
+        """Send the parts not saved yet as one request, within the budget; what ``send`` returned, or ``None`` when
+        every part was saved already. Raises ``MembaseWriteTimeout`` when the budget runs out (the request goes on
+        in the background), or what ``send`` raised (those parts are forgotten, so a retry sends them)."""
         self._send_kept(without={part.key for part in parts})
         deadline = None if self._budget is None else self._clock() + self._budget
         saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
         while True:
             with self._lock:
                 self._evict()
-                running = self._running([part for part in parts if part.key not in saved_for_us])
-                if not running:
-                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._entries]
-                    todo = [part for part in parts if part.key not in saved_for_us and part.key not in self._entries]
+                keys = [part.key for part in parts if part.key not in saved_for_us]
+                earlier = next((self._running[key] for key in keys if key in self._running), None)
+                if earlier is None:
+                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._saved]
+                    todo = [part for part in parts if part.key not in saved]
                     request = self._register(todo, send) if todo else None
                     break
             # The same thing is being saved by an earlier call: wait for that request instead of sending
             # another. If it fails, its parts count as new on the next pass and this call sends them.
-            for earlier, keys in running:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
-                if earlier.error is None:
-                    saved_for_us.update(keys)  # saved, even if a bound has forgotten it since
+            await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+            if earlier.error is None:
+                saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
         _telemetry.annotate(
-            sent=len(todo) if request is not None else 0,
+            sent=len(todo),
             deduplicated=len(saved),
             waited_for_earlier=bool(saved_for_us),
-            decision="send" if not saved else "partial" if request is not None else "already saved",
+            decision="send" if not saved else "partial" if todo else "already saved",
         )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
             logger.debug(
                 "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
             )
+        result = None
         if request is not None:
             self._start(request)
-            result = await self._wait(
-                request, deadline, "it goes on in the background and the manager keeps the batch", own=True
-            )
-        else:
-            result = None
-        self._retried(saved)
+            what = "it goes on in the background and the manager keeps the batch"
+            result = await self._wait(request, deadline, what, own=True)
+        with self._lock:
+            for key in saved:  # a retry got success for them: none is expected any more
+                if key in self._saved:
+                    self._saved[key].late = 0
         return result
 
     def running(self) -> list[Future[Any]]:
-        """The futures of the writes still running, or still reporting how they ended; each settles once its
-        outcome is on record, logged and counted (and a failed batch kept for sending again)."""
+        """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
         with self._lock:
             return [request.future for request in self._unsettled]
 
@@ -232,21 +198,16 @@ class WriteRecord:
         self._closed = True
         waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
         self._wait_running(until, waited)
-        left = len(self.running())
-        if left:
-            logger.warning(
-                "store=<%s>, writes=<%d> | writes still running after %g s; %s",
-                self._store_name,
-                left,
-                self._wait_budget,
-                "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end",
-            )
+        if left := len(self.running()):
+            then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
+            message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
+            logger.warning(message, self._store_name, left, self._wait_budget, then)
         return not left
 
     def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
         """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
         running that were not waited for yet (a daemon thread may start one during the exit wait)."""
-        deadline = time.monotonic() + self._time_left(until)
+        deadline = time.monotonic() + self._wait_budget if until is None else until
         while True:
             running = self.running()
             new = [future for future in running if future not in waited]
@@ -265,35 +226,23 @@ class WriteRecord:
         """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
         return await wait_for_future(_background.submit(self.drain, name=f"membase-close[{self._store_name}]"), None)
 
-    def _time_left(self, until: float | None) -> float:
-        return self._wait_budget if until is None else max(0.0, until - time.monotonic())
-
     def _finish_at_exit(self, started: float) -> None:
         """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
         if self.running() or self._kept:
-            logger.info(
-                "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running",
-                self._store_name,
-                self._wait_budget,
-            )
+            message = "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running"
+            logger.info(message, self._store_name, self._wait_budget)
             self.drain(until=started + self._wait_budget)
-
-    # --- Waiting --------------------------------------------------------------------------------
 
     async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
         """Wait for ``request`` until ``deadline``. With ``own`` this caller started it: its failure is raised here,
         and if this caller stops waiting, the request's thread reports the outcome."""
-        remaining = None if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await wait_for_future(request.future, remaining)
+            await wait_for_future(request.future, None if deadline is None else max(0.0, deadline - self._clock()))
         except asyncio.TimeoutError:
             if not own or self._abandon(request, _RAN_OUT):
                 self._counters.add("write_timeouts")
-                logger.warning(
-                    "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s",
-                    self._store_name,
-                    what,
-                )
+                message = "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s"
+                logger.warning(message, self._store_name, what)
                 raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
             # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
         except asyncio.CancelledError:
@@ -306,30 +255,24 @@ class WriteRecord:
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
                 self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
-        except Exception:
-            if own:
-                raise
-            return None
-        if request.error is not None:
+        except Exception:  # noqa: BLE001 - on record: raised below, to its own caller only
+            pass
+        if own and request.error is not None:
             raise request.error
         return request.result
 
     def _abandon(self, request: _Request, why: str) -> bool:
-        """Hand the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
         with self._lock:
-            if request.done:
-                return False
-            request.abandoned = why
-            return True
+            if not request.ended:
+                request.abandoned = why
+            return not request.ended
 
-    # --- The request's thread -------------------------------------------------------------------
-
-    def _register(self, parts: list[Part], send: Send) -> _Request:
+    def _register(self, parts: list[Part], send: Send, abandoned: str | None = None) -> _Request:
         """A request for ``parts``, on record as running. Called with the lock held."""
-        request = _Request(parts, send)
+        request = _Request(parts, send, abandoned)
         self._unsettled.add(request)
-        for part in parts:
-            self._entries[part.key] = _Entry(request, part.anchor, part.anchor_bytes)
+        self._running.update((part.key, request) for part in parts)
         return request
 
     def _start(self, request: _Request) -> None:
@@ -337,11 +280,8 @@ class WriteRecord:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
             # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
-            logger.warning(
-                "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it",
-                self._store_name,
-                self._redact(detail_of(error)),
-            )
+            message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
+            logger.warning(message, self._store_name, self._redact(detail_of(error)))
             self._finish(request, None, error)
             raise
 
@@ -357,22 +297,12 @@ class WriteRecord:
         """Record the outcome, report it if nobody waits for it any more, then settle the future."""
         try:
             with self._lock:
-                request.done = True
-                request.result, request.error = result, error
+                request.ended, request.result, request.error = True, result, error
                 self._saves += 1
-                now = self._clock()
+                late = self._saves if request.abandoned is not None else 0
                 for part in request.parts:
-                    entry = self._entries.get(part.key)
-                    if entry is None or entry.request is not request:
-                        continue
-                    if error is not None:
-                        del self._entries[part.key]
-                    else:
-                        entry.request = None
-                        entry.saved_at = now
-                        entry.save = self._saves
-                        entry.retry_expected = request.abandoned is not None
-                        self._entries.move_to_end(part.key)
+                    if self._running.pop(part.key, None) is request and error is None:
+                        self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, self._clock(), late)
                 self._evict()
             if error is None:
                 self._counters.add("writes_saved", len(request.parts))
@@ -387,6 +317,7 @@ class WriteRecord:
                 request.future.set_exception(error)
 
     def _report_late(self, request: _Request, why: str) -> None:
+        """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
         error = request.error
         reason = {_RAN_OUT: "timeout", _CANCELLED: "cancelled"}.get(why, "sent again")
         _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=reason)
@@ -395,31 +326,26 @@ class WriteRecord:
             return
         self._counters.add("write_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        detail = self._redact(detail_of(error))
         if why == _RAN_OUT and not self._closing:
             then = "the manager's retry sends it again"
-        elif why == _SENT_AGAIN or _background.exiting() or not self._keep(request):
+        elif why == _SENT_AGAIN or _background.exiting() or request.size > self._max_bytes:
             self._counters.add("writes_lost", len(request.parts))
             then = "it is not saved, and nothing will send it again"
-        elif self._closed:
-            then = "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
-        elif self._closing:
-            then = "no retry will come from the manager (the store is closing); it is sent again before it closes"
         else:
-            then = "no retry will come from the manager; the store sends it again with its next write or when it closes"
+            then = self._keep(request)
+        detail = self._redact(detail_of(error))
         logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
 
-    # --- Batches sent again ---------------------------------------------------------------------
-
-    def _keep(self, request: _Request) -> bool:
-        """Keep a failed batch nobody will retry, within the byte bound: the oldest kept ones make room, each
-        dropped one logged and counted as lost. Whether ``request`` itself was kept."""
+    def _keep(self, request: _Request) -> str:
+        """Keep a failed batch to send it again, the oldest kept ones making room; when it will be sent, in words."""
         with self._lock:
             self._kept.append(request)
+            retained = sum(kept.size for kept in self._kept)
             dropped = []
-            while sum(_size(kept) for kept in self._kept) > self._max_bytes:
+            while retained > self._max_bytes:
                 dropped.append(self._kept.pop(0))
-            _background.finish_at_exit(self, hold=bool(self._kept))  # it must live to send them, store or not
+                retained -= dropped[-1].size
+            _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
             logger.warning(
@@ -429,70 +355,45 @@ class WriteRecord:
                 len(lost.parts),
                 self._max_bytes,
             )
-        return request not in dropped
+        if self._closed:
+            return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
+        if self._closing:
+            return "no retry will come from the manager (the store is closing); it is sent again before it closes"
+        return "no retry will come from the manager; the store sends it again with its next write or when it closes"
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
-        """Send each kept batch once more, in the background, leaving out parts a caller is sending right now."""
+        """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
         with self._lock:
-            if not self._kept:
-                return []
             kept, self._kept = self._kept, []
-            _background.finish_at_exit(self, hold=False)
+            if kept:
+                _background.finish_at_exit(self, hold=False)
             requests = []
             for old in kept:
-                parts = [part for part in old.parts if part.key not in without and part.key not in self._entries]
+                known = (without, self._saved, self._running)
+                parts = [part for part in old.parts if not any(part.key in keys for keys in known)]
                 if parts:
-                    request = self._register(parts, old.send)
-                    request.abandoned = _SENT_AGAIN
-                    requests.append(request)
+                    requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
         for request in requests:
             self._counters.add("writes_sent_again", len(request.parts))
-            with contextlib.suppress(Exception):  # it failed to start: logged, and forgotten
+            with contextlib.suppress(Exception):  # it failed to start: logged, and counted as lost
                 self._start(request)
         return [request.future for request in requests]
 
-    # --- The record -----------------------------------------------------------------------------
-
-    def _running(self, parts: Sequence[Part]) -> list[tuple[_Request, list[Hashable]]]:
-        """The requests still running for any of ``parts``, each with those parts' keys. Called with the lock held."""
-        running: dict[int, tuple[_Request, list[Hashable]]] = {}
-        for part in parts:
-            entry = self._entries.get(part.key)
-            if entry is not None and entry.request is not None:
-                running.setdefault(id(entry.request), (entry.request, []))[1].append(part.key)
-        return list(running.values())
-
-    def _retried(self, keys: list[Hashable]) -> None:
-        """A retry got success for these saved writes: none is expected any more."""
-        if keys:
-            with self._lock:
-                for key in keys:
-                    entry = self._entries.get(key)
-                    if entry is not None:
-                        entry.retry_expected = False
-
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest past the size and byte bounds. Lock held.
-
-        Running writes are never forgotten. Those a retry is still expected for go last, and the newest of them
-        stays whatever the bounds: the manager's retry of a batch whose write ran out of time is the duplicate
-        this record exists to stop.
-        """
+        """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late
+        saves go last: the manager's retry of a batch whose write ran out of time is the duplicate to stop."""
         cutoff = self._clock() - self._seconds
-        for key, entry in list(self._entries.items()):
-            if entry.saved_at is not None and entry.saved_at < cutoff:
-                del self._entries[key]
-        saved = [(key, entry) for key, entry in self._entries.items() if entry.saved_at is not None]
-        excess = len(saved) - self._size
-        excess_bytes = sum(entry.anchor_bytes for _, entry in saved) - self._max_bytes
+        for key in [key for key, saved in self._saved.items() if saved.at < cutoff]:
+            del self._saved[key]
+        excess = len(self._saved) - self._size
+        excess_bytes = sum(saved.anchor_bytes for saved in self._saved.values()) - self._max_bytes
         if excess <= 0 and excess_bytes <= 0:
             return
-        newest_expected = max((entry.save for _, entry in saved if entry.retry_expected), default=None)
-        for key, entry in sorted(saved, key=lambda item: item[1].retry_expected):  # stable: oldest first
+        newest_late = max(saved.late for saved in self._saved.values())  # it stays whatever the bounds
+        for key, saved in sorted(self._saved.items(), key=lambda item: item[1].late > 0):  # stable: oldest first
             if excess <= 0 and excess_bytes <= 0:
                 break
-            if entry.retry_expected and entry.save == newest_expected:
-                continue
-            del self._entries[key]
-            excess -= 1
-            excess_bytes -= entry.anchor_bytes
+            if not saved.late or saved.late != newest_late:
+                del self._saved[key]
+                excess -= 1
+                excess_bytes -= saved.anchor_bytes
