@@ -1,17 +1,15 @@
-"""Resolving Memory names to container ids, once, with one second chance.
+"""Memory names to container ids, once, with one second chance.
 
-Membase calls a Memory a container. Users know their Memories by name; the API wants the id.
-A name is matched case-insensitively (an exact id also matches) against ``containers.list()``
-and the id is cached. If Membase later refuses a cached id (the Memory was renamed or made
-anew), the name is resolved once more before the refusal is believed.
+Membase calls a Memory a container; users know it by name, the API wants the id. A name matches any case (an
+exact id also matches) against ``containers.list()``, and the id is cached. If Membase later refuses a cached id
+(the Memory was renamed or made anew), the name is resolved once more before the refusal is believed.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import membase
 
@@ -20,11 +18,8 @@ from ._text import clip
 
 T = TypeVar("T")
 
-_REFUSED = (membase.PermissionDeniedError, membase.NotFoundError)
 
-
-@dataclass(frozen=True)
-class Container:
+class Container(NamedTuple):
     """One Memory in the key's reach."""
 
     id: str
@@ -32,20 +27,15 @@ class Container:
 
 
 def parse_containers(body: Any) -> list[Container]:
-    """Read the answer of ``containers.list()``.
-
-    Raises:
-        BadResponseError: The answer is not a list of containers with ids.
-    """
+    """The Memories in the answer of ``containers.list()``; ``BadResponseError`` when it has no list of them."""
     rows = body.get("containers") if isinstance(body, dict) else None
     if not isinstance(rows, list):
         raise BadResponseError("the container list has no 'containers' list")
-    found = []
-    for row in rows:
-        if isinstance(row, dict) and isinstance(row.get("id"), str) and row["id"]:
-            name = row.get("name")
-            found.append(Container(id=row["id"], name=name if isinstance(name, str) and name else row["id"]))
-    return found
+    rows = [row for row in rows if isinstance(row, dict) and isinstance(row.get("id"), str) and row["id"]]
+    return [
+        Container(row["id"], row["name"] if isinstance(row.get("name"), str) and row["name"] else row["id"])
+        for row in rows
+    ]
 
 
 def names_in_reach(containers: list[Container]) -> str:
@@ -54,17 +44,15 @@ def names_in_reach(containers: list[Container]) -> str:
 
 
 def match(wanted: str, containers: list[Container]) -> Container:
-    """Pick the container ``wanted`` names: an exact id, else a case-insensitive name.
+    """The Memory ``wanted`` names: an exact id, else a name in any case.
 
     Raises:
-        ValueError: No Memory matches (the message lists the names in reach), or several do
-            (the message names each of them).
+        ValueError: No Memory matches (the message lists the names in reach), or several do (it names each).
     """
     for container in containers:
         if container.id == wanted:
             return container
-    key = wanted.strip().casefold()
-    hits = [c for c in containers if c.name.strip().casefold() == key]
+    hits = [c for c in containers if c.name.strip().casefold() == wanted.strip().casefold()]
     if len(hits) == 1:
         return hits[0]
     if hits:
@@ -77,10 +65,9 @@ def match(wanted: str, containers: list[Container]) -> Container:
 
 
 class ContainerResolver:
-    """Caches name-to-id resolutions for one client; safe to share between threads."""
+    """Name-to-id resolutions for one client, cached; safe to share between threads."""
 
     def __init__(self) -> None:
-        """Create an empty cache."""
         self._lock = threading.Lock()
         self._ids: dict[str, str] = {}
 
@@ -88,12 +75,10 @@ class ContainerResolver:
         """The id of the Memory ``wanted`` names, from the cache or from ``containers.list()``."""
         with self._lock:
             cached = self._ids.get(wanted)
-        if cached is not None:
-            return cached
-        container = match(wanted, parse_containers(client.containers.list()))
-        with self._lock:
-            self._ids[wanted] = container.id
-        return container.id
+        if cached is None:
+            cached = match(wanted, parse_containers(client.containers.list())).id
+            self.remember(wanted, cached)
+        return cached
 
     def remember(self, wanted: str, container_id: str) -> None:
         """Cache an id found by another route (the store's set-up check)."""
@@ -101,12 +86,8 @@ class ContainerResolver:
             self._ids[wanted] = container_id
 
     def call(self, client: membase.Membase, wanted: str | None, request: Callable[[str | None], T]) -> T:
-        """Run ``request`` with the id of ``wanted`` (or ``None``), resolving again once if it is refused.
-
-        A 403 or 404 for an id that came from the cache may mean the Memory was renamed or made
-        anew: the name is looked up again and, if it now names another id, the request is sent
-        once more. Otherwise the original refusal stands.
-        """
+        """``request`` with the id of ``wanted`` (or ``None``); a cached id Membase refuses (403, 404) is resolved
+        once more and, if the name now names another Memory, the request is sent again."""
         if wanted is None:
             return request(None)
         with self._lock:
@@ -114,12 +95,11 @@ class ContainerResolver:
         container_id = self.resolve(client, wanted)
         try:
             return request(container_id)
-        except _REFUSED:
+        except (membase.PermissionDeniedError, membase.NotFoundError):
             if not was_cached:
                 raise
             with self._lock:
                 self._ids.pop(wanted, None)
-            fresh_id = self.resolve(client, wanted)
-            if fresh_id == container_id:
+            if self.resolve(client, wanted) == container_id:
                 raise
-        return request(fresh_id)
+        return request(self.resolve(client, wanted))
