@@ -181,7 +181,8 @@ async def test_aclose_lets_a_write_that_ran_out_of_time_finish_and_logs_it_befor
 async def test_aclose_gives_up_after_write_timeout_without_blocking_the_loop(gates, caplog):
     caplog.set_level(logging.INFO)
     membase = InMemoryMembase()
-    membase.on(*MEMORIES, hang(gates.new()))  # never answers while the test runs
+    # Never answers while the test runs; saved once the test opens the gate, so nothing is left for exit to send.
+    membase.on(*MEMORIES, hang(gates.new(), then=membase.answer))
     store = capturing(membase, write_timeout=BUDGET)
     agent, _ = make_agent(store, ["Noted."])
     await turn_and_flush(agent, GREEN_TEA)
