@@ -68,22 +68,14 @@ class Seen:
 
 
 class StandInLLM:
-    """The stand-in server. ``port=0`` picks a free port on first start; restarts reuse it.
-
-    Example:
-        ```python
-        with StandInLLM() as llm:
-            os.environ.update(llm.engine_env())  # before the engine's first call: it caches its provider
-            ...
-        ```
-    """
+    """The stand-in server. ``port=0`` picks a free port on first start; restarts reuse it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port
         self.seen: list[Seen] = []
         self._failing: int | None = None
-        self._server: _Server | None = None
+        self._server: ThreadingHTTPServer | None = None
 
     @property
     def url(self) -> str:
@@ -94,11 +86,14 @@ class StandInLLM:
 
     @property
     def unknown_prompts(self) -> list[str]:
-        """What it did not recognise (prompts answered ``{}``, requests it refused), in order."""
+        """The prompts it did not recognise (answered ``{}``), in order."""
         return [seen.prompt for seen in self.seen if seen.kind == "unknown"]
 
     def engine_env(self) -> dict[str, str]:
-        """The environment the Membase engine needs to use this stand-in for chat and embeddings."""
+        """The environment the Membase engine needs to use this stand-in for chat and embeddings.
+
+        Set it before the engine's first call: the engine caches its provider.
+        """
         return {
             "MEMBASE_LLM_PROVIDER": "openai-compat",
             "MEMBASE_EMBED_PROVIDER": "openai-compat",
@@ -109,11 +104,10 @@ class StandInLLM:
     def start(self) -> StandInLLM:
         """Start serving (again) in a daemon thread; a restart binds the same port."""
         if self._server is None:
-            self._server = server = _Server((self.host, self.port), _Handler)
-            server.standin = self
+            handler = type("BoundHandler", (_Handler,), {"standin": self})
+            self._server = server = ThreadingHTTPServer((self.host, self.port), handler)
             self.port = server.server_address[1]
-            serve = threading.Thread(target=server.serve_forever, args=(0.05,), name="standin-llm", daemon=True)
-            serve.start()
+            threading.Thread(target=server.serve_forever, args=(0.05,), name="standin-llm", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -159,66 +153,57 @@ class StandInLLM:
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """The status and JSON body for one request, which is recorded in :attr:`seen`."""
-        seen, payload = self._reply(path, body)
-        self.seen.append(seen)  # from the server's threads: list appends are atomic
-        return seen.status, payload
-
-    def _reply(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        """What one request gets, and what is recorded of it."""
         if self._failing is not None:
             status = self._failing
             kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request"
-            message = f"stand-in LLM is failing on purpose ({status})"
-            return Seen(path, "failed", status), {"error": {"message": message, "type": kind, "code": kind}}
-        if path.endswith("/embeddings"):
-            return self._embeddings(path, body)
-        if path.endswith("/chat/completions"):
-            return self._chat(path, body)
-        logger.warning("stand-in LLM: no route for %s", path)
-        return Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
-
-    def _embeddings(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        raw = body.get("input")
-        texts = [raw] if isinstance(raw, str) else list(raw or [])
-        if not all(isinstance(text, str) for text in texts):
-            logger.warning("stand-in LLM: embeddings input is not text (token ids?): %r", repr(raw)[:200])
-            return Seen(path, "unknown", 400, repr(raw)[:500]), _error("stand-in embeds text input only")
-        data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
-        usage = {"prompt_tokens": 0, "total_tokens": 0}
-        model = body.get("model", "standin-embed")
-        return Seen(path, "embeddings", 200), {"object": "list", "data": data, "model": model, "usage": usage}
-
-    def _chat(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
-        if body.get("stream"):
-            logger.warning("stand-in LLM: a streamed chat request; the stand-in answers whole replies only")
-            return Seen(path, "unknown", 400, f"(streamed) {prompt}"), _error("stand-in does not stream")
-        reply: dict[str, Any] = {}
-        if BOUNDARY_PHRASE in prompt:
-            kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
-        elif EPISODE_PHRASE in prompt:
-            kind, reply = "episode", _episode(prompt)
-        elif STEERING_PHRASE in prompt:
-            kind, reply = "steering", _steer(prompt)
+            seen, payload = Seen(path, "failed", status), _error(f"stand-in LLM is failing on purpose ({status})", kind)
+        elif path.endswith("/embeddings"):
+            seen, payload = Seen(path, "embeddings", 200), _embeddings(body)
+        elif path.endswith("/chat/completions"):
+            seen, payload = _chat(path, body)
         else:
-            kind = "unknown"
-            logger.warning(
-                "stand-in LLM: UNKNOWN PROMPT, answered {} (add a rule to membase_strands/testing/_standin_llm.py): %r",
-                prompt[:300],
-            )
-        message = {"role": "assistant", "content": json.dumps(reply)}
-        return Seen(path, kind, 200, prompt if kind == "unknown" else ""), {
-            "id": f"standin-{time.monotonic_ns()}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model", "standin-chat"),
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }
+            logger.warning("stand-in LLM: no route for %s", path)
+            seen, payload = Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
+        self.seen.append(seen)  # from the server's threads: list appends are atomic
+        return seen.status, payload
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error"}}
+def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": kind}}
+
+
+def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    raw = body.get("input")
+    texts = [raw] if isinstance(raw, str) else list(raw or [])
+    data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
+    usage = {"prompt_tokens": 0, "total_tokens": 0}
+    return {"object": "list", "data": data, "model": body.get("model", "standin-embed"), "usage": usage}
+
+
+def _chat(path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
+    prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
+    reply: dict[str, Any] = {}
+    if BOUNDARY_PHRASE in prompt:
+        kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
+    elif EPISODE_PHRASE in prompt:
+        kind, reply = "episode", _episode(prompt)
+    elif STEERING_PHRASE in prompt:
+        kind, reply = "steering", _steer(prompt)
+    else:
+        kind = "unknown"
+        logger.warning(
+            "stand-in LLM: UNKNOWN PROMPT, answered {} (add a rule to membase_strands/testing/_standin_llm.py): %r",
+            prompt[:300],
+        )
+    message = {"role": "assistant", "content": json.dumps(reply)}
+    return Seen(path, kind, 200, prompt if kind == "unknown" else ""), {
+        "id": f"standin-{time.monotonic_ns()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "standin-chat"),
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
 
 
 def _message_text(message: dict[str, Any]) -> str:
@@ -257,15 +242,11 @@ def _steer(prompt: str) -> dict[str, Any]:
     return {"core": [int(line[1]) for line in lines if line and wanted & set(words(line[2]))], "next_queries": []}
 
 
-class _Server(ThreadingHTTPServer):  # daemon threads, and a restart may rebind the port at once
-    standin: StandInLLM
-
-
 class _Handler(BaseHTTPRequestHandler):
     # HTTP/1.0: one request per connection. A kept-alive connection would be served by its handler
     # thread even after stop(), so a stopped stand-in would not really be down.
     protocol_version = "HTTP/1.0"
-    server: _Server
+    standin: StandInLLM  # set by StandInLLM.start() on a subclass of its own
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("stand-in LLM: " + format, *args)
@@ -276,12 +257,9 @@ class _Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError:
             body = None
         if isinstance(body, dict):
-            self._send(*self.server.standin.answer(self.path.split("?")[0], body))
+            self._send(*self.standin.answer(self.path.split("?")[0], body))
         else:
             self._send(400, _error("body is not a JSON object"))
-
-    def do_GET(self) -> None:
-        self._send(*self.server.standin.answer(self.path.split("?")[0], {}))
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
