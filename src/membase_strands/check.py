@@ -30,6 +30,11 @@ PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
 _LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
 _SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
+_KEY_REFUSED = (
+    "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
+    "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
+)
+_NO_KEY = "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
 
 
 @dataclass
@@ -92,7 +97,7 @@ class CheckReport:
             passages = f"{count} passage{'s' if count != 1 else ''}"
             lines.append(f"{scores}{low:.4g} to {high:.4g} ({passages}); min_score leaves out passages scored below it")
         elif any(step.name == "search" and step.ok for step in self.steps):
-            lines.append(scores + "none (no scored passage matched; try --query with a question of your own)")
+            lines.append(f"{scores}none (no scored passage matched; try --query with a question of your own)")
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
 
@@ -212,16 +217,9 @@ def _steps(
 def _fix_for(error: BaseException) -> str:
     """What went wrong, and what to do about it."""
     failure = describe_failure(error)
-    if failure.kind == "access":
-        return (
-            "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
-            "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
-        )
-    if failure.kind == "unauthenticated":
-        return "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
     if failure.kind == "connection":
         return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
-    return failure.sentence
+    return {"access": _KEY_REFUSED, "unauthenticated": _NO_KEY}.get(failure.kind, failure.sentence)
 
 
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
@@ -236,7 +234,7 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--base-url", help="the Membase host (default: MEMBASE_BASE_URL, else the hosted API)")
     check.add_argument("--container", help="the Memory the store will be pinned to")
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
-    check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the key need not read profiles")
+    check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
     check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     options = vars(parser.parse_args(argv))
