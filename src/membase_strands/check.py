@@ -1,13 +1,13 @@
 """The setup check: does Membase answer this key, and what may the key do?
 
 Run it as ``membase-strands check`` (``--json`` for scripts) or call :func:`run_check`. It never prints the key
-and saves nothing: whether the key may save is found out with an empty note, which Membase refuses without
-storing anything (403 when the key may not write, 400 for the empty content otherwise).
+and saves nothing: it tries saving an empty note, which Membase refuses (403 if the key may not write, else 400).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,6 +30,11 @@ PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
 _LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
 _SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
+_KEY_REFUSED = (
+    "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
+    "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
+)
+_NO_KEY = "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
 
 
 @dataclass
@@ -47,14 +52,12 @@ class CheckReport:
     """What :func:`run_check` found.
 
     Attributes:
-        target: Where Membase was reached (a host, or a local directory). Never the key.
-        steps: Each check, in order.
+        target: Where Membase was reached (a host, or a local directory); never the key.
         memories: The names of the Memories in reach.
-        first_search_seconds: The first search's time (a cold memory wakes up here).
-        second_search_seconds: The second search's time (the memory is awake).
+        first_search_seconds: The first probe search's time (a cold memory wakes up here).
+        second_search_seconds: The second's (the memory is awake).
         suggested_recall_timeout: A ``recall_timeout`` that covers a warm search with room to spare.
-        probe_query: What the probe searches asked.
-        scores: The scores of the passages the (second) probe search found, highest first, to choose ``min_score``.
+        scores: The scores of the passages the probe found, highest first, to choose ``min_score`` from.
     """
 
     target: str
@@ -94,9 +97,7 @@ class CheckReport:
             passages = f"{count} passage{'s' if count != 1 else ''}"
             lines.append(f"{scores}{low:.4g} to {high:.4g} ({passages}); min_score leaves out passages scored below it")
         elif any(step.name == "search" and step.ok for step in self.steps):
-            lines.append(
-                f"{scores}none (no scored passage matched; try --query with a question your Memories can answer)"
-            )
+            lines.append(f"{scores}none (no scored passage matched; try --query with a question of your own)")
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
 
@@ -116,16 +117,15 @@ def run_check(
     """Check a Membase key (or local directory) the way the store will use it.
 
     Args:
-        api_key: The key; defaults to ``MEMBASE_API_KEY``.
-        base_url: The host; defaults to ``MEMBASE_BASE_URL``, else the hosted API.
+        api_key: Defaults to ``MEMBASE_API_KEY``.
+        base_url: Defaults to ``MEMBASE_BASE_URL``, else the hosted API.
         local: A local Membase directory instead of a key.
         client: A ready client instead of the three above.
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
         need_profile: Whether reading the profile must be allowed for the check to pass.
-        query: What the probe searches ask; a question your Memories can answer shows the scores of real
-            matches, to choose ``min_score`` from. Defaults to a fixed probe text.
-        clock: The clock for timings (a parameter so tests can control it).
+        query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
+        clock: The clock for timings (for tests).
 
     Returns:
         The report; ``report.ok`` tells whether everything needed works.
@@ -134,11 +134,9 @@ def run_check(
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, membase.MembaseError) as error:
         return CheckReport("(not configured)", [Step("configuration", False, str(error))])
-    try:
-        if gateway.hosted:
-            target = gateway.base_url
-        else:
-            target = f"local Membase in {os.fspath(local)}" if local is not None else "local Membase (MEMBASE_LOCAL)"
+    with contextlib.closing(gateway):
+        where = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
+        target = gateway.base_url if gateway.hosted else f"local Membase {where}"
         report = CheckReport(target, probe_query=query_text(query or "") or PROBE_QUERY)
         needed = {"profile": need_profile, "save": need_save}
         report.steps = [
@@ -146,8 +144,6 @@ def run_check(
             for step in _steps(gateway, report, container, clock)
         ]
         report.probe_query = gateway.redact(report.probe_query)
-    finally:
-        gateway.close()
     return report
 
 
@@ -197,8 +193,10 @@ def _steps(
 
     try:
         gateway.profile(None)
+    except membase.PermissionDeniedError:
+        yield Step("profile", False, "the key may not read the profile (403): its owner did not allow it")
     except Exception as error:  # noqa: BLE001
-        yield Step("profile", False, _fix_for(error, may_not="read the profile"))
+        yield Step("profile", False, _fix_for(error))
     else:
         yield Step("profile", True, "the profile can be read")
 
@@ -216,31 +214,16 @@ def _steps(
         yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
 
 
-def _fix_for(error: BaseException, may_not: str = "") -> str:
+def _fix_for(error: BaseException) -> str:
     """What went wrong, and what to do about it."""
     failure = describe_failure(error)
-    if failure.kind == "access" and may_not:
-        return (
-            f"Membase refused (403): the key may not {may_not}; its owner did not allow it, or narrowed or revoked it"
-        )
-    if failure.kind == "access":
-        return (
-            "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
-            "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
-        )
-    if failure.kind == "unauthenticated":
-        return "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
     if failure.kind == "connection":
         return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
-    return failure.sentence
+    return {"access": _KEY_REFUSED, "unauthenticated": _NO_KEY}.get(failure.kind, failure.sentence)
 
 
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
-    """``membase-strands check`` (or ``python -m membase_strands check``): print the report; return the exit code.
-
-    The exit code is 0 only when everything needed works, 1 otherwise, and 2 (the help on stderr) when no command was
-    given; ``--version`` exits 0. ``argv`` defaults to the command line's; ``prog`` is the name in the usage line.
-    """
+    """``membase-strands check``: print the report; return 0 if everything needed works, else 1 (2: no command)."""
     parser = argparse.ArgumentParser(prog=prog, description="Check a Membase setup.")
     parser.add_argument("--version", action="version", version=f"membase-strands {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command")
@@ -251,12 +234,8 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--base-url", help="the Membase host (default: MEMBASE_BASE_URL, else the hosted API)")
     check.add_argument("--container", help="the Memory the store will be pinned to")
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
-    check.add_argument(
-        "--no-profile", dest="need_profile", action="store_false", help="the key need not read the profile"
-    )
-    check.add_argument(
-        "--query", help="what the probe searches ask (a question your Memories can answer shows real scores)"
-    )
+    check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
+    check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     options = vars(parser.parse_args(argv))
     if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr

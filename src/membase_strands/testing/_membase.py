@@ -1,7 +1,4 @@
-"""An in-memory Membase for tests, served to the real SDK client over ``httpx.MockTransport``.
-
-It saves notes and searches them by shared words, records every request, and injects faults per route.
-"""
+"""An in-memory Membase for tests: notes searched by shared words, every request recorded, faults per route."""
 
 from __future__ import annotations
 
@@ -43,24 +40,20 @@ class Note:
     content: str
     container: str
     title: str = ""
-    seeded: bool = False
-    """Put there by :meth:`InMemoryMembase.remember`, not saved through the API."""
+    seeded: bool = False  # put there by InMemoryMembase.remember(), not saved through the API
 
 
 @dataclass
 class InMemoryMembase:
-    """The Membase REST API, in memory, for testing an agent offline.
-
-    The real ``membase.Membase`` client talks to it over ``httpx.MockTransport``, so everything between your agent
-    and the HTTP request is the real thing. It starts with one Memory, ``Main`` (id ``ctr_main``).
+    """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline.
 
     Attributes:
-        containers: The Memories in reach, as Membase lists them (``{"id": ..., "name": ...}``).
-        notes: Every note saved, in order (seeded ones too).
+        containers: The Memories in reach, as Membase lists them; at first one, ``Main`` (id ``ctr_main``).
+        notes: Every note saved, seeded ones too.
         standing: The profile's standing facts.
         unsearchable: Memory id -> the reason it cannot answer a search.
         requests: Every request that reached it, in order.
-        base_url: Where stores reach it: a host of its own, routed to it while it lives.
+        base_url: A host of its own, routed to its ``httpx.MockTransport`` while it lives.
     """
 
     containers: list[dict[str, Any]] = field(default_factory=lambda: [{"id": "ctr_main", "name": "Main"}])
@@ -68,12 +61,11 @@ class InMemoryMembase:
     standing: list[str] = field(default_factory=list)
     unsearchable: dict[str, str] = field(default_factory=dict)
     requests: list[Recorded] = field(default_factory=list)
-    base_url: str = field(init=False)
+    base_url: str = field(init=False, default_factory=lambda: f"https://membase-{next(_NUMBERS)}.test")
     _faults: dict[tuple[str, str], Iterator[Responder]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.base_url = f"https://membase-{next(_NUMBERS)}.test"
         # A route lasts as long as the client route() returns: this Membase keeps it for its own life.
         self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))
 
@@ -94,8 +86,7 @@ class InMemoryMembase:
     def saved(self, container: str | None = None) -> list[str]:
         """The text of the notes saved through the API (not seeded ones), optionally in one Memory."""
         wanted = None if container is None else self._id_of(container)
-        with self._lock:
-            return [n.content for n in self.notes if not n.seeded and wanted in (None, n.container)]
+        return [n.content for n in self.notes if not n.seeded and wanted in (None, n.container)]
 
     def store(self, **options: Any) -> MembaseMemoryStore:
         """A :class:`~membase_strands.MembaseMemoryStore` built from a key, as in production, on this Membase."""
@@ -166,22 +157,14 @@ class InMemoryMembase:
 
     def _hits(self, query: str, container: str | None, limit: int) -> list[dict[str, Any]]:
         """The notes that share the most words with ``query``, best first, as Membase lists passages."""
-        wanted = set(_words(query))
+        wanted = _words(query)
         names = {c["id"]: c["name"] for c in self.containers}
-        searchable = [
-            n for n in self.notes if container in (None, n.container) and n.container not in self.unsearchable
-        ]
-        scored = sorted(((len(wanted & set(_words(n.content))), n) for n in searchable), key=lambda pair: -pair[0])
+        notes = [n for n in self.notes if container in (None, n.container) and n.container not in self.unsearchable]
+        scored = sorted(((len(wanted & _words(n.content)), n) for n in notes), key=lambda pair: -pair[0])
         return [
-            {
-                "content": note.content,
-                "container": note.container,
-                "container_name": names.get(note.container, note.container),
-                "score": float(overlap),
-                "source": "episode",
-                "title": note.title,
-            }
-            for overlap, note in scored[:limit]
+            {"content": n.content, "container": n.container, "title": n.title, "source": "episode"}
+            | {"container_name": names.get(n.container, n.container), "score": float(overlap)}
+            for overlap, n in scored[:limit]
             if overlap
         ]
 
@@ -235,5 +218,5 @@ def _body(request: httpx.Request) -> Any:
     return json.loads(request.read() or "null")
 
 
-def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]{3,}", text.lower())
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]{3,}", text.lower()))

@@ -1,8 +1,7 @@
 """A deterministic OpenAI-compatible stand-in for the LLM the local Membase engine needs (standard library only).
 
-Its answers make the engine really learn and rank: embeddings are hashed bag-of-words vectors, so texts that share
-words are close; an episode is the conversation's own words; the search steering keeps the candidates that share
-words with the question. A prompt it does not recognise is answered ``{}`` and kept in ``unknown_prompts``.
+Its answers make the engine really learn and rank: embeddings are hashed bag-of-words vectors, an episode is the
+conversation's own words, and the search steering keeps the candidates that share a word with the question.
 """
 
 from __future__ import annotations
@@ -25,10 +24,6 @@ logger = logging.getLogger("standin_llm")
 DIMENSIONS = 1536
 """The width of the engine's FAISS index; any other width fails inside the engine."""
 
-BOUNDARY_PHRASE = "episodic memory boundary detection expert"
-EPISODE_PHRASE = "episodic memory generation expert"
-STEERING_PHRASE = "You steer a multi-round memory search"
-
 STOPWORDS = frozenset(
     """a an and are as at be been but by can could did do does for from had has have he her hers him his how i if in
     into is it its me my mine of on or our ours she so than that the their them then there these they this to too us
@@ -36,15 +31,13 @@ STOPWORDS = frozenset(
     note""".split()
 )
 
-_WORD = re.compile(r"[a-z0-9]+")
 # In the episode prompt a message is "speaker": NAME, then "content": TEXT (unquoted, maybe several lines), then "}".
 _MESSAGE_BLOCK = re.compile(r'"speaker":\s*(?P<speaker>[^\n]*?),?\s*\n\s*"content":\s*(?P<content>.*?)\n\s*\}', re.S)
-_CANDIDATE_LINE = re.compile(r"^\s*(\d+):\s*(.*)$")
 
 
 def words(text: str) -> list[str]:
     """The content words of ``text``: lower case, alphanumeric, without stop words."""
-    return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
+    return [w for w in re.findall(r"[a-z0-9]+", text.lower()) if w not in STOPWORDS]
 
 
 def embed(text: str) -> list[float]:
@@ -68,22 +61,14 @@ class Seen:
 
 
 class StandInLLM:
-    """The stand-in server. ``port=0`` picks a free port on first start; restarts reuse it.
-
-    Example:
-        ```python
-        with StandInLLM() as llm:
-            os.environ.update(llm.engine_env())  # before the engine's first call: it caches its provider
-            ...
-        ```
-    """
+    """The stand-in server. ``port=0`` picks a free port on first start; restarts reuse it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port
         self.seen: list[Seen] = []
         self._failing: int | None = None
-        self._server: _Server | None = None
+        self._server: ThreadingHTTPServer | None = None
 
     @property
     def url(self) -> str:
@@ -94,11 +79,11 @@ class StandInLLM:
 
     @property
     def unknown_prompts(self) -> list[str]:
-        """What it did not recognise (prompts answered ``{}``, requests it refused), in order."""
+        """The prompts it did not recognise (answered ``{}``), in order."""
         return [seen.prompt for seen in self.seen if seen.kind == "unknown"]
 
     def engine_env(self) -> dict[str, str]:
-        """The environment the Membase engine needs to use this stand-in for chat and embeddings."""
+        """The variables that point the Membase engine here; set them before its first call (it caches them)."""
         return {
             "MEMBASE_LLM_PROVIDER": "openai-compat",
             "MEMBASE_EMBED_PROVIDER": "openai-compat",
@@ -109,11 +94,10 @@ class StandInLLM:
     def start(self) -> StandInLLM:
         """Start serving (again) in a daemon thread; a restart binds the same port."""
         if self._server is None:
-            self._server = server = _Server((self.host, self.port), _Handler)
-            server.standin = self
+            handler = type("BoundHandler", (_Handler,), {"standin": self})
+            self._server = server = ThreadingHTTPServer((self.host, self.port), handler)
             self.port = server.server_address[1]
-            serve = threading.Thread(target=server.serve_forever, args=(0.05,), name="standin-llm", daemon=True)
-            serve.start()
+            threading.Thread(target=server.serve_forever, args=(0.05,), name="standin-llm", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -132,9 +116,8 @@ class StandInLLM:
     def set_failing(self, status: int | None = 500) -> None:
         """Answer every request with ``status`` (an OpenAI-style error) until ``set_failing(None)``.
 
-        The engine (unibaseio-membase-core 0.3.3) retries a 5xx answer, or a refused connection after :meth:`stop`,
-        for minutes (8 attempts, random waits up to 90 s) before it reports a Memory as unable to answer; a 401 it
-        reports at once.
+        The engine (unibaseio-membase-core 0.3.3) retries a 5xx, or a refused connection after :meth:`stop`, for
+        minutes before it reports a Memory as unable to answer; a 401 it reports at once.
         """
         if status is not None and not 400 <= status <= 599:
             raise ValueError(f"a failing status is 400-599, got {status!r}")
@@ -159,66 +142,53 @@ class StandInLLM:
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """The status and JSON body for one request, which is recorded in :attr:`seen`."""
-        seen, payload = self._reply(path, body)
-        self.seen.append(seen)  # from the server's threads: list appends are atomic
-        return seen.status, payload
-
-    def _reply(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        """What one request gets, and what is recorded of it."""
         if self._failing is not None:
             status = self._failing
             kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request"
-            message = f"stand-in LLM is failing on purpose ({status})"
-            return Seen(path, "failed", status), {"error": {"message": message, "type": kind, "code": kind}}
-        if path.endswith("/embeddings"):
-            return self._embeddings(path, body)
-        if path.endswith("/chat/completions"):
-            return self._chat(path, body)
-        logger.warning("stand-in LLM: no route for %s", path)
-        return Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
-
-    def _embeddings(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        raw = body.get("input")
-        texts = [raw] if isinstance(raw, str) else list(raw or [])
-        if not all(isinstance(text, str) for text in texts):
-            logger.warning("stand-in LLM: embeddings input is not text (token ids?): %r", repr(raw)[:200])
-            return Seen(path, "unknown", 400, repr(raw)[:500]), _error("stand-in embeds text input only")
-        data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
-        usage = {"prompt_tokens": 0, "total_tokens": 0}
-        model = body.get("model", "standin-embed")
-        return Seen(path, "embeddings", 200), {"object": "list", "data": data, "model": model, "usage": usage}
-
-    def _chat(self, path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-        prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
-        if body.get("stream"):
-            logger.warning("stand-in LLM: a streamed chat request; the stand-in answers whole replies only")
-            return Seen(path, "unknown", 400, f"(streamed) {prompt}"), _error("stand-in does not stream")
-        reply: dict[str, Any] = {}
-        if BOUNDARY_PHRASE in prompt:
-            kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
-        elif EPISODE_PHRASE in prompt:
-            kind, reply = "episode", _episode(prompt)
-        elif STEERING_PHRASE in prompt:
-            kind, reply = "steering", _steer(prompt)
+            seen, payload = Seen(path, "failed", status), _error(f"stand-in LLM is failing on purpose ({status})", kind)
+        elif path.endswith("/embeddings"):
+            seen, payload = Seen(path, "embeddings", 200), _embeddings(body)
+        elif path.endswith("/chat/completions"):
+            seen, payload = _chat(path, body)
         else:
-            kind = "unknown"
-            logger.warning(
-                "stand-in LLM: UNKNOWN PROMPT, answered {} (add a rule to membase_strands/testing/_standin_llm.py): %r",
-                prompt[:300],
-            )
-        message = {"role": "assistant", "content": json.dumps(reply)}
-        return Seen(path, kind, 200, prompt if kind == "unknown" else ""), {
-            "id": f"standin-{time.monotonic_ns()}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model", "standin-chat"),
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-        }
+            logger.warning("stand-in LLM: no route for %s", path)
+            seen, payload = Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
+        self.seen.append(seen)  # from the server's threads: list appends are atomic
+        return seen.status, payload
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error"}}
+def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": kind}}
+
+
+def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    raw = body.get("input")
+    texts = [raw] if isinstance(raw, str) else list(raw or [])
+    data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
+    usage = {"prompt_tokens": 0, "total_tokens": 0}
+    return {"object": "list", "data": data, "model": body.get("model", "standin-embed"), "usage": usage}
+
+
+def _chat(path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
+    prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
+    if "episodic memory boundary detection expert" in prompt:
+        kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
+    elif "episodic memory generation expert" in prompt:
+        kind, reply = "episode", _episode(prompt)
+    elif "You steer a multi-round memory search" in prompt:
+        kind, reply = "steering", _steer(prompt)
+    else:
+        kind, reply = "unknown", {}
+        logger.warning("stand-in LLM: UNKNOWN PROMPT, answered {} (add a rule to _standin_llm.py): %r", prompt[:300])
+    message = {"role": "assistant", "content": json.dumps(reply)}
+    return Seen(path, kind, 200, prompt if kind == "unknown" else ""), {
+        "id": f"standin-{time.monotonic_ns()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "standin-chat"),
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+    }
 
 
 def _message_text(message: dict[str, Any]) -> str:
@@ -228,23 +198,16 @@ def _message_text(message: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _episode(prompt: str) -> dict[str, str]:
-    """The conversation's own words, so the engine stores exactly what was added.
-
-    The user's words come verbatim, anyone else's as ``speaker: words`` (a real model's summary would show them too).
-    """
+def _episode(prompt: str) -> dict[str, Any]:
+    """An episode of the conversation's own words: the user's verbatim, anyone else's as ``speaker: words``."""
     # The prompt's worked example also has "content" fields; the conversation comes after this heading.
     conversation = prompt.partition("Conversation content:")[2].partition("Custom instructions:")[0]
-    said = []
-    for found in _MESSAGE_BLOCK.finditer(conversation):
-        speaker, text = found["speaker"].strip(), found["content"].strip()
-        if text:
-            said.append(text if speaker.lower() == "user" else f"{speaker}: {text}")
+    messages = [(found["speaker"].strip(), found["content"].strip()) for found in _MESSAGE_BLOCK.finditer(conversation)]
+    said = [text if speaker.lower() == "user" else f"{speaker}: {text}" for speaker, text in messages if text]
     if not said:
         logger.warning("stand-in LLM: episode prompt without recognisable conversation: %r", prompt[-300:])
-        return {"title": "Conversation", "content": ""}
     content = " ".join(said)
-    return {"title": " ".join(content.split()[:6]), "content": content}
+    return {"title": " ".join(content.split()[:6]) or "Conversation", "content": content}
 
 
 def _steer(prompt: str) -> dict[str, Any]:
@@ -253,19 +216,14 @@ def _steer(prompt: str) -> dict[str, Any]:
     question, _, rest = prompt.rpartition("QUESTION:")[2].partition("CORE SO FAR:")
     candidates = rest.partition("CANDIDATES THIS ROUND:")[2].partition("Reply with ONLY")[0]
     wanted = set(words(question))
-    lines = (_CANDIDATE_LINE.match(line) for line in candidates.splitlines())
+    lines = (re.match(r"\s*(\d+):\s*(.*)$", line) for line in candidates.splitlines())
     return {"core": [int(line[1]) for line in lines if line and wanted & set(words(line[2]))], "next_queries": []}
 
 
-class _Server(ThreadingHTTPServer):  # daemon threads, and a restart may rebind the port at once
-    standin: StandInLLM
-
-
 class _Handler(BaseHTTPRequestHandler):
-    # HTTP/1.0: one request per connection. A kept-alive connection would be served by its handler
-    # thread even after stop(), so a stopped stand-in would not really be down.
+    # One request per connection: a kept-alive connection would still be served by its thread after stop().
     protocol_version = "HTTP/1.0"
-    server: _Server
+    standin: StandInLLM  # set by StandInLLM.start() on a subclass of its own
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("stand-in LLM: " + format, *args)
@@ -276,14 +234,9 @@ class _Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError:
             body = None
         if isinstance(body, dict):
-            self._send(*self.server.standin.answer(self.path.split("?")[0], body))
+            status, payload = self.standin.answer(self.path.split("?")[0], body)
         else:
-            self._send(400, _error("body is not a JSON object"))
-
-    def do_GET(self) -> None:
-        self._send(*self.server.standin.answer(self.path.split("?")[0], {}))
-
-    def _send(self, status: int, payload: dict[str, Any]) -> None:
+            status, payload = 400, _error("body is not a JSON object")
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
