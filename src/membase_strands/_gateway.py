@@ -103,8 +103,6 @@ class MembaseGateway:
         elif self._used:
             self._refused = True
 
-    # --- What it is connected to ---------------------------------------------------------------
-
     @property
     def hosted(self) -> bool:
         """Whether Membase is reached over HTTP with a key (not the local engine)."""
@@ -132,11 +130,7 @@ class MembaseGateway:
         hosted or passed-in client has nothing of its own. Blocks while it waits."""
         writes = after()
         if writes:
-            logger.debug(
-                "store=<%s>, writes=<%d> | closing its local engine once its running writes end",
-                self._store_name,
-                len(writes),
-            )
+            logger.debug("store=<%s> | closing its local engine once its running writes end", self._store_name)
             wait(writes)
         try:
             if self.owns_engine and self._clients is not None:
@@ -145,8 +139,6 @@ class MembaseGateway:
             logger.warning(
                 "store=<%s>, reason=<%s> | could not close its local engine", self._store_name, type(error).__name__
             )
-
-    # --- Calls ---------------------------------------------------------------------------------
 
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
@@ -198,12 +190,8 @@ class MembaseGateway:
         return self._call(lambda client: self._resolver.resolve(client, name), retry=True)
 
     def check_setup(self, container: str | None) -> None:
-        """The store's set-up check: the pinned Memory's id, remembered; or, with none pinned, one Memory at most.
-
-        Raises:
-            ValueError: The pinned Memory is not in reach (or several match), or several are in reach and none is
-                pinned (capture must know where to write).
-        """
+        """The store's set-up check: the pinned Memory's id, remembered; or, with none pinned, one Memory at most
+        (capture must know where to write). ``ValueError`` when not."""
         containers = self.memories_in_reach()
         if container is not None:
             self._resolver.remember(container, match(container, containers).id)
@@ -234,8 +222,6 @@ class MembaseGateway:
                 clients = self._clients = self._clients or self._build()
         self._used = True
         return clients[0] if retry else clients[1]
-
-    # --- Secrets -------------------------------------------------------------------------------
 
     @property
     def _secret(self) -> str:
