@@ -279,9 +279,11 @@ class WriteRecord:
         try:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
         except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
-            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
-            message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
-            logger.warning(message, self._store_name, self._redact(detail_of(error)))
+            # Typically "can't start new thread", most likely while Membase hangs and threads pile up. A batch the
+            # store sends again gets no retry: _finish reports it as lost, in one line.
+            if request.abandoned is None:
+                message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
+                logger.warning(message, self._store_name, self._redact(detail_of(error)))
             self._finish(request, None, error)
             raise
 
