@@ -1,9 +1,9 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised, and a write past its budget may still succeed in the background. So the
-record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it,
-of a failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands
-counts it as handled; or the store closed) is kept and sent again once by the store itself.
+The manager retries a write that raised, and a write past its budget may still succeed in the background, so the
+record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it, of a
+failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands counts
+it as handled; or the store closed) is kept, and the store sends it again once.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +20,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
+
+from strands.types.content import Message
 
 from . import _background, _options, _telemetry
 from ._background import wait_for_future
@@ -56,6 +59,26 @@ Send = Callable[[list[Part]], Any]  # makes the blocking request for the parts t
 def fingerprint(*fields: object) -> str:
     """A compact, stable digest of some fields, for identities that must not hold whole texts."""
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def message_parts(messages: list[Message], sequence_numbers: list[int] | None, roles: tuple[str, ...]) -> list[Part]:
+    """The captured lines of a batch: the text of each message of ``roles`` (after its role when both are captured),
+    each with the identity that survives the manager's retries of the batch."""
+    numbers = sequence_numbers if sequence_numbers and len(sequence_numbers) == len(messages) else None
+    parts = []
+    for index, message in enumerate(messages):
+        blocks = [block for block in message.get("content", []) if "text" in block]
+        text = "\n".join(block["text"] for block in blocks).strip()
+        role = message.get("role")
+        if role not in roles or not text:
+            continue
+        # The first text block is the same object on every retry of the batch and a new one in a new agent run; the
+        # record holds it, so its id stays unique while the record stands.
+        anchor = blocks[0]
+        key = fingerprint("message", numbers[index] if numbers else None, id(anchor), role, text)
+        line = f"{role}: {text}" if len(roles) > 1 else text
+        parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
+    return parts
 
 
 class _Request:
