@@ -9,7 +9,6 @@ it as handled; or the store closed) is kept, and the store sends it again once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import sys
@@ -184,11 +183,9 @@ class WriteRecord:
             await self._wait(earlier, deadline, "an earlier write of the same content is still running")
             if earlier.error is None:
                 saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
+        decision = "send" if not saved else "partial" if todo else "already saved"
         _telemetry.annotate(
-            sent=len(todo),
-            deduplicated=len(saved),
-            waited_for_earlier=bool(saved_for_us),
-            decision="send" if not saved else "partial" if todo else "already saved",
+            sent=len(todo), deduplicated=len(saved), waited_for_earlier=bool(saved_for_us), decision=decision
         )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
@@ -211,10 +208,10 @@ class WriteRecord:
         with self._lock:
             return [request.future for request in self._unsettled]
 
-    def drain(self, until: float | None = None) -> bool:
+    def drain(self, until: float | None = None) -> None:
         """Close the record: wait for the writes still running (those that start meanwhile too), then send the kept
-        batches once and wait for those, each up to the budget (or both until the monotonic time ``until``); whether
-        no write is left running. Every outcome waited for is on record and logged when this returns."""
+        batches once and wait for those, each up to the budget (or both until the monotonic time ``until``). Every
+        outcome waited for is on record and logged when this returns."""
         self._closing = True
         waited: set[Future[Any]] = set()
         self._wait_running(until, waited, kept=len(self._kept))
@@ -225,7 +222,6 @@ class WriteRecord:
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
             message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
             logger.warning(message, self._store_name, left, self._wait_budget, then)
-        return not left
 
     def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
         """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
@@ -244,10 +240,6 @@ class WriteRecord:
             if not running or left <= 0:
                 return
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
-
-    async def drain_async(self) -> bool:
-        """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
-        return await wait_for_future(_background.submit(self.drain, name=f"membase-close[{self._store_name}]"), None)
 
     def _finish_at_exit(self, started: float) -> None:
         """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
@@ -301,14 +293,13 @@ class WriteRecord:
     def _start(self, request: _Request) -> None:
         try:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
-        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
+        except BaseException as error:  # noqa: BLE001 - recorded: its future raises it to whoever waits
             # Typically "can't start new thread", most likely while Membase hangs and threads pile up. A batch the
             # store sends again gets no retry: _finish reports it as lost, in one line.
             if request.abandoned is None:
                 message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
                 logger.warning(message, self._store_name, self._redact(detail_of(error)))
             self._finish(request, None, error)
-            raise
 
     def _run(self, request: _Request) -> None:
         try:
@@ -364,22 +355,18 @@ class WriteRecord:
     def _keep(self, request: _Request) -> str:
         """Keep a failed batch to send it again, the oldest kept ones making room; when it will be sent, in words."""
         with self._lock:
-            self._kept.append(request)
-            retained = sum(kept.size for kept in self._kept)
+            self._kept.append(request)  # alone, it is within the bound: the oldest make room for it
             dropped = []
-            while retained > self._max_bytes:
+            while sum(kept.size for kept in self._kept) > self._max_bytes:
                 dropped.append(self._kept.pop(0))
-                retained -= dropped[-1].size
             _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
+        message = (
+            "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
+            "it is not saved"
+        )
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
-            logger.warning(
-                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
-                "it is not saved",
-                self._store_name,
-                len(lost.parts),
-                self._max_bytes,
-            )
+            logger.warning(message, self._store_name, len(lost.parts), self._max_bytes)
         if self._closed:
             return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
         if self._closing:
@@ -400,8 +387,7 @@ class WriteRecord:
                     requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
         for request in requests:
             self._counters.add("writes_sent_again", len(request.parts))
-            with contextlib.suppress(Exception):  # it failed to start: logged, and counted as lost
-                self._start(request)
+            self._start(request)
         return [request.future for request in requests]
 
     def _evict(self) -> None:

@@ -359,7 +359,7 @@ class MembaseMemoryStore:
             return
         closing = None
         try:
-            await self._writes.drain_async()
+            await wait_for_future(_background.submit(self._writes.drain, name=f"membase-close[{self.name}]"), None)
         finally:
             self._close_done.set_result(None)  # also when cancelled: the store never ends half closed
             if self._release():
