@@ -189,9 +189,8 @@ class WriteRecord:
         )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
-            logger.debug(
-                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
-            )
+            message = "store=<%s>, already_saved=<%d> | not sending again what this store saved"
+            logger.debug(message, self._store_name, len(saved))
         result = None
         if request is not None:
             self._start(request)

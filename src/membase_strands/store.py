@@ -40,14 +40,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _UNLISTED = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
+_RETRYING_CLIENT = (
+    "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured write that "
+    "timed out may be saved twice; build it with max_retries=0, or pass api_key= instead"
+)
+_REFUSED = "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s"
 
 
 class MembaseMemoryStore:
     """A Strands memory store backed by Membase.
 
-    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for memory: that
-    recall is time-boxed (``recall_timeout``) and fails open. The model also gets three tools
-    (``membase_search``, ``membase_save``, ``membase_profile``). Writing every turn is opt-in (``capture=True``).
+    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for memory: that recall is
+    time-boxed (``recall_timeout``) and fails open. The model also gets the tools ``membase_search``,
+    ``membase_save`` and ``membase_profile``. Writing every turn is opt-in (``capture=True``).
     """
 
     def __init__(
@@ -71,7 +76,7 @@ class MembaseMemoryStore:
         capture_roles: Iterable[str] | str = ("user",),
         tools: Iterable[str] = _options.TOOL_NAMES,
     ) -> None:
-        """Create a store; all arguments are keyword-only, and building it makes no network call.
+        """Create a store; building it makes no network call.
 
         Args:
             client: A ready ``membase.Membase``, used as it is (its retries too) and never closed.
@@ -123,12 +128,7 @@ class MembaseMemoryStore:
             client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
         )
         if capture and client is not None and client.max_retries > 0:
-            logger.warning(
-                "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured "
-                "write that timed out may be saved twice; build it with max_retries=0, or pass api_key= instead",
-                self.name,
-                client.max_retries,
-            )
+            logger.warning(_RETRYING_CLIENT, self.name, client.max_retries)
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact
@@ -156,14 +156,9 @@ class MembaseMemoryStore:
             f"capture={self.writable}, recall_timeout={self._recall_timeout!r})"
         )
 
-    # --- The MemoryStore protocol -------------------------------------------------------------
-
     async def initialize(self) -> None:
-        """Check the configuration against Membase when the agent is built, within ``recall_timeout``.
-
-        With a pinned ``container`` (or capture on) the Memories in reach are listed once per store. Without an
-        answer in time the check goes on in the background (agents built meanwhile do not wait for it again), and
-        first use checks the Memory too.
+        """Check a pinned ``container`` (or capture) against the Memories in reach when an agent is built, within
+        ``recall_timeout``; past it, the check goes on in the background and first use checks the Memory too.
 
         Raises:
             ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
@@ -200,9 +195,8 @@ class MembaseMemoryStore:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
 
         Returns:
-            ``[Memory name] text`` per passage, best first, copies shown once, none below ``min_score``; then a
-            notice per Memory that could not answer. ``[]`` for a blank query, or while recall is skipped (an
-            earlier recall still runs late, or recall is paused after a 403).
+            ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer; ``[]``
+            for a blank query, or while recall is skipped (an earlier recall still runs late, or after a 403).
 
         Raises:
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
@@ -330,16 +324,11 @@ class MembaseMemoryStore:
                 self._tools = build_tools(context, self._tool_names)
             return list(self._tools)
 
-    # --- Lifecycle ----------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Close the store, blocking; from async code use :meth:`aclose`. Safe to call twice; a client passed in
-        is left open.
-
-        Waits up to ``write_timeout`` for captured writes still running, then sends a failed batch no manager retry
-        will bring back once more, within ``write_timeout`` again: each outcome waited for is logged and counted
-        when this returns. A caller who comes while another closes waits for it, up to ``write_timeout``.
-        """
+        """Close the store, blocking (from async code, use :meth:`aclose`); safe to call twice, a client passed in is
+        left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
+        batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
+        counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
         if not self._begin_close():
             wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
@@ -394,8 +383,6 @@ class MembaseMemoryStore:
             return False
         return self._finalizer.detach() is not None
 
-    # --- Private helpers ----------------------------------------------------------------------
-
     @property
     def _default_limit(self) -> int:
         """Passages to ask for when the caller gives no number (``max_search_results`` is a plain attribute)."""
@@ -440,8 +427,8 @@ class MembaseMemoryStore:
 
     def _fail(self, action: str, error: Exception) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), a recall the store's close ended as ``RuntimeError``, anything else as it came, or as a
-        masked copy if a server echoed the API key in it."""
+        automatic recall), a recall ended by the store's close as ``RuntimeError``, anything else as it came (or
+        as a masked copy if a server echoed the API key in it)."""
         closed = action == "recall" and self._engine_closed()  # close() closed the local engine under the request
         kind = "closed" if closed else describe_failure(error).kind
         self._counters.add(f"{action}_errors")
@@ -457,14 +444,8 @@ class MembaseMemoryStore:
             if action == "recall" and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-            logger.log(
-                # The manager logs a failed recall as a warning: the store's own line would be a second one.
-                logging.INFO if action == "recall" else logging.WARNING,
-                "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s",
-                self.name,
-                action,
-                pause,
-            )
+            # The manager logs a failed recall as a warning: the store's own line would be a second one.
+            logger.log(logging.INFO if action == "recall" else logging.WARNING, _REFUSED, self.name, action, pause)
             raise MembaseAccessError(ACCESS_SENTENCE) from clean
         if clean is error:
             raise error
