@@ -82,13 +82,13 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
 
 class _Request:
     """One request the record started. Its thread records the outcome under the record's lock (``ended``), reports
-    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future``."""
+    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future`` (with ``None``)."""
 
     def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
         self.parts = parts
         self.send = send
         self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
-        self.future: Future[Any] = Future()
+        self.future: Future[None] = Future()
         self.ended = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -178,8 +178,7 @@ class WriteRecord:
                     todo = [part for part in parts if part.key not in saved]
                     request = self._register(todo, send) if todo else None
                     break
-            # The same thing is being saved by an earlier call: wait for that request instead of sending
-            # another. If it fails, its parts count as new on the next pass and this call sends them.
+            # An earlier call is sending some of them: wait for it; what it fails to save is new on the next pass.
             await self._wait(earlier, deadline, "an earlier write of the same content is still running")
             if earlier.error is None:
                 saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
@@ -202,7 +201,7 @@ class WriteRecord:
                     self._saved[key].late = 0
         return result
 
-    def running(self) -> list[Future[Any]]:
+    def running(self) -> list[Future[None]]:
         """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
         with self._lock:
             return [request.future for request in self._unsettled]
@@ -212,7 +211,7 @@ class WriteRecord:
         batches once and wait for those, each up to the budget (or both until the monotonic time ``until``). Every
         outcome waited for is on record and logged when this returns."""
         self._closing = True
-        waited: set[Future[Any]] = set()
+        waited: set[Future[None]] = set()
         self._wait_running(until, waited, kept=len(self._kept))
         self._closed = True
         waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
@@ -222,9 +221,9 @@ class WriteRecord:
             message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
             logger.warning(message, self._store_name, left, self._wait_budget, then)
 
-    def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
-        """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
-        running that were not waited for yet (a daemon thread may start one during the exit wait)."""
+    def _wait_running(self, until: float | None, waited: set[Future[None]], kept: int = 0) -> None:
+        """Wait until no write runs or the budget (or ``until``) is over; say so each time writes run that were not
+        waited for yet (a daemon thread may start one during the exit wait)."""
         deadline = time.monotonic() + self._wait_budget if until is None else until
         while True:
             running = self.running()
@@ -269,8 +268,6 @@ class WriteRecord:
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
                 self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
-        except Exception:  # noqa: BLE001 - on record: raised below, to its own caller only
-            pass
         if own and request.error is not None:
             raise request.error
         return request.result
@@ -293,8 +290,7 @@ class WriteRecord:
         try:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
         except BaseException as error:  # noqa: BLE001 - recorded: its future raises it to whoever waits
-            # Typically "can't start new thread", most likely while Membase hangs and threads pile up. A batch the
-            # store sends again gets no retry: _finish reports it as lost, in one line.
+            # Typically "can't start new thread". A batch the store sends again gets no retry: _finish reports it lost.
             if request.abandoned is None:
                 message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
                 logger.warning(message, self._store_name, self._redact(detail_of(error)))
@@ -326,10 +322,7 @@ class WriteRecord:
         finally:
             with self._lock:
                 self._unsettled.discard(request)
-            if error is None:
-                request.future.set_result(result)
-            else:
-                request.future.set_exception(error)
+            request.future.set_result(None)
 
     def _report_late(self, request: _Request, why: str) -> None:
         """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
@@ -372,7 +365,7 @@ class WriteRecord:
             return "no retry will come from the manager (the store is closing); it is sent again before it closes"
         return "no retry will come from the manager; the store sends it again with its next write or when it closes"
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
+    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[None]]:
         """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
         with self._lock:
             kept, self._kept = self._kept, []
