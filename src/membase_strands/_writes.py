@@ -207,9 +207,8 @@ class WriteRecord:
             return [request.future for request in self._unsettled]
 
     def drain(self, until: float | None = None) -> None:
-        """Close the record: wait for the writes still running (those that start meanwhile too), then send the kept
-        batches once and wait for those, each up to the budget (or both until the monotonic time ``until``). Every
-        outcome waited for is on record and logged when this returns."""
+        """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
+        to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
         self._closing = True
         waited: set[Future[None]] = set()
         self._wait_running(until, waited, kept=len(self._kept))
@@ -229,9 +228,8 @@ class WriteRecord:
             running = self.running()
             new = [future for future in running if future not in waited]
             if new or kept:
-                logger.info(
-                    "store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(new) + kept
-                )
+                message = "store=<%s>, writes=<%d> | waiting for writes still running"
+                logger.info(message, self._store_name, len(new) + kept)
                 waited.update(new)
                 kept = 0
             left = deadline - time.monotonic()
