@@ -89,12 +89,11 @@ class MembaseMemoryStore:
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text one search returns: whole passages, best first, one longer on
                 its own cut with a marker; ``None``: no cap.
-            min_score: Leave out passages Membase scored below this (``python -m membase_strands check`` shows the
-                scores); ``None``: keep every passage.
-            recall_timeout: Seconds automatic recall may hold a turn, which then goes on without memory; ``None``:
-                as long as the SDK waits.
-            write_timeout: Seconds a captured write may hold its caller before it raises (the request goes on in
-                the background, never sent twice); ``None``: one whole attempt.
+            min_score: Leave out passages scored below this (``python -m membase_strands check`` shows scores).
+            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: the
+                SDK's own limit).
+            write_timeout: Seconds a captured write may hold its caller, then it raises and goes on (``None``: one
+                whole attempt).
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
