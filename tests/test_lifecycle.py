@@ -577,6 +577,41 @@ async def test_at_exit_a_batch_kept_for_sending_again_is_sent_once(exit_hook, ga
     assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
 
 
+async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_in_one_line(
+    exit_hook, gates, caplog, monkeypatch
+):
+    """Python 3.12 refuses new threads at interpreter exit: the store's own resend never starts, and no retry comes."""
+    membase = InMemoryMembase()
+    in_flight, release = threading.Event(), gates.new()
+    membase.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
+    store = capturing(membase, write_timeout=LONG)
+    write = asyncio.create_task(store.add(GREEN_TEA))
+    assert await until(in_flight.is_set, timeout=LONG)
+    running = store._writes.running()
+    write.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await write
+    release.set()
+    settle(running)
+    caplog.clear()
+
+    def refuse(thread: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    with monkeypatch.context() as exiting:
+        exiting.setattr(_background, "_threads", _background._Threads())  # no thread alive to take the resend
+        exiting.setattr(threading.Thread, "start", refuse)
+        exit_hook()
+
+    assert messages(caplog, logging.WARNING) == [
+        "store=<membase>, reason=<can't create new thread at interpreter shutdown> | a write the store sent again "
+        "failed; it is not saved, and nothing will send it again"
+    ]
+    assert membase.saved() == []
+    assert len(membase.sent(*MEMORIES)) == 1
+    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 1)
+
+
 async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(exit_hook, gates, caplog):
     """Daemon threads still run during atexit hooks: an agent on a daemon thread's loop may flush then."""
     caplog.set_level(logging.INFO)

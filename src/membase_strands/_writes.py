@@ -1,17 +1,17 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised, and a write past its budget may still succeed in the background. So the
-record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it,
-of a failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands
-counts it as handled; or the store closed) is kept and sent again once by the store itself.
+The manager retries a write that raised, and a write past its budget may still succeed in the background, so the
+record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it, of a
+failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands counts
+it as handled; or the store closed) is kept, and the store sends it again once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -19,6 +19,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
+
+from strands.types.content import Message
 
 from . import _background, _options, _telemetry
 from ._background import wait_for_future
@@ -58,15 +60,35 @@ def fingerprint(*fields: object) -> str:
     return hashlib.sha256(repr(fields).encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def message_parts(messages: list[Message], sequence_numbers: list[int] | None, roles: tuple[str, ...]) -> list[Part]:
+    """The captured lines of a batch: the text of each message of ``roles`` (after its role when both are captured),
+    each with the identity that survives the manager's retries of the batch."""
+    numbers = sequence_numbers if sequence_numbers and len(sequence_numbers) == len(messages) else None
+    parts = []
+    for index, message in enumerate(messages):
+        blocks = [block for block in message.get("content", []) if "text" in block]
+        text = "\n".join(block["text"] for block in blocks).strip()
+        role = message.get("role")
+        if role not in roles or not text:
+            continue
+        # The first text block is the same object on every retry of the batch and a new one in a new agent run; the
+        # record holds it, so its id stays unique while the record stands.
+        anchor = blocks[0]
+        key = fingerprint("message", numbers[index] if numbers else None, id(anchor), role, text)
+        line = f"{role}: {text}" if len(roles) > 1 else text
+        parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
+    return parts
+
+
 class _Request:
     """One request the record started. Its thread records the outcome under the record's lock (``ended``), reports
-    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future``."""
+    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future`` (with ``None``)."""
 
     def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
         self.parts = parts
         self.send = send
         self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
-        self.future: Future[Any] = Future()
+        self.future: Future[None] = Future()
         self.ended = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -156,22 +178,18 @@ class WriteRecord:
                     todo = [part for part in parts if part.key not in saved]
                     request = self._register(todo, send) if todo else None
                     break
-            # The same thing is being saved by an earlier call: wait for that request instead of sending
-            # another. If it fails, its parts count as new on the next pass and this call sends them.
+            # An earlier call is sending some of them: wait for it; what it fails to save is new on the next pass.
             await self._wait(earlier, deadline, "an earlier write of the same content is still running")
             if earlier.error is None:
                 saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
+        decision = "send" if not saved else "partial" if todo else "already saved"
         _telemetry.annotate(
-            sent=len(todo),
-            deduplicated=len(saved),
-            waited_for_earlier=bool(saved_for_us),
-            decision="send" if not saved else "partial" if todo else "already saved",
+            sent=len(todo), deduplicated=len(saved), waited_for_earlier=bool(saved_for_us), decision=decision
         )
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
-            logger.debug(
-                "store=<%s>, already_saved=<%d> | not sending again what this store saved", self._store_name, len(saved)
-            )
+            message = "store=<%s>, already_saved=<%d> | not sending again what this store saved"
+            logger.debug(message, self._store_name, len(saved))
         result = None
         if request is not None:
             self._start(request)
@@ -183,17 +201,16 @@ class WriteRecord:
                     self._saved[key].late = 0
         return result
 
-    def running(self) -> list[Future[Any]]:
+    def running(self) -> list[Future[None]]:
         """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
         with self._lock:
             return [request.future for request in self._unsettled]
 
-    def drain(self, until: float | None = None) -> bool:
-        """Close the record: wait for the writes still running (those that start meanwhile too), then send the kept
-        batches once and wait for those, each up to the budget (or both until the monotonic time ``until``); whether
-        no write is left running. Every outcome waited for is on record and logged when this returns."""
+    def drain(self, until: float | None = None) -> None:
+        """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
+        to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
         self._closing = True
-        waited: set[Future[Any]] = set()
+        waited: set[Future[None]] = set()
         self._wait_running(until, waited, kept=len(self._kept))
         self._closed = True
         waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
@@ -202,29 +219,23 @@ class WriteRecord:
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
             message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
             logger.warning(message, self._store_name, left, self._wait_budget, then)
-        return not left
 
-    def _wait_running(self, until: float | None, waited: set[Future[Any]], kept: int = 0) -> None:
-        """Wait until no write is running, or the budget (or ``until``) is over; say so each time writes are
-        running that were not waited for yet (a daemon thread may start one during the exit wait)."""
+    def _wait_running(self, until: float | None, waited: set[Future[None]], kept: int = 0) -> None:
+        """Wait until no write runs or the budget (or ``until``) is over; say so each time writes run that were not
+        waited for yet (a daemon thread may start one during the exit wait)."""
         deadline = time.monotonic() + self._wait_budget if until is None else until
         while True:
             running = self.running()
             new = [future for future in running if future not in waited]
             if new or kept:
-                logger.info(
-                    "store=<%s>, writes=<%d> | waiting for writes still running", self._store_name, len(new) + kept
-                )
+                message = "store=<%s>, writes=<%d> | waiting for writes still running"
+                logger.info(message, self._store_name, len(new) + kept)
                 waited.update(new)
                 kept = 0
             left = deadline - time.monotonic()
             if not running or left <= 0:
                 return
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
-
-    async def drain_async(self) -> bool:
-        """:meth:`drain` for async code, on a thread: cancelling the wait leaves the writes and the drain running."""
-        return await wait_for_future(_background.submit(self.drain, name=f"membase-close[{self._store_name}]"), None)
 
     def _finish_at_exit(self, started: float) -> None:
         """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
@@ -255,8 +266,6 @@ class WriteRecord:
             if own and not self._abandon(request, _CANCELLED) and request.error is not None:
                 self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
             raise
-        except Exception:  # noqa: BLE001 - on record: raised below, to its own caller only
-            pass
         if own and request.error is not None:
             raise request.error
         return request.result
@@ -278,12 +287,12 @@ class WriteRecord:
     def _start(self, request: _Request) -> None:
         try:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
-        except BaseException as error:  # noqa: BLE001 - recorded, then raised to the caller
-            # Typically "can't start new thread", most likely while Membase hangs and threads pile up.
-            message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
-            logger.warning(message, self._store_name, self._redact(detail_of(error)))
+        except BaseException as error:  # noqa: BLE001 - recorded: its future raises it to whoever waits
+            # Typically "can't start new thread". A batch the store sends again gets no retry: _finish reports it lost.
+            if request.abandoned is None:
+                message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
+                logger.warning(message, self._store_name, self._redact(detail_of(error)))
             self._finish(request, None, error)
-            raise
 
     def _run(self, request: _Request) -> None:
         try:
@@ -311,10 +320,7 @@ class WriteRecord:
         finally:
             with self._lock:
                 self._unsettled.discard(request)
-            if error is None:
-                request.future.set_result(result)
-            else:
-                request.future.set_exception(error)
+            request.future.set_result(None)
 
     def _report_late(self, request: _Request, why: str) -> None:
         """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
@@ -339,29 +345,25 @@ class WriteRecord:
     def _keep(self, request: _Request) -> str:
         """Keep a failed batch to send it again, the oldest kept ones making room; when it will be sent, in words."""
         with self._lock:
-            self._kept.append(request)
-            retained = sum(kept.size for kept in self._kept)
+            self._kept.append(request)  # alone, it is within the bound: the oldest make room for it
             dropped = []
-            while retained > self._max_bytes:
+            while sum(kept.size for kept in self._kept) > self._max_bytes:
                 dropped.append(self._kept.pop(0))
-                retained -= dropped[-1].size
             _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
+        message = (
+            "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
+            "it is not saved"
+        )
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
-            logger.warning(
-                "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
-                "it is not saved",
-                self._store_name,
-                len(lost.parts),
-                self._max_bytes,
-            )
+            logger.warning(message, self._store_name, len(lost.parts), self._max_bytes)
         if self._closed:
             return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
         if self._closing:
             return "no retry will come from the manager (the store is closing); it is sent again before it closes"
         return "no retry will come from the manager; the store sends it again with its next write or when it closes"
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[Any]]:
+    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[None]]:
         """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
         with self._lock:
             kept, self._kept = self._kept, []
@@ -375,8 +377,7 @@ class WriteRecord:
                     requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
         for request in requests:
             self._counters.add("writes_sent_again", len(request.parts))
-            with contextlib.suppress(Exception):  # it failed to start: logged, and counted as lost
-                self._start(request)
+            self._start(request)
         return [request.future for request in requests]
 
     def _evict(self) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ from ._formatting import arrange, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
 from ._tools import ToolContext, build_tools
-from ._writes import Part, WriteRecord, fingerprint
+from ._writes import Part, WriteRecord, fingerprint, message_parts
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
 if TYPE_CHECKING:
@@ -41,15 +40,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _UNLISTED = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
+_RETRYING_CLIENT = (
+    "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured write that "
+    "timed out may be saved twice; build it with max_retries=0, or pass api_key= instead"
+)
+_REFUSED = "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s"
 
 
 class MembaseMemoryStore:
     """A Strands memory store backed by Membase.
 
-    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for memory: that
-    recall is time-boxed (``recall_timeout``) and fails open. The model also gets three tools
-    (``membase_search``, ``membase_save``, ``membase_profile``). Writing every turn is opt-in (``capture=True``).
-    Building a store makes no network call.
+    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for memory: that recall is
+    time-boxed (``recall_timeout``) and fails open. The model also gets the tools ``membase_search``,
+    ``membase_save`` and ``membase_profile``. Writing every turn is opt-in (``capture=True``).
     """
 
     def __init__(
@@ -73,27 +76,25 @@ class MembaseMemoryStore:
         capture_roles: Iterable[str] | str = ("user",),
         tools: Iterable[str] = _options.TOOL_NAMES,
     ) -> None:
-        """Create a store. All arguments are keyword-only.
+        """Create a store; building it makes no network call.
 
         Args:
-            client: A ready ``membase.Membase`` client; the store never closes it.
-            api_key: The Membase API key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
+            client: A ready ``membase.Membase``, used as it is (its retries too) and never closed.
+            api_key: The key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
             base_url: The Membase host (default: ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``).
-            local: A directory for local Membase (needs Python 3.12+ and ``membase-strands[local]``).
+            local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``).
             container: The one Memory (name in any case, or id) to search and write to; ``None``: all in reach.
             name: The store's name in the ``MemoryManager``.
-            description: The sentence the manager shows the model about this store.
+            description: What the manager tells the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
-            max_recall_chars: A cap on the passage text one search returns: whole passages, best first, one that
-                alone exceeds it cut with a visible marker. ``None``: no cap.
-            min_score: Leave out passages Membase scored below this (``python -m membase_strands check`` shows the
-                scores your deployment gives). ``None``: keep every passage.
-            recall_timeout: Seconds automatic recall may hold a turn, which then goes on without memory; ``None``:
-                as long as the SDK waits.
-            write_timeout: Seconds a captured write may hold its caller before it raises so the manager keeps the
-                batch; the request goes on in the background and is never sent twice. ``None``: one whole attempt.
-            access_cooldown: Seconds automatic recall pauses after Membase refuses the key (403); the tools still
-                try. ``None``: never pause.
+            max_recall_chars: The most passage text one search returns: whole passages, best first, one longer on
+                its own cut with a marker; ``None``: no cap.
+            min_score: Leave out passages scored below this (``python -m membase_strands check`` shows scores).
+            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: the
+                SDK's own limit).
+            write_timeout: Seconds a captured write may hold its caller, then it raises and goes on (``None``: one
+                whole attempt).
+            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
@@ -126,12 +127,7 @@ class MembaseMemoryStore:
             client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
         )
         if capture and client is not None and client.max_retries > 0:
-            logger.warning(
-                "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured "
-                "write that timed out may be saved twice; build it with max_retries=0, or pass api_key= instead",
-                self.name,
-                client.max_retries,
-            )
+            logger.warning(_RETRYING_CLIENT, self.name, client.max_retries)
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact
@@ -145,13 +141,13 @@ class MembaseMemoryStore:
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
         # A store dropped unclosed (say, one a pool let go of) must not keep its local engine. The callback holds the
-        # gateway and the write record, never the store.
+        # gateway and the write record, never the store; at exit it does not run, as a daemon write may.
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._gateway.owns_engine:
             close_engine = functools.partial(self._gateway.close, after=self._writes.running)
             name = f"membase-close[{self.name}]"
             self._finalizer = weakref.finalize(self, _background.submit, close_engine, name=name)
-            self._finalizer.atexit = False  # at exit the process lets go of everything; a daemon write may run
+            self._finalizer.atexit = False
 
     def __repr__(self) -> str:
         return (
@@ -159,19 +155,13 @@ class MembaseMemoryStore:
             f"capture={self.writable}, recall_timeout={self._recall_timeout!r})"
         )
 
-    # --- The MemoryStore protocol -------------------------------------------------------------
-
     async def initialize(self) -> None:
-        """Check the configuration against Membase before the agent runs, without depending on it.
-
-        With a pinned ``container`` (or capture on) the Memories in reach are listed once per store, within the
-        recall budget: an unknown or ambiguous Memory name, or capture with several Memories in reach and none
-        pinned, raises here, when the agent is built. If Membase does not answer in time, the check goes on in the
-        background (agents built meanwhile do not wait for it again, and the next one uses its answer), and first
-        use checks the Memory too.
+        """Check a pinned ``container`` (or capture) against the Memories in reach when an agent is built, within
+        ``recall_timeout``; past it, the check goes on in the background and first use checks the Memory too.
 
         Raises:
-            ValueError: The configuration cannot work with the Memories this key reaches.
+            ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
+                and none pinned.
         """
         if self._container is None and not self.writable:
             return
@@ -181,9 +171,8 @@ class MembaseMemoryStore:
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
                 # A running check is shared, and one that ended late is used; one that failed told nothing.
                 setup = functools.partial(self._gateway.check_setup, self._container)
-                check = self._setup_check = _background.submit(
-                    setup, name=f"membase-check[{self.name}]", lane=self._gateway
-                )
+                check = _background.submit(setup, name=f"membase-check[{self.name}]", lane=self._gateway)
+                self._setup_check = check
             elif check is self._setup_waited_out and not check.done():
                 # Building an agent per request during an outage must not cost every request that wait again.
                 logger.debug("store=<%s> | set-up check is still running; not waiting for it again", self.name)
@@ -205,9 +194,8 @@ class MembaseMemoryStore:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
 
         Returns:
-            One entry per passage, ``[Memory name] text``, best first, a text several Memories returned shown
-            once, none below ``min_score``; then a notice per Memory that could not answer. ``[]`` for a blank
-            query, or for a recall skipped (logged at DEBUG) while an earlier one runs late or after a 403.
+            ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer; ``[]``
+            for a blank query, or while recall is skipped (an earlier recall still runs late, or after a 403).
 
         Raises:
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
@@ -236,9 +224,8 @@ class MembaseMemoryStore:
             _telemetry.annotate("skipped", reason="key refused (403)")
             return []
         # With a budget, one attempt: a late request must hold the in-flight guard for one attempt, not three.
-        retry = self._recall_timeout is None
         search = functools.partial(
-            self._gateway.search, _options.query_text(query), limit, self._container, retry=retry
+            self._gateway.search, _options.query_text(query), limit, self._container, retry=self._recall_timeout is None
         )
         start = functools.partial(_background.submit, search, name=f"membase-recall[{self.name}]", lane=self._gateway)
         try:
@@ -249,14 +236,6 @@ class MembaseMemoryStore:
         except MembaseRecallTimeout:
             raise
         except Exception as error:
-            if self._engine_closed():  # close() closed the local engine under the request: say so, not its error
-                self._counters.add("recall_errors")
-                self._counters.add("errors.closed")
-                logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
-                _telemetry.annotate("error", error_kind="closed")
-                raise RuntimeError(
-                    f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
-                ) from None
             self._fail("recall", error)
         # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that could not
         # answer is never dropped silently behind a full page of passages.
@@ -267,34 +246,30 @@ class MembaseMemoryStore:
         if answer.below_floor:
             self._counters.add("recall_passages_below_floor", answer.below_floor)
         if answer.folded or answer.below_floor:
-            logger.debug(
-                "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall",
-                self.name,
-                answer.folded,
-                answer.below_floor,
-            )
+            message = "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall"
+            logger.debug(message, self.name, answer.folded, answer.below_floor)
         self._counters.add("recall_hits" if answer.passages else "recall_empty")
         entries = memory_entries(answer)
+        chars = sum(len(entry.content) for entry in entries)
+        outcome = "hit" if answer.passages else "empty"
         _telemetry.annotate(
-            "hit" if answer.passages else "empty",
-            passages=len(entries) - len(answer.unsearched),
-            chars_injected=sum(len(entry.content) for entry in entries),
-            unanswered=len(answer.unsearched),
+            outcome, passages=len(answer.passages), chars_injected=chars, unanswered=len(answer.unsearched)
         )
         return entries
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
-        """Save one note: the manager's ``add_memory`` tool and its extractor write through this.
+        """Save one note within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call this).
 
         Args:
             content: The note.
             metadata: Optional ``title`` (a string) and ``static`` (``True``: a standing fact for the profile).
 
         Returns:
-            Membase's answer.
+            Membase's answer, or ``None`` when this store has saved the same note already.
 
         Raises:
             ValueError: Capture is off, the content is blank, or a metadata flag has the wrong type.
+            MembaseWriteTimeout: The budget ran out; the request goes on in the background, never sent twice.
             MembaseAccessError: Membase refused the key (403).
             membase.MembaseError: Any other failure, so the manager keeps the write for a retry.
         """
@@ -308,34 +283,26 @@ class MembaseMemoryStore:
         return await self._write([part], lambda parts: gateway.save(parts[0].text, target, static=static, title=title))
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
-        """Save the text of a conversation batch as one note: the lines of ``capture_roles``, each starting with
-        its role when both are captured.
+        """Save a conversation batch as one note, as :meth:`add` does: the text of the messages of ``capture_roles``,
+        each line starting with its role when both are captured.
 
         Returns:
-            Membase's answer, or ``None`` when no text was left to send.
+            Membase's answer, or ``None`` when no text was left to send or all of it was saved already.
 
         Raises:
             ValueError: Capture is off.
-            MembaseAccessError: Membase refused the key (403).
-            membase.MembaseError: Any other failure, so the manager keeps the batch for a retry.
+            MembaseWriteTimeout, MembaseAccessError, membase.MembaseError: As for :meth:`add`.
         """
         self._require_capture("add_messages")
-        parts = self._parts_of(messages, getattr(context, "sequence_numbers", None))
-        if not parts:
-            with _telemetry.operation(_telemetry.WRITE, self.name, parts=0) as operation:
-                operation.outcome("empty", decision="nothing to send")
-            return None
+        parts = message_parts(messages, getattr(context, "sequence_numbers", None), self._capture_roles)
         gateway, container = self._gateway, self._container  # not self: see add()
         return await self._write(parts, lambda todo: gateway.save("\n".join(p.text for p in todo), container))
 
     def counters(self) -> dict[str, int]:
         """A snapshot of what this store has done since it was built, for logs or metrics; safe from any thread.
 
-        Always present: ``recalls``, ``recall_hits``, ``recall_empty``, ``recall_timeouts``, ``recall_skipped``,
-        ``recall_cancelled``, ``recall_errors``, ``recall_late_completions``, ``writes_saved``,
-        ``writes_deduplicated``, ``write_timeouts``, ``write_cancellations`` and ``write_errors``. Once they
-        happen: ``errors.<kind>`` per kind of Membase failure, ``tool_calls.<tool>``, and the passages recall
-        left out, ``recall_passages_folded`` (copies) and ``recall_passages_below_floor`` (below ``min_score``).
+        The standard counters (``recalls``, ``writes_saved``, ...) are always present, the others (``errors.<kind>``,
+        ``tool_calls.<tool>``, ...) once they happen: docs/observability.md says what each one counts.
         """
         return self._counters.snapshot()
 
@@ -356,16 +323,11 @@ class MembaseMemoryStore:
                 self._tools = build_tools(context, self._tool_names)
             return list(self._tools)
 
-    # --- Lifecycle ----------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Close the store; safe to call twice. A client passed in is left open.
-
-        Captured writes still running get up to ``write_timeout`` seconds to finish; then a batch that failed
-        with no manager retry to come is sent once more, within ``write_timeout`` again. Each outcome waited for
-        is logged and counted before this returns. This blocks the calling thread: from async code, use
-        :meth:`aclose`. If another caller is already closing the store, this waits for it, up to ``write_timeout``.
-        """
+        """Close the store, blocking (from async code, use :meth:`aclose`); safe to call twice, a client passed in is
+        left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
+        batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
+        counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
         if not self._begin_close():
             wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
@@ -377,18 +339,15 @@ class MembaseMemoryStore:
                 self._gateway.close()
 
     async def aclose(self) -> None:
-        """:meth:`close` for async code: the same, without blocking the event loop. Safe to call twice.
-
-        If this is cancelled, the store still ends closed, and the writes still running go on (their outcome is
-        logged when they end).
-        """
+        """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
+        writes still running go on (their outcome is logged when they end)."""
         if not self._begin_close():
             with contextlib.suppress(asyncio.TimeoutError):
                 await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
         closing = None
         try:
-            await self._writes.drain_async()
+            await wait_for_future(_background.submit(self._writes.drain, name=f"membase-close[{self.name}]"), None)
         finally:
             self._close_done.set_result(None)  # also when cancelled: the store never ends half closed
             if self._release():
@@ -415,18 +374,13 @@ class MembaseMemoryStore:
             return first
 
     def _release(self) -> bool:
-        """Let go of the local engine this store started; whether the caller is to close it now.
-
-        A hosted store has nothing of its own to close (its connections belong to the process's shared pool).
-        """
+        """Let go of the local engine this store started, if any; whether the caller is to close it now."""
         if self._finalizer is None:
             return False
         if self._writes.running():
             self._finalizer()  # on a thread, once they end
             return False
         return self._finalizer.detach() is not None
-
-    # --- Private helpers ----------------------------------------------------------------------
 
     @property
     def _default_limit(self) -> int:
@@ -457,6 +411,9 @@ class MembaseMemoryStore:
 
     async def _write(self, parts: list[Part], send: Callable[[list[Part]], Any]) -> Any:
         with _telemetry.operation(_telemetry.WRITE, self.name, parts=len(parts)) as operation:
+            if not parts:
+                operation.outcome("empty", decision="nothing to send")
+                return None
             operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
             try:
                 result = await self._writes.write(parts, send)
@@ -469,46 +426,29 @@ class MembaseMemoryStore:
 
     def _fail(self, action: str, error: Exception) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), anything else as it came, or as a masked copy if a server echoed the API key in it."""
+        automatic recall), a recall ended by the store's close as ``RuntimeError``, anything else as it came (or
+        as a masked copy if a server echoed the API key in it)."""
+        closed = action == "recall" and self._engine_closed()  # close() closed the local engine under the request
+        kind = "closed" if closed else describe_failure(error).kind
         self._counters.add(f"{action}_errors")
-        self._counters.add(f"errors.{describe_failure(error).kind}")
+        self._counters.add(f"errors.{kind}")
+        if closed:
+            logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
+            _telemetry.annotate("error", error_kind="closed")
+            message = f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
+            raise RuntimeError(message) from None
         clean = self._gateway.without_secret(error)
         if isinstance(error, membase.PermissionDeniedError):
             pause = ""
             if action == "recall" and self._access_cooldown is not None:
                 self._refused_until = time.monotonic() + self._access_cooldown
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-            logger.log(
-                # The manager logs a failed recall as a warning: the store's own line would be a second one.
-                logging.INFO if action == "recall" else logging.WARNING,
-                "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s",
-                self.name,
-                action,
-                pause,
-            )
+            # The manager logs a failed recall as a warning: the store's own line would be a second one.
+            logger.log(logging.INFO if action == "recall" else logging.WARNING, _REFUSED, self.name, action, pause)
             raise MembaseAccessError(ACCESS_SENTENCE) from clean
         if clean is error:
             raise error
         raise clean from None
-
-    def _parts_of(self, messages: list[Message], sequence_numbers: list[int] | None) -> list[Part]:
-        """The captured lines of a batch, each with the identity that survives the manager's retries."""
-        numbers = sequence_numbers if sequence_numbers and len(sequence_numbers) == len(messages) else None
-        prefix = len(self._capture_roles) > 1
-        parts = []
-        for index, message in enumerate(messages):
-            role = message.get("role")
-            blocks = [block for block in message.get("content", []) if "text" in block]
-            text = "\n".join(block["text"] for block in blocks).strip()
-            if role not in self._capture_roles or not text:
-                continue
-            # The first text block is the same object on every retry of this batch and a new one in a new agent
-            # run; the record holds it, so its id stays unique while the record stands.
-            anchor = blocks[0]
-            key = fingerprint("message", numbers[index] if numbers else None, id(anchor), role, text)
-            line = f"{role}: {text}" if prefix else text
-            parts.append(Part(key=key, text=line, anchor=anchor, anchor_bytes=sys.getsizeof(anchor["text"])))
-        return parts
 
 
 if TYPE_CHECKING:
