@@ -298,7 +298,7 @@ async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(
     assert not messages(caplog, logging.WARNING)
 
     skipped = Counter()
-    with pytest.raises(RecallSkipped, match="still running"):
+    with pytest.raises(RecallSkipped, match="memory waking"):
         await recall.run(on_thread(skipped), BUDGET)
     assert skipped.calls == 0
 

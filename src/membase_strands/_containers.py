@@ -1,4 +1,4 @@
-"""Memory names to container ids, once, with one second chance.
+"""Memory names to container ids, once, with one second chance; and the store's set-up check of them.
 
 Membase calls a Memory a container; users know it by name, the API wants the id. A name matches any case (an
 exact id also matches) against ``containers.list()``, and the id is cached. If Membase later refuses a cached id
@@ -7,14 +7,20 @@ exact id also matches) against ``containers.list()``, and the id is cached. If M
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
 import membase
 
-from ._failures import BadResponseError
+from . import _background
+from ._failures import BadResponseError, detail_of
 from ._text import clip
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -103,3 +109,48 @@ class ContainerResolver:
             if self.resolve(client, wanted) == container_id:
                 raise
         return request(self.resolve(client, wanted))
+
+
+class SetupCheck:
+    """The store's check of its Memories when an agent is built: one per store, within the budget, never in the way.
+
+    A check still running is shared, one that ended late is used, one that failed is tried again. Past the budget it
+    goes on in the background: agents built meanwhile do not wait for it again, and one outage warns once.
+    """
+
+    def __init__(self, check: Callable[[], None], redact: Callable[[str], str], store_name: str, lane: Hashable):
+        self._check, self._redact, self._store_name, self._lane = check, redact, store_name, lane
+        self._lock = threading.Lock()
+        self._running: Future[None] | None = None
+        self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
+        _background.reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        if self._running is not None and not self._running.done():
+            self._running = None  # its thread is the parent's: it will never finish here
+
+    async def run(self, budget: float) -> None:
+        """Wait up to ``budget`` seconds for the check; ``ValueError`` when it finds the configuration cannot work."""
+        unlisted = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
+        with self._lock:
+            check = self._running
+            if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
+                name = f"membase-check[{self._store_name}]"
+                check = self._running = _background.submit(self._check, name=name, lane=self._lane)
+            elif check is self._waited_out and not check.done():
+                # Building an agent per request during an outage must not cost every request that wait again.
+                logger.debug("store=<%s> | set-up check is still running; not waiting for it again", self._store_name)
+                return
+        try:
+            await _background.wait_for_future(check, budget)
+        except asyncio.TimeoutError:
+            with self._lock:
+                first, self._waited_out = self._waited_out is not check, check
+            if first:  # agents built together during one outage warn once
+                logger.warning(unlisted, self._store_name, "no answer in time")
+        except membase.MembaseError as error:
+            logger.warning(unlisted, self._store_name, self._redact(detail_of(error)))
+        except Exception:
+            self._running = None  # the next agent lists the Memories again: they may have changed
+            raise

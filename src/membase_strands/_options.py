@@ -68,6 +68,14 @@ def check_timeout(option: str, value: Any) -> float | None:
     raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
 
 
+def check_capture(capture: Any, extraction: Any) -> bool:
+    if not isinstance(capture, bool):
+        raise ValueError(f"capture must be True or False, got {capture!r}")
+    if extraction not in (None, False) and not capture:
+        raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
+    return capture
+
+
 def check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
     chosen = (roles,) if isinstance(roles, str) else tuple(roles)
     if not chosen or any(role not in ROLES for role in chosen):

@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 class RecallSkipped(Exception):
-    """A late or cancelled recall still holds the guard, so this one sent nothing. Not a failure: no memory now."""
+    """Nothing was sent: a late or cancelled recall still runs, or recall is paused after a 403. Not a failure."""
 
 
 class TimeBoxedRecall:
@@ -44,20 +44,18 @@ class TimeBoxedRecall:
         counters: Counters | None = None,
         redact: Callable[[str], str] = str,
         *,
-        is_closed: Callable[[], bool] = lambda: False,
         hold_limit: float = DEFAULT_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``is_closed``: whether the store was closed (then the close, not the network, ended a late request that
-        fails); ``hold_limit``: the longest a late request holds the guard, from its start (one SDK attempt)."""
+        """``hold_limit``: the longest a late request holds the guard, from its start (one SDK attempt)."""
         self._store_name = store_name
         self._counters = counters if counters is not None else Counters()
         self._redact = redact
-        self._is_closed = is_closed
         self._hold_limit = hold_limit
         self._clock = clock
         self._lock = threading.Lock()
         self._late: dict[Future[Any], float] = {}  # late request -> when it started
+        self._paused_until = 0.0  # after a 403: no recall before then
         _background.reset_after_fork(self)
 
     def _after_fork_in_child(self) -> None:
@@ -71,18 +69,20 @@ class TimeBoxedRecall:
             oldest_that_counts = self._clock() - self._hold_limit
             return any(started > oldest_that_counts for started in self._late.values())
 
+    def pause(self, seconds: float) -> None:
+        """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
+        self._paused_until = self._clock() + seconds
+
     async def run(self, start: Callable[[], Future[T]], budget: float | None) -> T:
         """Start a request on a thread (``start`` returns its future) and wait at most ``budget`` seconds (``None``:
         as long as it takes) for what it returns. Raises :class:`RecallSkipped` (nothing sent) while a late request
         holds the guard, and :class:`MembaseRecallTimeout` past the budget; the request goes on in the background
         then, and when the caller is cancelled, holding the guard."""
-        if self.waking:
+        skip = "key refused (403)" if self._clock() < self._paused_until else "memory waking" if self.waking else None
+        if skip is not None:
             self._counters.add("recall_skipped")
-            logger.debug("store=<%s>, reason=<memory waking> | recall skipped", self._store_name)
-            raise RecallSkipped(
-                "Membase recall skipped: an earlier recall that nobody waits for any more (it ran out of "
-                "time or was cancelled) is still running"
-            )
+            logger.debug("store=<%s>, reason=<%s> | recall skipped", self._store_name, skip)
+            raise RecallSkipped(skip)
         started = self._clock()
         future = start()
         try:
@@ -125,21 +125,10 @@ class TimeBoxedRecall:
             del self._late[future]
         elapsed = self._clock() - started
         error = future.exception()
-        closed = error is not None and self._is_closed()  # the close ended the connection under it, not the network
-        outcome, kind, traced = ("error", "closed", None) if closed else ("completed", None, error)
         name = self._store_name
-        _telemetry.late(
-            _telemetry.RECALL_LATE, name, linked, outcome, error=traced, error_kind=kind, elapsed_s=round(elapsed, 3)
-        )
+        _telemetry.late(_telemetry.RECALL_LATE, name, linked, "completed", error=error, elapsed_s=round(elapsed, 3))
         if error is None:
             logger.info("store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes", name, elapsed)
-        elif closed:
-            logger.info(
-                "store=<%s>, elapsed=<%.1f s>, reason=<store closed> | late recall ended: "
-                "the store was closed while the recall was running",
-                name,
-                elapsed,
-            )
         else:
             reason = self._redact(detail_of(error))
             message = "store=<%s>, elapsed=<%.1f s>, reason=<%s> | late recall failed; automatic recall resumes"

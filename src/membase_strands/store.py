@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
@@ -24,8 +23,9 @@ from strands.types.content import Message
 
 from . import _background, _options, _telemetry
 from ._background import wait_for_future
+from ._containers import SetupCheck
 from ._counters import Counters
-from ._failures import ACCESS_SENTENCE, describe_failure, detail_of
+from ._failures import ACCESS_SENTENCE, describe_failure
 from ._formatting import arrange, memory_entries
 from ._gateway import MembaseGateway
 from ._recall import RecallSkipped, TimeBoxedRecall
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_UNLISTED = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
 _RETRYING_CLIENT = (
     "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured write that "
     "timed out may be saved twice; build it with max_retries=0, or pass api_key= instead"
@@ -48,11 +47,10 @@ _REFUSED = "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed
 
 
 class MembaseMemoryStore:
-    """A Strands memory store backed by Membase.
+    """A Strands memory store backed by Membase: put it into ``MemoryManager(stores=[...])``.
 
-    Put it into ``MemoryManager(stores=[...])``. Before each user turn the manager asks it for memory: that recall is
-    time-boxed (``recall_timeout``) and fails open. The model also gets the tools ``membase_search``,
-    ``membase_save`` and ``membase_profile``. Writing every turn is opt-in (``capture=True``).
+    Before each user turn the manager asks it for memory, within ``recall_timeout`` (it fails open). The model gets
+    the tools ``membase_search``, ``membase_save`` and ``membase_profile``. Writing every turn is opt-in.
     """
 
     def __init__(
@@ -87,13 +85,10 @@ class MembaseMemoryStore:
             name: The store's name in the ``MemoryManager``.
             description: What the manager tells the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
-            max_recall_chars: The most passage text one search returns: whole passages, best first, one longer on
-                its own cut with a marker; ``None``: no cap.
+            max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
             min_score: Leave out passages scored below this (``python -m membase_strands check`` shows scores).
-            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: the
-                SDK's own limit).
-            write_timeout: Seconds a captured write may hold its caller, then it raises and goes on (``None``: one
-                whole attempt).
+            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: the SDK's).
+            write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
@@ -113,12 +108,7 @@ class MembaseMemoryStore:
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
         self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
-        self._refused_until = 0.0  # monotonic time until which automatic recall is paused after a 403
-        if not isinstance(capture, bool):
-            raise ValueError(f"capture must be True or False, got {capture!r}")
-        if extraction not in (None, False) and not capture:
-            raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
-        self.writable: bool = capture
+        self.writable: bool = _options.check_capture(capture, extraction)
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
@@ -131,13 +121,13 @@ class MembaseMemoryStore:
         self._counters = Counters()
         _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
         redact = self._gateway.redact
-        self._recall = TimeBoxedRecall(self.name, self._counters, redact, is_closed=self._engine_closed)
+        self._recall = TimeBoxedRecall(self.name, self._counters, redact)
         self._writes = WriteRecord(self.name, self._counters, redact, budget=self._write_timeout)
-        self._lock = threading.Lock()  # for the set-up check, the tools and closing
+        self._lock = threading.Lock()  # for the tools and closing
         self._closed = False
         self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
-        self._setup_check: Future[None] | None = None
-        self._setup_waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
+        check = functools.partial(self._gateway.check_setup, self._container)
+        self._setup = SetupCheck(check, self._gateway.redact, self.name, lane=self._gateway)
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
         # A store dropped unclosed (say, one a pool let go of) must not keep its local engine. The callback holds the
@@ -163,32 +153,9 @@ class MembaseMemoryStore:
             ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
                 and none pinned.
         """
-        if self._container is None and not self.writable:
-            return
-        self._check_open()
-        with self._lock:
-            check = self._setup_check
-            if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
-                # A running check is shared, and one that ended late is used; one that failed told nothing.
-                setup = functools.partial(self._gateway.check_setup, self._container)
-                check = _background.submit(setup, name=f"membase-check[{self.name}]", lane=self._gateway)
-                self._setup_check = check
-            elif check is self._setup_waited_out and not check.done():
-                # Building an agent per request during an outage must not cost every request that wait again.
-                logger.debug("store=<%s> | set-up check is still running; not waiting for it again", self.name)
-                return
-        try:
-            await wait_for_future(check, self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
-        except asyncio.TimeoutError:
-            with self._lock:
-                first, self._setup_waited_out = self._setup_waited_out is not check, check
-            if first:  # agents built together during one outage warn once
-                logger.warning(_UNLISTED, self.name, "no answer in time")
-        except membase.MembaseError as error:
-            logger.warning(_UNLISTED, self.name, self._gateway.redact(detail_of(error)))
-        except Exception:
-            self._setup_check = None  # the next agent lists the Memories again: they may have changed
-            raise
+        if self._container is not None or self.writable:
+            self._check_open()
+            await self._setup.run(self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
@@ -200,14 +167,14 @@ class MembaseMemoryStore:
         Raises:
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
             MembaseAccessError: Membase refused the key (403); automatic recall pauses for ``access_cooldown``.
-            RuntimeError: The store is closed, or was closed while the recall was running.
+            RuntimeError: The store is closed.
             ValueError: ``options["max_search_results"]`` is not a whole number of at least 1.
             asyncio.CancelledError: The task was cancelled; the request goes on, and recalls skip while it runs.
         """
         with _telemetry.operation(_telemetry.RECALL, self.name) as operation:
             entries = await self._search(query, options)
             operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-            return entries
+        return entries
 
     async def _search(self, query: str, options: SearchOptions | None) -> list[MemoryEntry]:
         self._check_open()
@@ -218,11 +185,6 @@ class MembaseMemoryStore:
         wanted = options.get("max_search_results") if options else None
         limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
         self._counters.add("recalls")
-        if time.monotonic() < self._refused_until:
-            self._counters.add("recall_skipped")
-            logger.debug("store=<%s>, reason=<key refused (403)> | recall skipped while recall is paused", self.name)
-            _telemetry.annotate("skipped", reason="key refused (403)")
-            return []
         # With a budget, one attempt: a late request must hold the in-flight guard for one attempt, not three.
         search = functools.partial(
             self._gateway.search, _options.query_text(query), limit, self._container, retry=self._recall_timeout is None
@@ -230,8 +192,8 @@ class MembaseMemoryStore:
         start = functools.partial(_background.submit, search, name=f"membase-recall[{self.name}]", lane=self._gateway)
         try:
             answer = await self._recall.run(start, self._recall_timeout)
-        except RecallSkipped:
-            _telemetry.annotate("skipped", reason="memory waking")
+        except RecallSkipped as skipped:
+            _telemetry.annotate("skipped", reason=str(skipped))
             return []  # counted and logged at DEBUG by the guard
         except MembaseRecallTimeout:
             raise
@@ -241,10 +203,10 @@ class MembaseMemoryStore:
         # answer is never dropped silently behind a full page of passages.
         most = max(0, limit - len(answer.unsearched))
         answer = arrange(answer, most, min_score=self._min_score, budget=self._max_recall_chars)
-        if answer.folded:
-            self._counters.add("recall_passages_folded", answer.folded)
-        if answer.below_floor:
-            self._counters.add("recall_passages_below_floor", answer.below_floor)
+        left_out = {"recall_passages_folded": answer.folded, "recall_passages_below_floor": answer.below_floor}
+        for counter, count in left_out.items():
+            if count:
+                self._counters.add(counter, count)
         if answer.folded or answer.below_floor:
             message = "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall"
             logger.debug(message, self.name, answer.folded, answer.below_floor)
@@ -258,11 +220,8 @@ class MembaseMemoryStore:
         return entries
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
-        """Save one note within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call this).
-
-        Args:
-            content: The note.
-            metadata: Optional ``title`` (a string) and ``static`` (``True``: a standing fact for the profile).
+        """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
+        this); ``metadata`` may carry a ``title`` and ``static=True`` (a standing fact, for the profile).
 
         Returns:
             Membase's answer, or ``None`` when this store has saved the same note already.
@@ -388,14 +347,7 @@ class MembaseMemoryStore:
         return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
 
     def _after_fork_in_child(self) -> None:
-        # The guard, the write record, the counters and the gateway reset themselves; these are the store's own.
-        self._lock = threading.Lock()
-        if self._setup_check is not None and not self._setup_check.done():
-            self._setup_check = None  # its thread is the parent's: it will never finish here
-
-    def _engine_closed(self) -> bool:
-        """Whether close() closed the local engine this store started (a failure then is the close's doing)."""
-        return self._closed and self._gateway.owns_engine
+        self._lock = threading.Lock()  # the guard, the write record, the set-up check and the gateway reset themselves
 
     def _check_open(self) -> None:
         if self._closed:
@@ -426,22 +378,14 @@ class MembaseMemoryStore:
 
     def _fail(self, action: str, error: Exception) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), a recall ended by the store's close as ``RuntimeError``, anything else as it came (or
-        as a masked copy if a server echoed the API key in it)."""
-        closed = action == "recall" and self._engine_closed()  # close() closed the local engine under the request
-        kind = "closed" if closed else describe_failure(error).kind
+        automatic recall), anything else as it came (or as a masked copy if a server echoed the API key in it)."""
         self._counters.add(f"{action}_errors")
-        self._counters.add(f"errors.{kind}")
-        if closed:
-            logger.debug("store=<%s>, reason=<store closed> | recall ended by close()", self.name)
-            _telemetry.annotate("error", error_kind="closed")
-            message = f"MembaseMemoryStore '{self.name}' was closed while the recall was running; nothing was recalled"
-            raise RuntimeError(message) from None
+        self._counters.add(f"errors.{describe_failure(error).kind}")
         clean = self._gateway.without_secret(error)
         if isinstance(error, membase.PermissionDeniedError):
             pause = ""
             if action == "recall" and self._access_cooldown is not None:
-                self._refused_until = time.monotonic() + self._access_cooldown
+                self._recall.pause(self._access_cooldown)
                 pause = f"; automatic recall paused for {self._access_cooldown:g} s"
             # The manager logs a failed recall as a warning: the store's own line would be a second one.
             logger.log(logging.INFO if action == "recall" else logging.WARNING, _REFUSED, self.name, action, pause)
