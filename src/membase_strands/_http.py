@@ -24,10 +24,9 @@ from membase.client import DEFAULT_TIMEOUT
 
 from . import _background
 
-ATTEMPT_SECONDS = DEFAULT_TIMEOUT
-"""The whole-call deadline of one attempt through the shared pools: the SDK's own timeout."""
+ATTEMPT_SECONDS = DEFAULT_TIMEOUT  # the whole-call deadline of one attempt: the SDK's own timeout
+# Idle sockets past 50 are closed, and any idle for 5 s at the pool's next use.
 LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50, keepalive_expiry=5.0)
-"""The shared pools' limits: idle sockets past 50 are closed, and any idle for 5 s at the pool's next use."""
 # httpx reads these when it builds a client: stores share a pool only when built under the same values.
 _HTTP_ENVIRONMENT = tuple(
     name
@@ -60,10 +59,8 @@ def shared_client(base_url: str) -> httpx.Client:
 
 
 def route(base_url: str, transport: httpx.BaseTransport) -> httpx.Client:
-    """Send what stores built for ``base_url`` send through ``transport``, while the returned client lives.
-
-    For the testing kit: a store built from a key then takes the production path down to the transport.
-    """
+    """Send through ``transport`` what stores built for ``base_url`` send, while the returned client lives: the
+    testing kit's way to keep a store built from a key on the production path down to the transport."""
     client = DeadlineClient(base_url=base_url, transport=transport, timeout=ATTEMPT_SECONDS)
     _routes[base_url] = client
     return client

@@ -30,18 +30,12 @@ class MembaseStorePool:
 
     Stores built from keys share the process's connections to their Membase host, each request with its own
     user's key: users share warm sockets, never credentials. There is no shared or fallback key.
-
-    Example:
-        ```python
-        pool = MembaseStorePool(lambda user_id: vault.membase_key(user_id), recall_timeout=5.0)
-        agent = Agent(memory_manager=MemoryManager(stores=[pool.store_for(user_id)]))
-        ```
     """
 
     def __init__(
         self, credential_for: Callable[[str], Credential], *, max_stores: int = 1000, **store_options: Any
     ) -> None:
-        """Create an empty pool.
+        """An empty pool.
 
         Args:
             credential_for: A user's Membase API key (a ``str``) or local directory (a ``pathlib.Path``), by user id.
@@ -74,8 +68,7 @@ class MembaseStorePool:
         self._lock = threading.Lock()  # a thread handing out a store may have held it at the fork
 
     def __len__(self) -> int:
-        """How many stores the pool keeps for reuse (at most ``max_stores``)."""
-        with self._lock:
+        with self._lock:  # the stores kept for reuse, at most max_stores
             return len(self._stores)
 
     def __repr__(self) -> str:
@@ -143,7 +136,7 @@ class MembaseStorePool:
         await self.aclose()
 
     def _close_pool(self) -> list[MembaseMemoryStore]:
-        """Refuse new stores from now on; the stores handed out that are still alive, now the caller's to close."""
+        """Refuse new stores; the stores handed out that are still alive, now the caller's to close."""
         with self._lock:
             self._closed = True
             self._stores.clear()
@@ -174,7 +167,6 @@ class MembaseStorePool:
 
 
 def _warn_failed(outcomes: Iterable[object]) -> None:
-    """Log each store close that failed: each outcome is an exception, or anything else for a close that ended."""
-    for outcome in outcomes:
+    for outcome in outcomes:  # an exception, or anything else for a close that ended
         if isinstance(outcome, BaseException):
             logger.warning("reason=<%s> | a store failed to close", type(outcome).__name__)
