@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-import membase_strands.store
 from membase_strands import MembaseAccessError, MembaseMemoryStore, _background
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase
@@ -281,11 +280,11 @@ def test_after_a_403_automatic_recall_pauses_for_the_cooldown_while_the_tools_st
     fake, make_store, caplog, monkeypatch
 ):
     clock = Clock()
-    monkeypatch.setattr(membase_strands.store, "time", clock)
     caplog.set_level(logging.DEBUG)
     fake.remember("We chose Postgres for the ledger.")
     fake.always("POST", "/v1/search", status(403, "key revoked"))
     store = make_store(access_cooldown=0.3, recall_timeout=LONG)
+    monkeypatch.setattr(store._recall, "_clock", clock)  # the guard's clock: the pause lives there
     agent, model = make_agent(store, ["ok", "ok", "ok", ToolCall("membase_search", {"query": "ledger"}), "ok", "ok"])
 
     agent("Which database for the ledger?")
