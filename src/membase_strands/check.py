@@ -194,7 +194,7 @@ def _steps(
     except membase.PermissionDeniedError:
         yield Step("save", False, f"the key may not save ({_SAVE_PROBE}: it answered 403)")
     except Exception as error:  # noqa: BLE001
-        if isinstance(error, membase.BadRequestError) and describe_failure(error).kind != "bad_container":
+        if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
             yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
         else:
             yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error)}")
