@@ -4,8 +4,6 @@ Run it as ``membase-strands check`` (``--json`` for scripts) or call :func:`run_
 and saves nothing: it tries saving an empty note, which Membase refuses (403 if the key may not write, else 400).
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json
@@ -53,10 +51,9 @@ class CheckReport:
 
     Attributes:
         target: Where Membase was reached (a host, or a local directory); never the key.
-        memories: The names of the Memories in reach.
         first_search_seconds: The first probe search's time (a cold memory wakes up here).
         second_search_seconds: The second's (the memory is awake).
-        suggested_recall_timeout: A ``recall_timeout`` that covers a warm search with room to spare.
+        suggested_recall_timeout: A ``recall_timeout`` with room for five warm searches (2-30 s, whole seconds).
         scores: The scores of the passages the probe found, highest first, to choose ``min_score`` from.
     """
 
@@ -123,9 +120,7 @@ def run_check(
         client: A ready client instead of the three above.
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
-        need_profile: Whether reading the profile must be allowed for the check to pass.
         query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
-        clock: The clock for timings (for tests).
 
     Returns:
         The report; ``report.ok`` tells whether everything needed works.
@@ -139,10 +134,8 @@ def run_check(
         target = gateway.base_url if gateway.hosted else f"local Membase {where}"
         report = CheckReport(target, probe_query=query_text(query or "") or PROBE_QUERY)
         needed = {"profile": need_profile, "save": need_save}
-        report.steps = [
-            replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True))
-            for step in _steps(gateway, report, container, clock)
-        ]
+        for step in _steps(gateway, report, container, clock):
+            report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
         report.probe_query = gateway.redact(report.probe_query)
     return report
 
@@ -160,7 +153,6 @@ def _steps(
     yield Step("reach", True, f"Membase answered in {clock() - started:.2f} s")
     report.memories = [c.name for c in containers]
     yield Step("memories in reach", True, ", ".join(report.memories) or "none yet")
-
     container_id = None
     if container is not None:
         try:
@@ -169,7 +161,6 @@ def _steps(
             yield Step("container", False, str(error))
             return
         yield Step("container", True, f"'{container}' is in reach (id {container_id})")
-
     timings = []
     for attempt in ("first", "second"):
         started = clock()
@@ -182,7 +173,6 @@ def _steps(
     report.first_search_seconds, report.second_search_seconds = timings
     # The same query twice: the second (warm) answer's scores stand for both.
     report.scores = sorted((p.score for p in answer.passages if p.score is not None), reverse=True)
-    # Room for five warm searches, at least 2 s, at most 30 s, rounded up to a whole second.
     report.suggested_recall_timeout = float(min(30, max(2, math.ceil(timings[1] * 5))))
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
@@ -190,7 +180,6 @@ def _steps(
         yield Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
         return
     yield Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
-
     try:
         gateway.profile(None)
     except membase.PermissionDeniedError:
@@ -199,14 +188,13 @@ def _steps(
         yield Step("profile", False, _fix_for(error))
     else:
         yield Step("profile", True, "the profile can be read")
-
     # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
     try:
         gateway.save("", container_id or (containers[0].id if containers else None))
     except membase.PermissionDeniedError:
         yield Step("save", False, f"the key may not save ({_SAVE_PROBE}: it answered 403)")
     except Exception as error:  # noqa: BLE001
-        if isinstance(error, membase.BadRequestError) and describe_failure(error).kind != "bad_container":
+        if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
             yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
         else:
             yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error)}")

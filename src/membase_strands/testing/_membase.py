@@ -1,7 +1,5 @@
 """An in-memory Membase for tests: notes searched by shared words, every request recorded, faults per route."""
 
-from __future__ import annotations
-
 import itertools
 import json
 import re
@@ -52,7 +50,6 @@ class InMemoryMembase:
         notes: Every note saved, seeded ones too.
         standing: The profile's standing facts.
         unsearchable: Memory id -> the reason it cannot answer a search.
-        requests: Every request that reached it, in order.
         base_url: A host of its own, routed to its ``httpx.MockTransport`` while it lives.
     """
 
@@ -66,8 +63,7 @@ class InMemoryMembase:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        # A route lasts as long as the client route() returns: this Membase keeps it for its own life.
-        self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))
+        self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))  # the route lasts while this does
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
@@ -111,17 +107,15 @@ class InMemoryMembase:
 
     def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
         """The recorded requests, optionally only those to one route."""
-        with self._lock:
-            return [r for r in self.requests if method in (None, r.method) and path in (None, r.path)]
+        return [r for r in self.requests if method in (None, r.method) and path in (None, r.path)]
 
     def _id_of(self, container: str) -> str:
         return next((str(c["id"]) for c in self.containers if container in (c["id"], c["name"])), container)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         """Record ``request``, then answer it with the route's next injected fault, if any, else as Membase would."""
-        params = dict(request.url.params.multi_items())
         with self._lock:
-            self.requests.append(Recorded(request.method, request.url.path, _body(request), params))
+            self.requests.append(Recorded(request.method, request.url.path, _body(request), dict(request.url.params)))
             responder = next(self._faults.get((request.method, request.url.path), iter(())), None)
         return (responder or self.answer)(request)
 
@@ -130,30 +124,41 @@ class InMemoryMembase:
         route, body = (request.method, request.url.path), _body(request)
         if route == ("GET", "/v1/containers"):
             return httpx.Response(200, json={"containers": self.containers})
-        if route == ("POST", "/v1/search"):
-            return self._search(body)
-        if route == ("POST", "/v1/memories"):
-            return self._add(body)
         if route == ("GET", "/v1/profile"):
             recent = [{"content": n.content, "updated_at": "2026-11-01T00:00:00Z"} for n in self.notes[-3:]]
             profile: dict[str, Any] = {"static": list(self.standing), "dynamic": recent, "available": True}
             if topic := request.url.params.get("q"):
                 profile["results"] = self._hits(topic, None, 5)
             return httpx.Response(200, json=profile)
+        if route == ("POST", "/v1/search"):
+            query, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
+            if limit is not None and not 1 <= limit <= 50:
+                return error(400, "bad_request", "limit must be 1-50")
+            if container is not None and container not in {c["id"] for c in self.containers}:
+                return error(403, "unauthorized", f"container {container!r} is not in reach")
+            searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
+            for row in searched:
+                if row["id"] in self.unsearchable:
+                    row["error"] = self.unsearchable[row["id"]]
+            hits = self._hits(query, container, limit or 8)
+            return httpx.Response(200, json={"query": query, "results": hits, "containers": searched})
+        if route == ("POST", "/v1/memories"):
+            content = body.get("content") or ""
+            if not content.strip():
+                return error(400, "bad_request", "content is required")
+            if body.get("static"):
+                self.standing.append(content)
+                return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
+            container = body.get("container")
+            if container is None:
+                if len(self.containers) != 1:
+                    return error(400, "bad_request", "several containers are in reach; name one")
+                container = self.containers[0]["id"]
+            elif container not in {c["id"] for c in self.containers}:
+                return error(403, "unauthorized", f"container {container!r} is not in reach")
+            self.notes.append(Note(content=content, container=container, title=body.get("title") or ""))
+            return httpx.Response(200, json={"memory_id": f"{container}:{len(self.notes)}", "container": container})
         return error(404, "not_found", f"no route {request.method} {request.url.path}")
-
-    def _search(self, body: dict[str, Any]) -> httpx.Response:
-        query, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
-        if limit is not None and not 1 <= limit <= 50:
-            return error(400, "bad_request", "limit must be 1-50")
-        if container is not None and container not in {c["id"] for c in self.containers}:
-            return error(403, "unauthorized", f"container {container!r} is not in reach")
-        searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
-        for row in searched:
-            if row["id"] in self.unsearchable:
-                row["error"] = self.unsearchable[row["id"]]
-        hits = self._hits(query, container, limit or 8)
-        return httpx.Response(200, json={"query": query, "results": hits, "containers": searched})
 
     def _hits(self, query: str, container: str | None, limit: int) -> list[dict[str, Any]]:
         """The notes that share the most words with ``query``, best first, as Membase lists passages."""
@@ -167,23 +172,6 @@ class InMemoryMembase:
             for overlap, n in scored[:limit]
             if overlap
         ]
-
-    def _add(self, body: dict[str, Any]) -> httpx.Response:
-        content = body.get("content") or ""
-        if not content.strip():
-            return error(400, "bad_request", "content is required")
-        if body.get("static"):
-            self.standing.append(content)
-            return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
-        container = body.get("container")
-        if container is None:
-            if len(self.containers) != 1:
-                return error(400, "bad_request", "several containers are in reach; name one")
-            container = self.containers[0]["id"]
-        elif container not in {c["id"] for c in self.containers}:
-            return error(403, "unauthorized", f"container {container!r} is not in reach")
-        self.notes.append(Note(content=content, container=container, title=body.get("title") or ""))
-        return httpx.Response(200, json={"memory_id": f"{container}:{len(self.notes)}", "container": container})
 
 
 def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -24,18 +24,10 @@ Step = str | ToolCall | Callable[[str], "str | ToolCall"]
 
 
 class ScriptedModel(Model):
-    """Replays scripted turns: a string is a final text answer, a :class:`ToolCall` calls a tool.
+    """Replays scripted turns (see :data:`Step`) and records each call's messages, deep-copied, in :attr:`calls`.
 
-    A callable step gets the text sent in that call (the memory block included), so a turn can depend on what
-    was recalled. :attr:`calls` records each call's messages (deep-copied); past the script's end it answers ``"ok"``.
-
-    Example:
-        ```python
-        model = ScriptedModel([ToolCall("membase_save", {"content": "I like green tea."}), "Saved."])
-        agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]))
-        agent("Remember that I like green tea.")
-        assert "green tea" in model.tool_result_text()
-        ```
+    A callable step gets the text sent in that call, the memory block included, so a turn can depend on what was
+    recalled. Past the script's end it answers ``"ok"``. The README's "Testing your own agent" shows it at work.
     """
 
     def __init__(self, script: list[Step] | None = None) -> None:

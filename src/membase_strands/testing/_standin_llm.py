@@ -15,7 +15,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -50,23 +49,14 @@ def embed(text: str) -> list[float]:
     return [v / norm for v in vector] if norm else [1.0, *vector[1:]]
 
 
-@dataclass
-class Seen:
-    """One request the stand-in answered."""
-
-    path: str
-    kind: str
-    status: int
-    prompt: str = ""
-
-
 class StandInLLM:
     """The stand-in server. ``port=0`` picks a free port on first start; restarts reuse it."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port
-        self.seen: list[Seen] = []
+        self.seen: list[str] = []  # the kind of each request answered, in order (see count())
+        self.unknown_prompts: list[str] = []  # the chat prompts it did not recognise (answered {}), in order
         self._failing: int | None = None
         self._server: ThreadingHTTPServer | None = None
 
@@ -76,11 +66,6 @@ class StandInLLM:
         if not self.port:
             raise RuntimeError("the stand-in has no port yet: start() it first")
         return f"http://{self.host}:{self.port}/v1"
-
-    @property
-    def unknown_prompts(self) -> list[str]:
-        """The prompts it did not recognise (answered ``{}``), in order."""
-        return [seen.prompt for seen in self.seen if seen.kind == "unknown"]
 
     def engine_env(self) -> dict[str, str]:
         """The variables that point the Membase engine here; set them before its first call (it caches them)."""
@@ -134,30 +119,53 @@ class StandInLLM:
 
     def count(self, kind: str | None = None) -> int:
         """How many requests of ``kind`` ("embeddings", "boundary", "episode", "steering", "unknown", "failed")."""
-        return sum(kind in (None, seen.kind) for seen in self.seen)
+        return len(self.seen) if kind is None else self.seen.count(kind)
 
     def reset(self) -> None:
         """Forget the requests seen so far."""
         self.seen.clear()
+        self.unknown_prompts.clear()
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The status and JSON body for one request, which is recorded in :attr:`seen`."""
+        """The status and JSON body for one request, whose kind is recorded in :attr:`seen`."""
+        status = self._failing or 200
         if self._failing is not None:
-            status = self._failing
-            kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request"
-            seen, payload = Seen(path, "failed", status), _error(f"stand-in LLM is failing on purpose ({status})", kind)
+            kind, payload = "failed", _error(status, f"stand-in LLM is failing on purpose ({status})")
         elif path.endswith("/embeddings"):
-            seen, payload = Seen(path, "embeddings", 200), _embeddings(body)
+            kind, payload = "embeddings", _embeddings(body)
         elif path.endswith("/chat/completions"):
-            seen, payload = _chat(path, body)
+            kind, payload = self._chat(body)
         else:
             logger.warning("stand-in LLM: no route for %s", path)
-            seen, payload = Seen(path, "unknown", 404), _error(f"stand-in LLM has no route {path}")
-        self.seen.append(seen)  # from the server's threads: list appends are atomic
-        return seen.status, payload
+            status, kind, payload = 404, "unknown", _error(404, f"stand-in LLM has no route {path}")
+        self.seen.append(kind)  # from the server's threads: list appends are atomic
+        return status, payload
+
+    def _chat(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
+        if "episodic memory boundary detection expert" in prompt:
+            kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
+        elif "episodic memory generation expert" in prompt:
+            kind, reply = "episode", _episode(prompt)
+        elif "You steer a multi-round memory search" in prompt:
+            kind, reply = "steering", _steer(prompt)
+        else:
+            kind, reply = "unknown", {}
+            logger.warning("stand-in LLM: UNKNOWN PROMPT answered {} (add a rule to _standin_llm.py): %r", prompt[:300])
+            self.unknown_prompts.append(prompt)
+        message = {"role": "assistant", "content": json.dumps(reply)}
+        return kind, {
+            "id": f"standin-{time.monotonic_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "standin-chat"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }
 
 
-def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+def _error(status: int, message: str) -> dict[str, Any]:
+    kind = "invalid_api_key" if status in (401, 403) else "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "code": kind}}
 
 
@@ -167,28 +175,6 @@ def _embeddings(body: dict[str, Any]) -> dict[str, Any]:
     data = [{"object": "embedding", "index": i, "embedding": embed(text)} for i, text in enumerate(texts)]
     usage = {"prompt_tokens": 0, "total_tokens": 0}
     return {"object": "list", "data": data, "model": body.get("model", "standin-embed"), "usage": usage}
-
-
-def _chat(path: str, body: dict[str, Any]) -> tuple[Seen, dict[str, Any]]:
-    prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
-    if "episodic memory boundary detection expert" in prompt:
-        kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
-    elif "episodic memory generation expert" in prompt:
-        kind, reply = "episode", _episode(prompt)
-    elif "You steer a multi-round memory search" in prompt:
-        kind, reply = "steering", _steer(prompt)
-    else:
-        kind, reply = "unknown", {}
-        logger.warning("stand-in LLM: UNKNOWN PROMPT, answered {} (add a rule to _standin_llm.py): %r", prompt[:300])
-    message = {"role": "assistant", "content": json.dumps(reply)}
-    return Seen(path, kind, 200, prompt if kind == "unknown" else ""), {
-        "id": f"standin-{time.monotonic_ns()}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model", "standin-chat"),
-        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }
 
 
 def _message_text(message: dict[str, Any]) -> str:
@@ -229,14 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("stand-in LLM: " + format, *args)
 
     def do_POST(self) -> None:
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or "{}")
-        except json.JSONDecodeError:
-            body = None
-        if isinstance(body, dict):
-            status, payload = self.standin.answer(self.path.split("?")[0], body)
-        else:
-            status, payload = 400, _error("body is not a JSON object")
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or "{}")
+        status, payload = self.standin.answer(self.path.split("?")[0], body)
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
