@@ -1,11 +1,10 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
-Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them,
-passages lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed
-notice. The work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of
-a passage its first ``max_recall_chars`` characters. Passages are the same when those, cleaned and whitespace-
-normalised, are equal and either both go on past them or neither; each is read only as far as it takes to tell it
-apart (cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text).
+Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them, passages
+lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed notice. The
+work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of a passage its
+first ``max_recall_chars`` characters, read only as far as it takes to tell it from the others (cleaning maps each
+character on its own, so a cleaned start of a text is a start of the cleaned text).
 """
 
 from __future__ import annotations
@@ -125,28 +124,25 @@ def arrange(
     ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with :data:`CUT_MARKER`."""
     readings = _readings(answer.passages, budget)
     if all(reading.score is not None for reading in readings):
-        readings.sort(key=lambda reading: -(reading.score or 0.0))  # sort() is stable: ties keep their order
-    order = {reading: position for position, reading in enumerate(readings)}
-    shown = []  # one reading per text (see the module doc), the first copy, naming every Memory that returned it
-    for same in _same_texts(readings, _FOLD_START):
-        same.sort(key=order.__getitem__)
-        same[0].memories = list(dict.fromkeys(reading.passage.memory for reading in same))
-        shown.append(same[0])
-    shown.sort(key=order.__getitem__)
+        readings.sort(key=lambda reading: reading.score or 0.0, reverse=True)  # a stable sort: ties keep their order
+    first = {reading: same[0] for same in _same_texts(readings, _FOLD_START) for reading in same}
+    for reading in readings:  # in order: the first copy of a text is shown, naming every Memory that returned it
+        first[reading].memories.setdefault(reading.passage.memory)
+    shown = [reading for reading in readings if first[reading] is reading]
     kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
-    passages = _fit(kept[: max(0, most)], budget)
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
-    return replace(answer, passages=passages, floor=min_score, below_floor=below, folded=folded)
+    return replace(answer, passages=_fit(kept[:most], budget), floor=min_score, below_floor=below, folded=folded)
 
 
 class _Reading:
     """A passage as far as the store reads it: its first ``cap`` characters (all for ``None``)."""
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
-        self.passage, self.score, self.memories = passage, passage.score, [passage.memory]
+        self.passage, self.score = passage, passage.score
+        self.memories = {passage.memory: None}  # the Memories that returned its text, in order
         self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
         self.long = self.end < len(passage.content)
-        self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
+        self._read, self._cleaned, self._normal = 0, "", ""
 
     @functools.cached_property
     def head(self) -> str:  # copied only when needed: a copy of a long text costs
@@ -156,12 +152,8 @@ class _Reading:
         """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter)."""
         while len(self._normal) < size and self._read < self.end:
             end = min(self.end, max(size, 2 * self._read))
-            piece, self._read = clean_text(self.passage.content[self._read : end]), end
-            plain = piece.isprintable() and "  " not in piece  # spaced singly, no tab or newline: normal already
-            if words := piece.strip(" ") if plain else " ".join(piece.split()):
-                joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
-                self._normal += joint + words
-            self._gap = piece[-1].isspace() if piece else self._gap
+            self._cleaned += clean_text(self.passage.content[self._read : end])
+            self._read, self._normal = end, " ".join(self._cleaned.split())
         return self._normal[:size]
 
 
@@ -170,7 +162,8 @@ def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
-    """The readings grouped by text, each read only as far as it takes to tell it from the others."""
+    """The readings grouped by text, each group led by its first reading, each reading read only as far as it takes
+    to tell it from the others."""
     alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
         alike[reading.long, reading.start(size)].append(reading)
@@ -191,18 +184,15 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     kept: list[Passage] = []
     left = sys.maxsize if budget is None else budget
     for reading in readings:
-        passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
+        passage = replace(reading.passage, also_in=tuple(reading.memories)[1:])
         room = left - len(passage.label)
         text = clean_text(reading.head) if not reading.long and room >= 0 else None
         if text is not None and len(text) <= room:
+            kept.append(replace(passage, content=text))
             left = room - len(text)
-        elif kept:
-            continue
-        else:  # the best passage alone is longer than the budget: cut it
+        elif not kept:  # the best passage alone is longer than the budget: it is shown cut, alone
             text = (text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
-            passage.metadata, left = {**passage.metadata, "cut": True}, 0
-        passage.content = text
-        kept.append(passage)
+            return [replace(passage, content=text, metadata={**passage.metadata, "cut": True})]
     return kept
 
 
