@@ -1,8 +1,7 @@
 """The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile`` (none deletes anything).
 
-A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
-Each tool's spec and pydantic model (milliseconds to build) are made once per process from the method on the
-class, which holds no store: a server that builds a store per user pays for them once.
+A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``. The
+tools are methods of a class that holds no store, so each one's spec and pydantic model are built once per process.
 """
 
 from __future__ import annotations
@@ -31,24 +30,10 @@ logger = logging.getLogger(__name__)
 
 _FAILED_LOG = "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told"
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
-_DESCRIPTIONS = {
-    "membase_search": (
-        "Search the user's Membase memory: their Memories of earlier conversations, notes and documents. "
-        "Use it when the answer may depend on something the user said or saved before. Results come best first "
-        "and name the Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not "
-        "answer, so a missing result from them is not evidence that the fact is unknown."
-    ),
-    "membase_save": (
-        "Save a note to the user's Membase memory. Only save when the user asked you to remember something, "
-        "and save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes "
-        "to their profile). If several Memories are in reach and none is named, the tool lists them so you can "
-        "ask the user which one."
-    ),
-    "membase_profile": (
-        "Read the user's Membase profile: standing facts about them, their recently changed facts and, with a "
-        "topic, what their memory holds on it."
-    ),
-}
+_MAYBE_SAVED = (
+    "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, after checking "
+    "with membase_search that it is not already there."
+)
 
 
 def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
@@ -65,7 +50,7 @@ def _template(name: str) -> tuple[ToolSpec, FunctionToolMetadata]:
     """The spec and argument model of a tool, made as ``strands.tool`` makes them (Strands leaves out ``self``)."""
     metadata = FunctionToolMetadata(getattr(ToolContext, name))
     spec = metadata.extract_metadata()
-    spec["description"] = _DESCRIPTIONS[name]
+    spec["description"] = " ".join(spec["description"].split())  # the docstring's summary, on one line
     return spec, metadata
 
 
@@ -101,7 +86,10 @@ class ToolContext:
 
     @_tool
     def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
-        """Search the user's Membase memory.
+        """Search the user's Membase memory: their Memories of earlier conversations, notes and documents. Use it
+        when the answer may depend on something the user said or saved before. Results come best first and name the
+        Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not answer, so a
+        missing result from them is not evidence that the fact is unknown.
 
         Args:
             query: What to look for, in plain words.
@@ -128,7 +116,10 @@ class ToolContext:
 
     @_tool
     def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
-        """Save a note the user asked you to remember.
+        """Save a note to the user's Membase memory. Only save when the user asked you to remember something, and
+        save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes to their
+        profile). If several Memories are in reach and none is named, the tool lists them so you can ask the user
+        which one.
 
         Args:
             content: What to remember, in the user's own words.
@@ -137,13 +128,11 @@ class ToolContext:
         """
         if not content.strip():
             return _error("Nothing was saved: the content was empty.")
-        target = None if standing_fact else (container or self.container)
+        target, posted = None if standing_fact else (container or self.container), False
         try:
-            if target is not None:
-                try:  # Find the Memory first, so a lookup that timed out is known to have saved nothing.
-                    self.gateway.container_id(target)
-                except membase.APITimeoutError as error:
-                    return self._failed("membase_save", error)
+            if target is not None:  # found first, so a lookup that timed out is known to have saved nothing
+                self.gateway.container_id(target)
+            posted = True
             self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _error(f"Nothing was saved: {error}.")
@@ -156,11 +145,8 @@ class ToolContext:
                     )
             return self._failed("membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
-            self._failed("membase_save", error)  # counted and logged as any failure, but the model reads this:
-            return _error(
-                "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
-                "after checking with membase_search that it is not already there."
-            )
+            failed = self._failed("membase_save", error)
+            return _error(_MAYBE_SAVED) if posted else failed
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
@@ -169,7 +155,8 @@ class ToolContext:
 
     @_tool
     def membase_profile(self, topic: str | None = None) -> dict[str, Any]:
-        """Read the user's Membase profile.
+        """Read the user's Membase profile: standing facts about them, their recently changed facts and, with a
+        topic, what their memory holds on it.
 
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
