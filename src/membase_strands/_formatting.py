@@ -1,10 +1,9 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
 Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them, passages
-lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed notice. The
-work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of a passage its
-first ``max_recall_chars`` characters, read only as far as it takes to tell it from the others (cleaning maps each
-character on its own, so a cleaned start of a text is a start of the cleaned text).
+lose control characters and unpaired surrogates. The work is bounded by what can be shown: cleaning maps each
+character on its own, so a passage is cleaned only as far as it is read, and read only as far as it takes to show
+it or to tell it from the others.
 """
 
 from __future__ import annotations
@@ -50,9 +49,8 @@ class Passage:
     @property
     def score(self) -> float | None:
         value = self.metadata.get("score")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if number else None
 
 
 @dataclass(frozen=True)
@@ -86,34 +84,27 @@ def _label_of(name: str) -> str:
 
 
 def parse_search(body: Any, limit: int) -> SearchAnswer:
-    """A ``client.search()`` answer to a search for ``limit`` passages: its passages in Membase's order (their
-    text not read yet) and its Memories that report an ``error``. No ``results`` list is a BadResponseError."""
+    """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
+    (arrange() drops blank ones), and its Memories that report an ``error``. No ``results`` list: BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
     rows = [row for row in _as_list(body.get("containers")) if isinstance(row, dict)]
-    names = {
-        row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
-    }
+    names = {row["id"]: row["name"] for row in rows if all(isinstance(row.get(key), str) for key in ("id", "name"))}
     passages = []
     for hit in results[: limit * min(max(1, len(rows)), _MEMORIES_READ)]:
-        content = hit.get("content") if isinstance(hit, dict) else None
-        if isinstance(content, str) and content:  # blank text is dropped by arrange(), which reads little of it
+        if isinstance(hit, dict) and isinstance(content := hit.get("content"), str) and content:
             container = hit.get("container") if isinstance(hit.get("container"), str) else None
             name = hit.get("container_name") or names.get(container) or container or "Membase"
             metadata = {key: value for key, value in hit.items() if key != "content"}
             passages.append(Passage(memory_label(str(name)), content, metadata))
-    unsearched = [
-        Unsearched(
-            memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
-            # clip() of a normalised start a little longer than it keeps is clip() of the whole reason.
-            clip(_Reading(Passage("", str(row["error"])), None).start(202), 200) or "no reason given",
-        )
-        for row in rows
-        if row.get("error")
-    ]
+    unsearched = []
+    for row in rows:
+        if error := row.get("error"):  # clip() of a normalised start a little longer than it keeps is clip() of it all
+            reason = clip(_Reading(Passage("", str(error)), None).start(202), 200) or "no reason given"
+            unsearched.append(Unsearched(memory_label(str(row.get("name") or row.get("id") or "")), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
-    return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
+    return SearchAnswer(passages, unsearched, none_answered)
 
 
 def arrange(
@@ -135,11 +126,10 @@ def arrange(
 
 
 class _Reading:
-    """A passage as far as the store reads it: its first ``cap`` characters (all for ``None``)."""
+    """A passage as read: its first ``cap`` characters (all for ``None``); the Memories that returned its text."""
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
-        self.passage, self.score = passage, passage.score
-        self.memories = {passage.memory: None}  # the Memories that returned its text, in order
+        self.passage, self.score, self.memories = passage, passage.score, {passage.memory: None}
         self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
         self.long = self.end < len(passage.content)
         self._read, self._cleaned, self._normal = 0, "", ""
@@ -162,8 +152,7 @@ def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
-    """The readings grouped by text, each group led by its first reading, each reading read only as far as it takes
-    to tell it from the others."""
+    """The readings grouped by text (each group led by its first), each read only as far as it takes to tell."""
     alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
         alike[reading.long, reading.start(size)].append(reading)
