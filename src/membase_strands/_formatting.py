@@ -48,7 +48,7 @@ class Passage:
 
     @property
     def score(self) -> float | None:
-        value = self.metadata.get("score")
+        value: Any = self.metadata.get("score")
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return float(value) if number else None
 
