@@ -1,7 +1,6 @@
 """The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile`` (none deletes anything).
 
-A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``. The
-tools are methods of a class that holds no store, so each one's spec and pydantic model are built once per process.
+A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]
 
 @functools.cache
 def _template(name: str) -> tuple[ToolSpec, FunctionToolMetadata]:
-    """The spec and argument model of a tool, made as ``strands.tool`` makes them (Strands leaves out ``self``)."""
+    """A tool's spec and model, made once per process as ``strands.tool`` makes them (it leaves out ``self``)."""
     metadata = FunctionToolMetadata(getattr(ToolContext, name))
     spec = metadata.extract_metadata()
-    spec["description"] = " ".join(spec["description"].split())  # the docstring's summary, on one line
+    spec["description"] = " ".join(spec["description"].split())  # the docstring's, on one line
     return spec, metadata
 
 
