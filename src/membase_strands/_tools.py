@@ -62,7 +62,7 @@ def _tool(method: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]
         with _telemetry.operation(_telemetry.TOOL, self.store_name, tool=method.__name__) as operation:
             if self.is_closed():
                 operation.outcome("error", error_kind="closed")
-                return _error(CLOSED_SENTENCE)
+                return _reply(CLOSED_SENTENCE, ok=False)
             result = method(self, *args, **kwargs)
             operation.default_outcome("ok" if result["status"] == "success" else "error")
             return result
@@ -96,13 +96,13 @@ class ToolContext:
             limit: How many passages to return, 1 to 50.
         """
         if not query.strip():
-            return _error("Nothing was searched: the query was empty.")
+            return _reply("Nothing was searched: the query was empty.", ok=False)
         target, text = container or self.container, query_text(query)
         try:
             count = passages_wanted(limit, "limit", self.default_limit)
             answer = self.gateway.search(text, count, target, retry=True)  # a cold start still gets an answer
         except ValueError as error:
-            return _error(f"Nothing was searched: {error}.")
+            return _reply(f"Nothing was searched: {error}.", ok=False)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_search", error, container_named=target is not None)
         shown = arrange(answer, count, min_score=self.min_score, budget=self.max_recall_chars)
@@ -111,7 +111,7 @@ class ToolContext:
         _telemetry.annotate(
             outcome, passages=len(shown.passages), unanswered=len(answer.unsearched), chars_returned=len(reply)
         )
-        return _error(reply) if answer.none_answered else _ok(reply)  # no Memory could answer: nothing was searched
+        return _reply(reply, ok=not answer.none_answered)  # when no Memory could answer, nothing was searched
 
     @_tool
     def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class ToolContext:
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
         if not content.strip():
-            return _error("Nothing was saved: the content was empty.")
+            return _reply("Nothing was saved: the content was empty.", ok=False)
         target, posted = None if standing_fact else (container or self.container), False
         try:
             if target is not None:  # found first, so a lookup that timed out is known to have saved nothing
@@ -134,23 +134,24 @@ class ToolContext:
             posted = True
             self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
-            return _error(f"Nothing was saved: {error}.")
+            return _reply(f"Nothing was saved: {error}.", ok=False)
         except membase.BadRequestError as error:
             with contextlib.suppress(Exception):  # only a better sentence is at stake
                 if target is None and not standing_fact and len(in_reach := self.gateway.memories_in_reach()) > 1:
-                    return _error(
+                    return _reply(
                         f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
-                        "user which one, then call membase_save again with container set to its name."
+                        "user which one, then call membase_save again with container set to its name.",
+                        ok=False,
                     )
             return self._failed("membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
             failed = self._failed("membase_save", error)
-            return _error(_MAYBE_SAVED) if posted else failed
+            return _reply(_MAYBE_SAVED, ok=False) if posted else failed
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
-            return _ok("Saved as a standing fact in the user's Membase profile.")
-        return _ok(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")
+            return _reply("Saved as a standing fact in the user's Membase profile.")
+        return _reply(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")
 
     @_tool
     def membase_profile(self, topic: str | None = None) -> dict[str, Any]:
@@ -162,7 +163,7 @@ class ToolContext:
         """
         wanted = query_text(topic) if topic and topic.strip() else None
         try:
-            return _ok(profile_text(self.gateway.profile(wanted), wanted, self.max_recall_chars))
+            return _reply(profile_text(self.gateway.profile(wanted), wanted, self.max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_profile", error)
 
@@ -172,12 +173,8 @@ class ToolContext:
         self.counters.add(f"errors.{failure.kind}")
         _telemetry.annotate("error", error_kind=failure.kind)
         logger.warning(_FAILED_LOG, self.store_name, tool, failure.kind)
-        return _error(self.gateway.redact(failure.sentence))
+        return _reply(self.gateway.redact(failure.sentence), ok=False)
 
 
-def _ok(text: str) -> dict[str, Any]:
-    return {"status": "success", "content": [{"text": text}]}
-
-
-def _error(text: str) -> dict[str, Any]:
-    return {"status": "error", "content": [{"text": text}]}
+def _reply(text: str, *, ok: bool = True) -> dict[str, Any]:
+    return {"status": "success" if ok else "error", "content": [{"text": text}]}
