@@ -1,15 +1,13 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
-Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them, passages
-lose control characters and unpaired surrogates. The work is bounded by what can be shown: cleaning maps each
-character on its own, so a passage is cleaned only as far as it is read, and read only as far as it takes to show
-it or to tell it from the others.
+Everything from Membase is data: names stay on one line inside the brackets that frame them, passages lose control
+characters and unpaired surrogates. The work is bounded by what can be shown: cleaning maps each character on its own,
+so a passage is cleaned only as far as it takes to show it or to tell it from the others.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from typing import Any
 from strands.memory import MemoryEntry
 
 from ._failures import BadResponseError
+from ._options import finite
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
@@ -49,8 +48,7 @@ class Passage:
     @property
     def score(self) -> float | None:
         value: Any = self.metadata.get("score")
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return float(value) if number else None
+        return float(value) if finite(value) else None
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,13 @@ def check_recall_chars(value: Any) -> int | None:
 
 
 def check_min_score(value: Any) -> float | None:
-    if value is None or _finite(value):
+    if value is None or finite(value):
         return None if value is None else float(value)
     raise ValueError(f"min_score must be a finite number (a score Membase gives passages) or None, got {value!r}")
 
 
 def check_timeout(option: str, value: Any) -> float | None:
-    if value is None or (_finite(value) and value > 0):
+    if value is None or (finite(value) and value > 0):
         return None if value is None else float(value)
     raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
 
@@ -101,5 +101,5 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     return title, static
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
