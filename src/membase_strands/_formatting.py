@@ -22,6 +22,7 @@ from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
 _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
+_SILENCE = "Nothing from it is included, so its silence is not evidence that it holds nothing relevant."
 _NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
 _FOLD_START = 256
@@ -130,7 +131,7 @@ class _Reading:
         self.passage, self.score, self.memories = passage, passage.score, {passage.memory: None}
         self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
         self.long = self.end < len(passage.content)
-        self._read, self._cleaned, self._normal = 0, "", ""
+        self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
 
     @functools.cached_property
     def head(self) -> str:  # copied only when needed: a copy of a long text costs
@@ -140,8 +141,12 @@ class _Reading:
         """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter)."""
         while len(self._normal) < size and self._read < self.end:
             end = min(self.end, max(size, 2 * self._read))
-            self._cleaned += clean_text(self.passage.content[self._read : end])
-            self._read, self._normal = end, " ".join(self._cleaned.split())
+            piece, self._read = clean_text(self.passage.content[self._read : end]), end
+            plain = piece.isprintable() and "  " not in piece  # spaced singly, no tab or newline: normal already
+            if words := piece.strip(" ") if plain else " ".join(piece.split()):
+                joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
+                self._normal += joint + words
+            self._gap = piece[-1].isspace() if piece else self._gap
         return self._normal[:size]
 
 
@@ -191,10 +196,7 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
         metadata = {**passage.metadata, "memory": passage.memory, **several}  # the label, not a hit's own "memory"
         entries.append(MemoryEntry(content=passage.label + passage.text, metadata=metadata))
     for failed in answer.unsearched:
-        notice = (
-            f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. Nothing "
-            "from it is included, so its silence is not evidence that it holds nothing relevant."
-        )
+        notice = f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. {_SILENCE}"
         metadata = {"memory": failed.memory, "unsearched": True, "reason": failed.reason}
         entries.append(MemoryEntry(content=notice, metadata=metadata))
     return entries
