@@ -1,7 +1,6 @@
 """What went wrong with a Membase call, said plainly: failure kinds, the sentences the model reads, key redaction.
 
-Since a server may echo what it was sent, every error text that leaves the library goes through :func:`redact` or
-:func:`without_secret`.
+A server may echo what it was sent: every error text that leaves the library goes through redact() or without_secret().
 """
 
 from __future__ import annotations

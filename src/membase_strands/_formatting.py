@@ -155,7 +155,8 @@ def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
-    """The readings grouped by text (each group led by its first), each read only as far as it takes to tell."""
+    """The readings grouped by text, each group led by its first, each read only as far as it takes to tell: the same
+    text when their heads, cleaned and whitespace-normalised, are equal and both or neither go on past the cap."""
     alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
         alike[reading.long, reading.start(size)].append(reading)
@@ -260,9 +261,7 @@ def _bulleted(items: Any) -> list[str]:
 
 
 def _numbered(passages: list[Passage]) -> list[str]:
-    return [
-        f"{number}. {passage.label}" + passage.text.replace("\n", "\n   ") for number, passage in enumerate(passages, 1)
-    ]
+    return [f"{rank}. {passage.label}{passage.text}".replace("\n", "\n   ") for rank, passage in enumerate(passages, 1)]
 
 
 def _as_list(value: Any) -> list[Any]:
