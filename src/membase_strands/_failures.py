@@ -1,12 +1,11 @@
 """What went wrong with a Membase call, said plainly: failure kinds, the sentences the model reads, key redaction.
 
-Every exception from a Membase call becomes a :class:`Failure`: a short ``kind`` for logs and
-counters and a ``sentence`` a model can relay to the user. And since a server may echo what it was
-sent, every error text that leaves the library goes through :func:`redact` or :func:`without_secret`.
+A server may echo what it was sent: every error text that leaves the library goes through redact() or without_secret().
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import traceback
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ ACCESS_SENTENCE = (
     "Membase refused this key: this Membase key was narrowed or revoked by its owner, "
     "or the action is above what the key may do. The request was not retried."
 )
+_TRY_LATER = "; try again in a minute."  # the advice for a failure that may pass
 
 
 class BadResponseError(membase.MembaseError):
@@ -28,8 +28,7 @@ class BadResponseError(membase.MembaseError):
 
 @dataclass(frozen=True)
 class Failure:
-    """What went wrong with one Membase call: a ``kind`` for logs and counters (``"access"``, ``"timeout"``, ...)
-    and a complete ``sentence`` a model can relay to the user."""
+    """What went wrong with one Membase call: a ``kind`` for logs and counters, a ``sentence`` the model can relay."""
 
     kind: str
     sentence: str
@@ -43,26 +42,21 @@ def detail_of(error: BaseException) -> str:
 
 def redact(text: str, secret: str) -> str:
     """``text`` with every occurrence of ``secret`` masked, also as ``repr()`` would quote it."""
-    for form in _forms_of(secret):
-        text = text.replace(form, "[redacted]")
+    if secret:  # transports quote what they reject (b'Bearer ...\n'), so the escaped form is masked as well
+        for form in dict.fromkeys((secret, repr(secret)[1:-1])):
+            text = text.replace(form, "[redacted]")
     return text
-
-
-def _forms_of(secret: str) -> list[str]:
-    # Transports quote what they reject (b'Bearer ...\n'), so the escaped form is masked as well.
-    return [form for form in dict.fromkeys((secret, repr(secret)[1:-1])) if form] if secret else []
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
     """``error`` itself or, when it or any error chained to it (the SDK chains the transport's) carries ``secret``,
     a masked copy: of the same class (so callers still catch it) and status, with no body, cause or traceback."""
-    if not any(form in "".join(traceback.format_exception(error)) for form in _forms_of(secret)):
+    chain = "".join(traceback.format_exception(error))
+    if redact(chain, secret) == chain:
         return error
     if isinstance(error, membase.MembaseError):
-        try:
+        with contextlib.suppress(TypeError):  # a subclass with another signature gets the fallback
             return type(error)(redact(error.message, secret), status=error.status)
-        except TypeError:  # a subclass with another signature
-            pass
     return BadResponseError(redact(str(error), secret), status=getattr(error, "status", None))
 
 
@@ -76,13 +70,9 @@ def describe_failure(error: BaseException, *, container_named: bool = False) -> 
     if isinstance(error, membase.AuthenticationError):
         return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
     if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout, MembaseWriteTimeout)):
-        return Failure(
-            "timeout", "Membase did not answer in time (the memory may still be waking up); try again in a minute."
-        )
+        return Failure("timeout", "Membase did not answer in time (the memory may still be waking up)" + _TRY_LATER)
     if isinstance(error, membase.APIConnectionError):
-        return Failure(
-            "connection", f"Membase could not be reached (the connection failed: {detail}); try again in a minute."
-        )
+        return Failure("connection", f"Membase could not be reached (the connection failed: {detail})" + _TRY_LATER)
     if isinstance(error, membase.BadRequestError):
         if container_named or "container" in detail.lower():
             return Failure("bad_container", f"Membase rejected the Memory named in the request: {detail}.")
@@ -94,9 +84,7 @@ def describe_failure(error: BaseException, *, container_named: bool = False) -> 
     if isinstance(error, membase.NotFoundError):
         return Failure("not_found", f"Membase could not find what was asked for (404: {detail}).")
     if isinstance(error, membase.InternalServerError):
-        return Failure(
-            "server_error", f"Membase had an internal error ({error.status}: {detail}); try again in a minute."
-        )
+        return Failure("server_error", f"Membase had an internal error ({error.status}: {detail})" + _TRY_LATER)
     if isinstance(error, (BadResponseError, json.JSONDecodeError)):
         return Failure("bad_response", f"Membase sent an answer that could not be read ({detail}).")
     if isinstance(error, membase.APIStatusError):

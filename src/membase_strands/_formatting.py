@@ -1,17 +1,13 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
-Everything from Membase is data: names fold onto one line and cannot close the brackets that frame them,
-passages lose control characters and unpaired surrogates, and a Memory that could not answer becomes a framed
-notice. The work is bounded by what can be shown: the first ``limit`` hits per Memory listed (at most 50), and of
-a passage its first ``max_recall_chars`` characters. Passages are the same when those, cleaned and whitespace-
-normalised, are equal and either both go on past them or neither; each is read only as far as it takes to tell it
-apart (cleaning maps each character on its own, so a cleaned start of a text is a start of the cleaned text).
+Everything from Membase is data: names stay on one line inside the brackets that frame them, passages lose control
+characters and unpaired surrogates. The work is bounded by what can be shown: cleaning maps each character on its own,
+so a passage is cleaned only as far as it takes to show it or to tell it from the others.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -21,10 +17,12 @@ from typing import Any
 from strands.memory import MemoryEntry
 
 from ._failures import BadResponseError
+from ._options import finite
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
 _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
+_SILENCE = "Nothing from it is included, so its silence is not evidence that it holds nothing relevant."
 _NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
 _FOLD_START = 256
@@ -50,10 +48,8 @@ class Passage:
 
     @property
     def score(self) -> float | None:
-        value = self.metadata.get("score")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return None
-        return float(value)
+        value: Any = self.metadata.get("score")
+        return float(value) if finite(value) else None
 
 
 @dataclass(frozen=True)
@@ -87,34 +83,27 @@ def _label_of(name: str) -> str:
 
 
 def parse_search(body: Any, limit: int) -> SearchAnswer:
-    """A ``client.search()`` answer to a search for ``limit`` passages: its passages in Membase's order (their
-    text not read yet) and its Memories that report an ``error``. No ``results`` list is a BadResponseError."""
+    """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
+    (arrange() drops blank ones), and its Memories that report an ``error``. No ``results`` list: BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
     rows = [row for row in _as_list(body.get("containers")) if isinstance(row, dict)]
-    names = {
-        row["id"]: row["name"] for row in rows if isinstance(row.get("id"), str) and isinstance(row.get("name"), str)
-    }
+    names = {row["id"]: row["name"] for row in rows if all(isinstance(row.get(key), str) for key in ("id", "name"))}
     passages = []
     for hit in results[: limit * min(max(1, len(rows)), _MEMORIES_READ)]:
-        content = hit.get("content") if isinstance(hit, dict) else None
-        if isinstance(content, str) and content:  # blank text is dropped by arrange(), which reads little of it
+        if isinstance(hit, dict) and isinstance(content := hit.get("content"), str) and content:
             container = hit.get("container") if isinstance(hit.get("container"), str) else None
             name = hit.get("container_name") or names.get(container) or container or "Membase"
             metadata = {key: value for key, value in hit.items() if key != "content"}
             passages.append(Passage(memory_label(str(name)), content, metadata))
-    unsearched = [
-        Unsearched(
-            memory_label(str(row.get("name") or row.get("id") or "unnamed Memory")),
-            # clip() of a normalised start a little longer than it keeps is clip() of the whole reason.
-            clip(_Reading(Passage("", str(row["error"])), None).start(202), 200) or "no reason given",
-        )
-        for row in rows
-        if row.get("error")
-    ]
+    unsearched = []
+    for row in rows:
+        if error := row.get("error"):  # clip() of a normalised start a little longer than it keeps is clip() of it all
+            reason = clip(_Reading(Passage("", str(error)), None).start(202), 200) or "no reason given"
+            unsearched.append(Unsearched(memory_label(str(row.get("name") or row.get("id") or "")), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
-    return SearchAnswer(passages=passages, unsearched=unsearched, none_answered=none_answered)
+    return SearchAnswer(passages, unsearched, none_answered)
 
 
 def arrange(
@@ -125,25 +114,21 @@ def arrange(
     ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with :data:`CUT_MARKER`."""
     readings = _readings(answer.passages, budget)
     if all(reading.score is not None for reading in readings):
-        readings.sort(key=lambda reading: -(reading.score or 0.0))  # sort() is stable: ties keep their order
-    order = {reading: position for position, reading in enumerate(readings)}
-    shown = []  # one reading per text (see the module doc), the first copy, naming every Memory that returned it
-    for same in _same_texts(readings, _FOLD_START):
-        same.sort(key=order.__getitem__)
-        same[0].memories = list(dict.fromkeys(reading.passage.memory for reading in same))
-        shown.append(same[0])
-    shown.sort(key=order.__getitem__)
+        readings.sort(key=lambda reading: reading.score or 0.0, reverse=True)  # a stable sort: ties keep their order
+    first = {reading: same[0] for same in _same_texts(readings, _FOLD_START) for reading in same}
+    for reading in readings:  # in order: the first copy of a text is shown, naming every Memory that returned it
+        first[reading].memories.setdefault(reading.passage.memory)
+    shown = [reading for reading in readings if first[reading] is reading]
     kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
-    passages = _fit(kept[: max(0, most)], budget)
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
-    return replace(answer, passages=passages, floor=min_score, below_floor=below, folded=folded)
+    return replace(answer, passages=_fit(kept[:most], budget), floor=min_score, below_floor=below, folded=folded)
 
 
 class _Reading:
-    """A passage as far as the store reads it: its first ``cap`` characters (all for ``None``)."""
+    """A passage as read: its first ``cap`` characters (all for ``None``); the Memories that returned its text."""
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
-        self.passage, self.score, self.memories = passage, passage.score, [passage.memory]
+        self.passage, self.score, self.memories = passage, passage.score, {passage.memory: None}
         self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
         self.long = self.end < len(passage.content)
         self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
@@ -170,7 +155,8 @@ def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
-    """The readings grouped by text, each read only as far as it takes to tell it from the others."""
+    """The readings grouped by text, each group led by its first, each read only as far as it takes to tell: the same
+    text when their heads, cleaned and whitespace-normalised, are equal and both or neither go on past the cap."""
     alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
         alike[reading.long, reading.start(size)].append(reading)
@@ -191,18 +177,15 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     kept: list[Passage] = []
     left = sys.maxsize if budget is None else budget
     for reading in readings:
-        passage = Passage(reading.memories[0], "", reading.passage.metadata, tuple(reading.memories[1:]))
+        passage = replace(reading.passage, also_in=tuple(reading.memories)[1:])
         room = left - len(passage.label)
         text = clean_text(reading.head) if not reading.long and room >= 0 else None
         if text is not None and len(text) <= room:
+            kept.append(replace(passage, content=text))
             left = room - len(text)
-        elif kept:
-            continue
-        else:  # the best passage alone is longer than the budget: cut it
+        elif not kept:  # the best passage alone is longer than the budget: it is shown cut, alone
             text = (text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
-            passage.metadata, left = {**passage.metadata, "cut": True}, 0
-        passage.content = text
-        kept.append(passage)
+            return [replace(passage, content=text, metadata={**passage.metadata, "cut": True})]
     return kept
 
 
@@ -214,10 +197,7 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
         metadata = {**passage.metadata, "memory": passage.memory, **several}  # the label, not a hit's own "memory"
         entries.append(MemoryEntry(content=passage.label + passage.text, metadata=metadata))
     for failed in answer.unsearched:
-        notice = (
-            f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. Nothing "
-            "from it is included, so its silence is not evidence that it holds nothing relevant."
-        )
+        notice = f"[Membase notice] The Memory ({failed.memory}) could not be searched: {failed.reason}. {_SILENCE}"
         metadata = {"memory": failed.memory, "unsearched": True, "reason": failed.reason}
         entries.append(MemoryEntry(content=notice, metadata=metadata))
     return entries
@@ -281,9 +261,7 @@ def _bulleted(items: Any) -> list[str]:
 
 
 def _numbered(passages: list[Passage]) -> list[str]:
-    return [
-        f"{number}. {passage.label}" + passage.text.replace("\n", "\n   ") for number, passage in enumerate(passages, 1)
-    ]
+    return [f"{rank}. {passage.label}{passage.text}".replace("\n", "\n   ") for rank, passage in enumerate(passages, 1)]
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -14,7 +14,6 @@ DEFAULT_RECALL_CHARS = 20_000
 DEFAULT_WRITE_TIMEOUT = 5.0
 WAIT_WITHOUT_BUDGET = 8.0  # how long the set-up check and close() wait when the matching option says None
 TOOL_NAMES = ("search", "save", "profile")
-ROLES = ("user", "assistant")
 
 
 def query_text(query: str) -> str:
@@ -22,13 +21,12 @@ def query_text(query: str) -> str:
 
 
 def describe(container: str | None) -> str:
-    if container is None:
-        return (
-            "Long-term memory from Membase: what the user's Memories hold from earlier conversations, notes and "
-            "documents."
-        )
-    name = " ".join(container.split())[:80]
-    return f"Long-term memory from the user's Membase Memory '{name}': earlier conversations, notes and documents."
+    if container is not None:
+        name = " ".join(container.split())[:80]
+        return f"Long-term memory from the user's Membase Memory '{name}': earlier conversations, notes and documents."
+    return (
+        "Long-term memory from Membase: what the user's Memories hold from earlier conversations, notes and documents."
+    )
 
 
 def check_name(name: Any) -> str:
@@ -57,13 +55,13 @@ def check_recall_chars(value: Any) -> int | None:
 
 
 def check_min_score(value: Any) -> float | None:
-    if value is None or _finite(value):
+    if value is None or finite(value):
         return None if value is None else float(value)
     raise ValueError(f"min_score must be a finite number (a score Membase gives passages) or None, got {value!r}")
 
 
 def check_timeout(option: str, value: Any) -> float | None:
-    if value is None or (_finite(value) and value > 0):
+    if value is None or (finite(value) and value > 0):
         return None if value is None else float(value)
     raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
 
@@ -78,7 +76,7 @@ def check_capture(capture: Any, extraction: Any) -> bool:
 
 def check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
     chosen = (roles,) if isinstance(roles, str) else tuple(roles)
-    if not chosen or any(role not in ROLES for role in chosen):
+    if not chosen or any(role not in ("user", "assistant") for role in chosen):
         raise ValueError(f"capture_roles must name 'user' and/or 'assistant', got {chosen!r}")
     return tuple(dict.fromkeys(chosen))
 
@@ -95,8 +93,7 @@ def check_tools(tools: Iterable[str]) -> tuple[str, ...]:
 def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     if not isinstance(metadata, dict | None):
         raise ValueError(f"metadata must be a dict, got {type(metadata).__name__}")
-    metadata = metadata or {}
-    title, static = metadata.get("title", ""), metadata.get("static", False)
+    title, static = (metadata or {}).get("title", ""), (metadata or {}).get("static", False)
     if not isinstance(title, str):
         raise ValueError(f"metadata['title'] must be a string, got {type(title).__name__}")
     if not isinstance(static, bool):
@@ -104,5 +101,5 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     return title, static
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,8 +1,6 @@
 """The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile`` (none deletes anything).
 
 A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
-Each tool's spec and pydantic model (milliseconds to build) are made once per process from the method on the
-class, which holds no store: a server that builds a store per user pays for them once.
 """
 
 from __future__ import annotations
@@ -31,24 +29,10 @@ logger = logging.getLogger(__name__)
 
 _FAILED_LOG = "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told"
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
-_DESCRIPTIONS = {
-    "membase_search": (
-        "Search the user's Membase memory: their Memories of earlier conversations, notes and documents. "
-        "Use it when the answer may depend on something the user said or saved before. Results come best first "
-        "and name the Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not "
-        "answer, so a missing result from them is not evidence that the fact is unknown."
-    ),
-    "membase_save": (
-        "Save a note to the user's Membase memory. Only save when the user asked you to remember something, "
-        "and save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes "
-        "to their profile). If several Memories are in reach and none is named, the tool lists them so you can "
-        "ask the user which one."
-    ),
-    "membase_profile": (
-        "Read the user's Membase profile: standing facts about them, their recently changed facts and, with a "
-        "topic, what their memory holds on it."
-    ),
-}
+_MAYBE_SAVED = (
+    "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, after checking "
+    "with membase_search that it is not already there."
+)
 
 
 def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
@@ -62,10 +46,10 @@ def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]
 
 @functools.cache
 def _template(name: str) -> tuple[ToolSpec, FunctionToolMetadata]:
-    """The spec and argument model of a tool, made as ``strands.tool`` makes them (Strands leaves out ``self``)."""
+    """A tool's spec and model, made once per process as ``strands.tool`` makes them (it leaves out ``self``)."""
     metadata = FunctionToolMetadata(getattr(ToolContext, name))
     spec = metadata.extract_metadata()
-    spec["description"] = _DESCRIPTIONS[name]
+    spec["description"] = " ".join(spec["description"].split())  # the docstring's, on one line
     return spec, metadata
 
 
@@ -78,7 +62,7 @@ def _tool(method: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]
         with _telemetry.operation(_telemetry.TOOL, self.store_name, tool=method.__name__) as operation:
             if self.is_closed():
                 operation.outcome("error", error_kind="closed")
-                return _error(CLOSED_SENTENCE)
+                return _reply(CLOSED_SENTENCE, ok=False)
             result = method(self, *args, **kwargs)
             operation.default_outcome("ok" if result["status"] == "success" else "error")
             return result
@@ -101,7 +85,10 @@ class ToolContext:
 
     @_tool
     def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
-        """Search the user's Membase memory.
+        """Search the user's Membase memory: their Memories of earlier conversations, notes and documents. Use it
+        when the answer may depend on something the user said or saved before. Results come best first and name the
+        Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not answer, so a
+        missing result from them is not evidence that the fact is unknown.
 
         Args:
             query: What to look for, in plain words.
@@ -109,13 +96,13 @@ class ToolContext:
             limit: How many passages to return, 1 to 50.
         """
         if not query.strip():
-            return _error("Nothing was searched: the query was empty.")
+            return _reply("Nothing was searched: the query was empty.", ok=False)
         target, text = container or self.container, query_text(query)
         try:
             count = passages_wanted(limit, "limit", self.default_limit)
             answer = self.gateway.search(text, count, target, retry=True)  # a cold start still gets an answer
         except ValueError as error:
-            return _error(f"Nothing was searched: {error}.")
+            return _reply(f"Nothing was searched: {error}.", ok=False)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_search", error, container_named=target is not None)
         shown = arrange(answer, count, min_score=self.min_score, budget=self.max_recall_chars)
@@ -124,11 +111,14 @@ class ToolContext:
         _telemetry.annotate(
             outcome, passages=len(shown.passages), unanswered=len(answer.unsearched), chars_returned=len(reply)
         )
-        return _error(reply) if answer.none_answered else _ok(reply)  # no Memory could answer: nothing was searched
+        return _reply(reply, ok=not answer.none_answered)  # when no Memory could answer, nothing was searched
 
     @_tool
     def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
-        """Save a note the user asked you to remember.
+        """Save a note to the user's Membase memory. Only save when the user asked you to remember something, and
+        save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes to their
+        profile). If several Memories are in reach and none is named, the tool lists them so you can ask the user
+        which one.
 
         Args:
             content: What to remember, in the user's own words.
@@ -136,47 +126,44 @@ class ToolContext:
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
         if not content.strip():
-            return _error("Nothing was saved: the content was empty.")
-        target = None if standing_fact else (container or self.container)
+            return _reply("Nothing was saved: the content was empty.", ok=False)
+        target, posted = None if standing_fact else (container or self.container), False
         try:
-            if target is not None:
-                try:  # Find the Memory first, so a lookup that timed out is known to have saved nothing.
-                    self.gateway.container_id(target)
-                except membase.APITimeoutError as error:
-                    return self._failed("membase_save", error)
+            if target is not None:  # found first, so a lookup that timed out is known to have saved nothing
+                self.gateway.container_id(target)
+            posted = True
             self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
-            return _error(f"Nothing was saved: {error}.")
+            return _reply(f"Nothing was saved: {error}.", ok=False)
         except membase.BadRequestError as error:
             with contextlib.suppress(Exception):  # only a better sentence is at stake
                 if target is None and not standing_fact and len(in_reach := self.gateway.memories_in_reach()) > 1:
-                    return _error(
+                    return _reply(
                         f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
-                        "user which one, then call membase_save again with container set to its name."
+                        "user which one, then call membase_save again with container set to its name.",
+                        ok=False,
                     )
             return self._failed("membase_save", error, container_named=target is not None)
         except membase.APITimeoutError as error:
-            self._failed("membase_save", error)  # counted and logged as any failure, but the model reads this:
-            return _error(
-                "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, "
-                "after checking with membase_search that it is not already there."
-            )
+            failed = self._failed("membase_save", error)
+            return _reply(_MAYBE_SAVED, ok=False) if posted else failed
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
-            return _ok("Saved as a standing fact in the user's Membase profile.")
-        return _ok(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")
+            return _reply("Saved as a standing fact in the user's Membase profile.")
+        return _reply(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")
 
     @_tool
     def membase_profile(self, topic: str | None = None) -> dict[str, Any]:
-        """Read the user's Membase profile.
+        """Read the user's Membase profile: standing facts about them, their recently changed facts and, with a
+        topic, what their memory holds on it.
 
         Args:
             topic: Optionally, a topic to look up in the user's memory as well.
         """
         wanted = query_text(topic) if topic and topic.strip() else None
         try:
-            return _ok(profile_text(self.gateway.profile(wanted), wanted, self.max_recall_chars))
+            return _reply(profile_text(self.gateway.profile(wanted), wanted, self.max_recall_chars))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_profile", error)
 
@@ -186,12 +173,8 @@ class ToolContext:
         self.counters.add(f"errors.{failure.kind}")
         _telemetry.annotate("error", error_kind=failure.kind)
         logger.warning(_FAILED_LOG, self.store_name, tool, failure.kind)
-        return _error(self.gateway.redact(failure.sentence))
+        return _reply(self.gateway.redact(failure.sentence), ok=False)
 
 
-def _ok(text: str) -> dict[str, Any]:
-    return {"status": "success", "content": [{"text": text}]}
-
-
-def _error(text: str) -> dict[str, Any]:
-    return {"status": "error", "content": [{"text": text}]}
+def _reply(text: str, *, ok: bool = True) -> dict[str, Any]:
+    return {"status": "success" if ok else "error", "content": [{"text": text}]}
