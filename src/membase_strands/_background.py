@@ -25,12 +25,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MAX_THREADS = 32
-"""The most threads the library runs at once; past it, calls wait their turn."""
-IDLE_SECONDS = 2.0
-"""How long a thread waits for a call before it retires."""
-IDLE_NAME = "membase-worker[idle]"
-"""The name of a thread waiting for a call."""
+MAX_THREADS = 32  # the most threads the library runs at once; past it, calls wait their turn
+IDLE_SECONDS = 2.0  # how long a thread waits for a call before it retires
+IDLE_NAME = "membase-worker[idle]"  # the name of a thread waiting for a call
 
 
 class _Threads:
@@ -47,20 +44,18 @@ class _Threads:
         future: Future[T] = Future()
         call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
         with self._lock:
-            start = self.alive < MAX_THREADS and self._idle <= sum(len(calls) for calls in self._lanes.values())
-            if start:
-                self.alive += 1
-            else:
-                self._queue(call, lane)
-        if start:
-            try:
-                threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
-            except BaseException:
-                with self._lock:
-                    self.alive -= 1
-                    if not self.alive:
-                        raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
-                    self._queue(call, lane)  # a thread already alive takes it
+            if self.alive >= MAX_THREADS or self._idle > sum(len(calls) for calls in self._lanes.values()):
+                self._queue(call, lane)  # an idle thread takes it, or the first to be free at the cap
+                return future
+            self.alive += 1
+        try:
+            threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self.alive -= 1
+                if not self.alive:
+                    raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
+                self._queue(call, lane)  # a thread already alive takes it
         return future
 
     def _queue(self, call: list[Any], lane: Hashable) -> None:
@@ -93,16 +88,15 @@ class _Threads:
 def _run(call: list[Any]) -> None:
     fn, context, future, _ = call
     call.clear()  # nothing of the call outlives it here: its closure can hold a store
-    if not future.set_running_or_notify_cancel():
-        return  # cancelled while in line
-    try:
-        result = context.run(fn)
-    except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
-        del fn, context  # the error's traceback holds this frame
-        future.set_exception(error)
-    else:
-        del fn, context
-        future.set_result(result)
+    if future.set_running_or_notify_cancel():  # else it was cancelled while in line
+        try:
+            result = context.run(fn)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
+            del fn, context  # the error's traceback holds this frame
+            future.set_exception(error)
+        else:
+            del fn, context
+            future.set_result(result)
 
 
 _threads = _Threads()
@@ -124,31 +118,23 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     ``asyncio.TimeoutError``; the call is never cancelled (it keeps running, or waiting for its turn)."""
     if not future.done():
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()  # whether the call ended in time
-        # The callback stays on the future until the call ends: it must not keep the waiter (and through it, the
-        # caller's frames: an agent, a store) alive that long.
-        box = [waiter]
+        waiter: asyncio.Future[None] = loop.create_future()
+        # Held weakly: the callback stays on the future until the call ends, and must not keep the waiter (and through
+        # it, the caller's frames: an agent, a store) alive that long.
+        waiting = weakref.ref(waiter)
 
         def wake(_: Future[T]) -> None:
-            with contextlib.suppress(RuntimeError, IndexError):  # that loop has closed, or nobody waits any more
-                loop.call_soon_threadsafe(_settle, box[0], True)
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(_settle, waiting)
 
         future.add_done_callback(wake)
-        # A timer on the waiter rather than asyncio.wait_for, which would cancel the wrapped call.
-        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, False)
-        try:
-            if not await waiter:
-                raise asyncio.TimeoutError
-        finally:
-            box.clear()
-            if timer is not None:
-                timer.cancel()
+        await asyncio.wait_for(waiter, timeout)  # a timeout cancels the waiter, never the call
     return future.result()
 
 
-def _settle(waiter: asyncio.Future[bool], ended: bool) -> None:
-    if not waiter.done():
-        waiter.set_result(ended)
+def _settle(waiting: weakref.ref[asyncio.Future[None]]) -> None:
+    if (waiter := waiting()) is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 _lock = threading.Lock()
