@@ -140,7 +140,6 @@ def _settle(waiting: weakref.ref[asyncio.Future[None]]) -> None:
 _lock = threading.Lock()
 _fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
-_held: set[Any] = set()
 _exiting = False
 
 
@@ -151,15 +150,10 @@ def reset_after_fork(member: Any) -> None:
         _fork_members.add(member)
 
 
-def finish_at_exit(member: Any, *, hold: bool | None = None) -> None:
-    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives (held weakly; with
-    ``hold=True`` strongly too, until ``hold=False``: a record must live to send its kept batches again)."""
+def finish_at_exit(member: Any) -> None:
+    """Call ``member._finish_at_exit(started)`` at interpreter exit if ``member`` lives then (it is held weakly)."""
     with _lock:
         _exit_members.add(member)
-        if hold:
-            _held.add(member)
-        elif hold is False:
-            _held.discard(member)
 
 
 def exiting() -> bool:
@@ -173,7 +167,6 @@ def _after_fork_in_child() -> None:
     _threads = _Threads()
     _lock = threading.Lock()
     _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
-    _held.clear()
     for member in list(_fork_members):
         try:
             member._after_fork_in_child()
