@@ -128,12 +128,15 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
                 loop.call_soon_threadsafe(_settle, waiting)
 
         future.add_done_callback(wake)
-        await asyncio.wait_for(waiter, timeout)  # a timeout cancels the waiter, never the call
+        # asyncio.wait cancels nothing (asyncio.wait_for, before Python 3.12, can swallow the caller's cancellation).
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+        if not done:
+            raise asyncio.TimeoutError
     return future.result()
 
 
 def _settle(waiting: weakref.ref[asyncio.Future[None]]) -> None:
-    if (waiter := waiting()) is not None and not waiter.done():
+    if (waiter := waiting()) is not None:
         waiter.set_result(None)
 
 
