@@ -11,7 +11,6 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
-import logging
 import os
 import threading
 import time
@@ -20,8 +19,6 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any, TypeVar
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -171,10 +168,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
     for member in list(_fork_members):
-        try:
-            member._after_fork_in_child()
-        except Exception as error:  # noqa: BLE001 - one member's failure must not keep the others from resetting
-            logger.warning("reason=<%s> | could not reset after os.fork()", type(error).__name__)
+        member._after_fork_in_child()
 
 
 def _at_exit() -> None:
@@ -189,5 +183,5 @@ def _at_exit() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
-# Registered after logging's own hook (imported above): atexit runs last-in first-out, so the log still works.
+# Registered after logging's own hook (asyncio imports logging): atexit runs last-in first-out, so the log still works.
 atexit.register(_at_exit)
