@@ -11,7 +11,6 @@ import asyncio
 import atexit
 import contextlib
 import contextvars
-import logging
 import os
 import threading
 import time
@@ -21,16 +20,11 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-logger = logging.getLogger(__name__)
-
 T = TypeVar("T")
 
-MAX_THREADS = 32
-"""The most threads the library runs at once; past it, calls wait their turn."""
-IDLE_SECONDS = 2.0
-"""How long a thread waits for a call before it retires."""
-IDLE_NAME = "membase-worker[idle]"
-"""The name of a thread waiting for a call."""
+MAX_THREADS = 32  # the most threads the library runs at once; past it, calls wait their turn
+IDLE_SECONDS = 2.0  # how long a thread waits for a call before it retires
+IDLE_NAME = "membase-worker[idle]"  # the name of a thread waiting for a call
 
 
 class _Threads:
@@ -47,20 +41,18 @@ class _Threads:
         future: Future[T] = Future()
         call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
         with self._lock:
-            start = self.alive < MAX_THREADS and self._idle <= sum(len(calls) for calls in self._lanes.values())
-            if start:
-                self.alive += 1
-            else:
-                self._queue(call, lane)
-        if start:
-            try:
-                threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
-            except BaseException:
-                with self._lock:
-                    self.alive -= 1
-                    if not self.alive:
-                        raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
-                    self._queue(call, lane)  # a thread already alive takes it
+            if self.alive >= MAX_THREADS or self._idle > sum(len(calls) for calls in self._lanes.values()):
+                self._queue(call, lane)  # an idle thread takes it, or the first to be free at the cap
+                return future
+            self.alive += 1
+        try:
+            threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self.alive -= 1
+                if not self.alive:
+                    raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
+                self._queue(call, lane)  # a thread already alive takes it
         return future
 
     def _queue(self, call: list[Any], lane: Hashable) -> None:
@@ -93,16 +85,15 @@ class _Threads:
 def _run(call: list[Any]) -> None:
     fn, context, future, _ = call
     call.clear()  # nothing of the call outlives it here: its closure can hold a store
-    if not future.set_running_or_notify_cancel():
-        return  # cancelled while in line
-    try:
-        result = context.run(fn)
-    except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
-        del fn, context  # the error's traceback holds this frame
-        future.set_exception(error)
-    else:
-        del fn, context
-        future.set_result(result)
+    if future.set_running_or_notify_cancel():  # else it was cancelled while in line
+        try:
+            result = context.run(fn)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
+            del fn, context  # the error's traceback holds this frame
+            future.set_exception(error)
+        else:
+            del fn, context
+            future.set_result(result)
 
 
 _threads = _Threads()
@@ -124,37 +115,31 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     ``asyncio.TimeoutError``; the call is never cancelled (it keeps running, or waiting for its turn)."""
     if not future.done():
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()  # whether the call ended in time
-        # The callback stays on the future until the call ends: it must not keep the waiter (and through it, the
-        # caller's frames: an agent, a store) alive that long.
-        box = [waiter]
+        waiter: asyncio.Future[None] = loop.create_future()
+        # Held weakly: the callback stays on the future until the call ends, and must not keep the waiter (and through
+        # it, the caller's frames: an agent, a store) alive that long.
+        waiting = weakref.ref(waiter)
 
         def wake(_: Future[T]) -> None:
-            with contextlib.suppress(RuntimeError, IndexError):  # that loop has closed, or nobody waits any more
-                loop.call_soon_threadsafe(_settle, box[0], True)
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                loop.call_soon_threadsafe(_settle, waiting)
 
         future.add_done_callback(wake)
-        # A timer on the waiter rather than asyncio.wait_for, which would cancel the wrapped call.
-        timer = None if timeout is None else loop.call_later(timeout, _settle, waiter, False)
-        try:
-            if not await waiter:
-                raise asyncio.TimeoutError
-        finally:
-            box.clear()
-            if timer is not None:
-                timer.cancel()
+        # asyncio.wait cancels nothing (asyncio.wait_for, before Python 3.12, can swallow the caller's cancellation).
+        done, _ = await asyncio.wait({waiter}, timeout=timeout)
+        if not done:
+            raise asyncio.TimeoutError
     return future.result()
 
 
-def _settle(waiter: asyncio.Future[bool], ended: bool) -> None:
-    if not waiter.done():
-        waiter.set_result(ended)
+def _settle(waiting: weakref.ref[asyncio.Future[None]]) -> None:
+    if (waiter := waiting()) is not None:
+        waiter.set_result(None)
 
 
 _lock = threading.Lock()
 _fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
-_held: set[Any] = set()
 _exiting = False
 
 
@@ -165,15 +150,10 @@ def reset_after_fork(member: Any) -> None:
         _fork_members.add(member)
 
 
-def finish_at_exit(member: Any, *, hold: bool | None = None) -> None:
-    """Call ``member._finish_at_exit(started)`` at interpreter exit while ``member`` lives (held weakly; with
-    ``hold=True`` strongly too, until ``hold=False``: a record must live to send its kept batches again)."""
+def finish_at_exit(member: Any) -> None:
+    """Call ``member._finish_at_exit(started)`` at interpreter exit if ``member`` lives then (it is held weakly)."""
     with _lock:
         _exit_members.add(member)
-        if hold:
-            _held.add(member)
-        elif hold is False:
-            _held.discard(member)
 
 
 def exiting() -> bool:
@@ -187,12 +167,8 @@ def _after_fork_in_child() -> None:
     _threads = _Threads()
     _lock = threading.Lock()
     _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
-    _held.clear()
     for member in list(_fork_members):
-        try:
-            member._after_fork_in_child()
-        except Exception as error:  # noqa: BLE001 - one member's failure must not keep the others from resetting
-            logger.warning("reason=<%s> | could not reset after os.fork()", type(error).__name__)
+        member._after_fork_in_child()
 
 
 def _at_exit() -> None:
@@ -207,5 +183,5 @@ def _at_exit() -> None:
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
     os.register_at_fork(after_in_child=_after_fork_in_child)
-# Registered after logging's own hook (imported above): atexit runs last-in first-out, so the log still works.
+# Registered after logging's own hook (asyncio imports logging): atexit runs last-in first-out, so the log still works.
 atexit.register(_at_exit)

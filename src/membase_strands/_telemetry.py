@@ -1,23 +1,20 @@
-"""OpenTelemetry spans and metrics of what the store did, through ``opentelemetry-api``'s global providers only:
-with none set, nothing is recorded.
+"""OpenTelemetry spans and metrics of what the store did, through ``opentelemetry-api``'s global providers only.
 
 Spans are children of the current span (under Strands 1.46+, the manager's ``memory.*`` spans); a recall or write
 that ends after its caller stopped waiting gets a root span linked to its own. No attribute carries the key or an
 error's text (only its kind), nor the user's words unless named in the ``gen_ai_unredacted_attributes=`` token of
 ``OTEL_SEMCONV_STABILITY_OPT_IN`` as Strands reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands,
-without the token no text is recorded. Metrics are observable counters over each store's ``counters()``, read
-only when a reader collects, from a registry that holds stores weakly.
+without the token no text is recorded. Metrics are observable counters over the ``counters()`` of live stores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import os
-import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +23,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
-from . import _background
 from ._counters import STANDARD
 from ._failures import describe_failure
 
@@ -43,7 +39,6 @@ NOTE_TEXT = "membase.note.text"
 
 # A proxy until a tracer provider is set, then the real thing: a provider set after import still counts.
 _tracer = trace.get_tracer(__name__)
-_current: contextvars.ContextVar[Operation | None] = contextvars.ContextVar("membase_operation", default=None)
 
 
 def content_allowed(attribute: str) -> bool:
@@ -63,8 +58,8 @@ class Operation:
 
     def outcome(self, outcome: str | None, *, error_kind: str | None = None, **attributes: Any) -> None:
         """Set the outcome (unless ``None``), a failure's kind and other ``membase.`` attributes (but ``None`` ones)."""
-        self.outcome_set = outcome or self.outcome_set
         if self.span.is_recording():
+            self.outcome_set = outcome or self.outcome_set
             for name, value in {"outcome": outcome, "error.kind": error_kind, **attributes}.items():
                 if value is not None:
                     self.span.set_attribute(f"membase.{name}", value)
@@ -80,13 +75,21 @@ class Operation:
             self.span.set_attribute(attribute, value if isinstance(value, str) else list(value))
 
 
+# The operation running in this context: where there is none, one that records nothing.
+_current: contextvars.ContextVar[Operation] = contextvars.ContextVar("membase_operation")
+_NOWHERE = Operation(trace.INVALID_SPAN)
+
+
 @contextmanager
-def operation(name: str, store_name: str, **attributes: Any) -> Iterator[Operation]:
-    """A span ``name`` (with ``membase.<name>`` attributes) as a child of the current span, for the block. Left by an
-    exception with no outcome set, its outcome is ``cancelled``, ``timeout`` or ``error`` with ``membase.error.kind``;
-    its status says the outcome, never the error's text (a server may echo what it was sent: the key, the user's words).
-    """
-    with _tracer.start_as_current_span(name, record_exception=False, set_status_on_exception=False) as span:
+def operation(name: str, store_name: str, links: list[Link] | None = None, **attributes: Any) -> Iterator[Operation]:
+    """A span ``name`` (with ``membase.<name>`` attributes) for the block: a child of the current span or, given the
+    ``links`` of a late outcome, a root span. Left by an exception with no outcome set, its outcome is ``cancelled``,
+    ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text (a
+    server may echo what it was sent: the key, the user's words)."""
+    root = None if links is None else otel_context.Context()
+    with _tracer.start_as_current_span(
+        name, root, links=links, record_exception=False, set_status_on_exception=False
+    ) as span:
         made = Operation(span)
         made.outcome(None, store=store_name, **attributes)
         token = _current.set(made)
@@ -101,85 +104,61 @@ def operation(name: str, store_name: str, **attributes: Any) -> Iterator[Operati
             raise
         finally:
             _current.reset(token)
-            if made.outcome_set in ("error", "timeout") and span.is_recording():
+            if made.outcome_set in ("error", "timeout"):
                 span.set_status(Status(StatusCode.ERROR, made.outcome_set))
 
 
 def annotate(outcome: str | None = None, *, error_kind: str | None = None, **attributes: Any) -> None:
     """Set attributes (and optionally the outcome) on the current operation, if any."""
-    if (current := _current.get()) is not None:
-        current.outcome(outcome, error_kind=error_kind, **attributes)
+    _current.get(_NOWHERE).outcome(outcome, error_kind=error_kind, **attributes)
 
 
 def current_text(attribute: str, value: str | Sequence[str]) -> None:
     """Record the user's words on the current operation, only if they opted in to ``attribute``."""
-    if (current := _current.get()) is not None:
-        current.text(attribute, value)
+    _current.get(_NOWHERE).text(attribute, value)
 
 
 def link_here() -> SpanContext | None:
     """The span context of the current operation, to link a late outcome to it later; ``None`` if not traced."""
-    current = _current.get()
-    return current.span.get_span_context() if current is not None and current.span.is_recording() else None
+    span = _current.get(_NOWHERE).span
+    return span.get_span_context() if span.is_recording() else None
 
 
 def late(
     name: str, store: str, linked: SpanContext | None, outcome: str, error: BaseException | None, **attributes: Any
 ) -> None:
-    """Record the late end of a recall or write (on the thread it ran on) on a new root span, linked to ``linked``."""
-    if error is not None:
-        outcome, attributes["error_kind"] = "error", describe_failure(error).kind
-    links = [Link(linked)] if linked is not None and linked.is_valid else None
-    # A root span: the turn's span has ended, and the late outcome belongs to no turn now running.
-    span = _tracer.start_span(name, context=otel_context.Context(), links=links)
-    Operation(span).outcome(outcome, store=store, **attributes)
-    if outcome == "error" and span.is_recording():
-        span.set_status(Status(StatusCode.ERROR, "error"))
-    span.end()
+    """Record the late end of a recall or write on a root span (its turn's span has ended) linked to ``linked``."""
+    with operation(name, store, [Link(linked)] if linked is not None else []) as made:
+        kind = None if error is None else describe_failure(error).kind
+        made.outcome(outcome if error is None else "error", error_kind=kind, **attributes)
 
 
-# --- Metrics ----------------------------------------------------------------------------------------
-
-_stores: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.Lock()
+# References to the live stores, each leaving the set as its store dies. No lock (that a fork could find held):
+# adding, discarding and copying the set are each one step under the GIL (and under a free-threaded build's lock).
+_stores: set[weakref.ref[Any]] = set()
 
 
 def register_store(store: Any) -> None:
     """Expose ``store.counters()`` as metrics. Cheap; holds the store weakly, so it never keeps it alive."""
-    with _lock:
-        _stores.add(store)
+    _stores.add(weakref.ref(store, _stores.discard))
 
 
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()
-
-
-_background.reset_after_fork(sys.modules[__name__])
-
-
-def _observe(name: str, by: str | None = None) -> Callable[[metrics.CallbackOptions], list[metrics.Observation]]:
-    """The callback of each live store's counter ``name`` or, ``by`` an attribute, of its counters ``name.<value>``."""
-
-    def observe(options: metrics.CallbackOptions) -> list[metrics.Observation]:
-        with _lock:
-            stores = list(_stores)
-        return [
-            metrics.Observation(value, {"membase.store": store.name, **({by: key.partition(".")[2]} if by else {})})
-            for store in stores
-            for key, value in store.counters().items()
-            if (key.startswith(f"{name}.") if by else key == name)
-        ]
-
-    return observe
+def _observe(name: str, by: str | None, options: metrics.CallbackOptions) -> list[metrics.Observation]:
+    """Each live store's counter ``name`` or, ``by`` an attribute, its counters ``name.<value>``."""
+    stores = [store for reference in list(_stores) if (store := reference()) is not None]
+    return [
+        metrics.Observation(value, {"membase.store": store.name, **({by: key.partition(".")[2]} if by else {})})
+        for store in stores
+        for key, value in store.counters().items()
+        if (key.startswith(f"{name}.") if by else key == name)
+    ]
 
 
 _meter = metrics.get_meter(__name__)  # a proxy until a meter provider is set; then the instruments become real
-for _name in STANDARD:
-    _meter.create_observable_counter(f"membase.store.{_name}", callbacks=[_observe(_name)], unit="1")
-_meter.create_observable_counter(
-    "membase.store.errors", [_observe("errors", by="membase.error.kind")], "1", "Membase failures, by kind."
-)
-_meter.create_observable_counter(
-    "membase.store.tool_calls", [_observe("tool_calls", by="membase.tool")], "1", "Calls of the store's tools, by tool."
-)
+for _name, _by, _description in [
+    *((name, None, "") for name in STANDARD),
+    ("errors", "membase.error.kind", "Membase failures, by kind."),
+    ("tool_calls", "membase.tool", "Calls of the store's tools, by tool."),
+]:
+    _callback = functools.partial(_observe, _name, _by)
+    _meter.create_observable_counter(f"membase.store.{_name}", [_callback], "1", _description)

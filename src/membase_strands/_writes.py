@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import sys
 import threading
@@ -35,10 +36,21 @@ RECORD_SECONDS = 3600.0
 RECORD_BYTES = 1024 * 1024
 """The most message text (bytes of ``str`` objects) the record keeps alive: saved anchors, and kept batches."""
 
-# Why nobody waits for a request any more: the words of the line that reports its outcome.
-_RAN_OUT = "that ran out of time"
-_CANCELLED = "whose caller was cancelled"
-_SENT_AGAIN = "the store sent again"
+# Why nobody waits for a request any more (its late span's ``membase.reason``), in the words of its log line.
+_WHY = {
+    "timeout": "that ran out of time",
+    "cancelled": "whose caller was cancelled",
+    "sent again": "the store sent again",
+}
+# When a failed batch the record keeps is sent again, by the record's phase.
+_KEPT = {
+    "open": "no retry will come from the manager; the store sends it again with its next write or when it closes",
+    "closing": "no retry will come from the manager (the store is closing); it is sent again before it closes",
+    "closed": "no retry will come from the manager (the store is closed); it is sent again at interpreter exit",
+}
+_DROPPED = "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; %s"
+
+_keeping: set[WriteRecord] = set()  # records with kept batches: they must live to send them, store or not
 
 
 @dataclass(frozen=True)
@@ -61,8 +73,7 @@ def fingerprint(*fields: object) -> str:
 
 
 def message_parts(messages: list[Message], sequence_numbers: list[int] | None, roles: tuple[str, ...]) -> list[Part]:
-    """The captured lines of a batch: the text of each message of ``roles`` (after its role when both are captured),
-    each with the identity that survives the manager's retries of the batch."""
+    """A batch's captured lines (each message of ``roles``, after its role if both are) keyed to survive retries."""
     numbers = sequence_numbers if sequence_numbers and len(sequence_numbers) == len(messages) else None
     parts = []
     for index, message in enumerate(messages):
@@ -81,8 +92,8 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
 
 
 class _Request:
-    """One request the record started. Its thread records the outcome under the record's lock (``ended``), reports
-    it when nobody waits for it any more (``abandoned`` says why), and only then settles ``future`` (with ``None``)."""
+    """A request the record started: its thread marks it ``ended`` (record's lock held), reports it if ``abandoned``,
+    then settles ``future``."""
 
     def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
         self.parts = parts
@@ -103,7 +114,7 @@ class _Saved:
     anchor: object
     anchor_bytes: int
     at: float
-    late: int  # which save, when its caller was told it failed and no retry has come yet (else 0)
+    late: int  # which late save, while its caller was told it failed and no retry has come yet (else 0)
 
 
 class WriteRecord:
@@ -123,32 +134,28 @@ class WriteRecord:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store_name = store_name
-        self._counters = counters if counters is not None else Counters()
+        self._counters = counters or Counters()
         self._redact = redact
         self._budget = budget
-        self._size = size
-        self._seconds = seconds
-        self._max_bytes = max_bytes
+        self._size, self._seconds, self._max_bytes = size, seconds, max_bytes  # the bounds of what it keeps
         self._clock = clock
         self._lock = threading.Lock()
-        self._running: dict[Hashable, _Request] = {}
         self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
-        self._saves = 0
+        self._late_saves = itertools.count(1)
         self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
         self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
-        self._closing = False  # close() began: no retry will come from the manager
-        self._closed = False  # close() stopped waiting: what fails now is sent again at interpreter exit
+        self._phase = "open"  # then "closing": no retry will come from the manager; then "closed"
         _background.reset_after_fork(self)
         _background.finish_at_exit(self)
 
     def _after_fork_in_child(self) -> None:
         # The parent's requests have no thread here (a retry sends them); its kept batches are the parent's to send.
-        self._lock = threading.Lock()
-        self._running, self._unsettled, self._kept = {}, set(), []
+        self._lock, self._unsettled, self._kept = threading.Lock(), set(), []
+        _keeping.discard(self)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._running) + len(self._saved)
+            return len(self._sending()) + len(self._saved)
 
     @property
     def retained_bytes(self) -> int:
@@ -167,39 +174,38 @@ class WriteRecord:
         in the background), or what ``send`` raised (those parts are forgotten, so a retry sends them)."""
         self._send_kept(without={part.key for part in parts})
         deadline = None if self._budget is None else self._clock() + self._budget
-        saved_for_us: set[Hashable] = set()  # saved by an earlier call's request this call waited for
+        waited = False  # for an earlier call's request that saved some of them
         while True:
             with self._lock:
                 self._evict()
-                keys = [part.key for part in parts if part.key not in saved_for_us]
-                earlier = next((self._running[key] for key in keys if key in self._running), None)
+                sending = self._sending()
+                earlier = next((sending[part.key] for part in parts if part.key in sending), None)
                 if earlier is None:
-                    saved = [part.key for part in parts if part.key in saved_for_us or part.key in self._saved]
-                    todo = [part for part in parts if part.key not in saved]
-                    request = self._register(todo, send) if todo else None
+                    saved = [part.key for part in parts if part.key in self._saved]
+                    todo = [part for part in parts if part.key not in self._saved]
+                    request = _Request(todo, send) if todo else None
+                    if request is not None:
+                        self._unsettled.add(request)
                     break
             # An earlier call is sending some of them: wait for it; what it fails to save is new on the next pass.
             await self._wait(earlier, deadline, "an earlier write of the same content is still running")
-            if earlier.error is None:
-                saved_for_us.update(part.key for part in earlier.parts)  # even if a bound has forgotten them since
+            waited = waited or earlier.error is None
         decision = "send" if not saved else "partial" if todo else "already saved"
-        _telemetry.annotate(
-            sent=len(todo), deduplicated=len(saved), waited_for_earlier=bool(saved_for_us), decision=decision
-        )
+        _telemetry.annotate(sent=len(todo), deduplicated=len(saved), waited_for_earlier=waited, decision=decision)
         if saved:
             self._counters.add("writes_deduplicated", len(saved))
             message = "store=<%s>, already_saved=<%d> | not sending again what this store saved"
             logger.debug(message, self._store_name, len(saved))
-        result = None
         if request is not None:
             self._start(request)
             what = "it goes on in the background and the manager keeps the batch"
-            result = await self._wait(request, deadline, what, own=True)
+            await self._wait(request, deadline, what, own=True)
+            if request.error is not None:
+                raise request.error
         with self._lock:
-            for key in saved:  # a retry got success for them: none is expected any more
-                if key in self._saved:
-                    self._saved[key].late = 0
-        return result
+            for key in self._saved.keys() & set(saved):  # a retry got success for them: none is expected any more
+                self._saved[key].late = 0
+        return None if request is None else request.result
 
     def running(self) -> list[Future[None]]:
         """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
@@ -209,20 +215,18 @@ class WriteRecord:
     def drain(self, until: float | None = None) -> None:
         """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
         to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
-        self._closing = True
-        waited: set[Future[None]] = set()
-        self._wait_running(until, waited, kept=len(self._kept))
-        self._closed = True
-        waited.update(self._send_kept())  # each was counted above, as a kept batch or as the write that failed
-        self._wait_running(until, waited)
+        self._phase = "closing"
+        waited = self._wait_running(until, set(), kept=len(self._kept))
+        self._phase = "closed"
+        self._wait_running(until, waited.union(self._send_kept()))  # announced above, as kept or as the write failing
         if left := len(self.running()):
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
             message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
             logger.warning(message, self._store_name, left, self._wait_budget, then)
 
-    def _wait_running(self, until: float | None, waited: set[Future[None]], kept: int = 0) -> None:
-        """Wait until no write runs or the budget (or ``until``) is over; say so each time writes run that were not
-        waited for yet (a daemon thread may start one during the exit wait)."""
+    def _wait_running(self, until: float | None, waited: set[Future[None]], kept: int = 0) -> set[Future[None]]:
+        """Wait while writes run, up to the budget (or ``until``), announcing those not ``waited`` for yet (and
+        ``kept``) as they appear: a daemon thread may start one during the exit wait. Returns every write waited for."""
         deadline = time.monotonic() + self._wait_budget if until is None else until
         while True:
             running = self.running()
@@ -234,7 +238,7 @@ class WriteRecord:
                 kept = 0
             left = deadline - time.monotonic()
             if not running or left <= 0:
-                return
+                return waited
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
     def _finish_at_exit(self, started: float) -> None:
@@ -244,13 +248,12 @@ class WriteRecord:
             logger.info(message, self._store_name, self._wait_budget)
             self.drain(until=started + self._wait_budget)
 
-    async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> Any:
-        """Wait for ``request`` until ``deadline``. With ``own`` this caller started it: its failure is raised here,
-        and if this caller stops waiting, the request's thread reports the outcome."""
+    async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> None:
+        """Wait for ``request`` until ``deadline``; if its ``own`` caller gives up, its thread reports the outcome."""
         try:
-            await wait_for_future(request.future, None if deadline is None else max(0.0, deadline - self._clock()))
+            await wait_for_future(request.future, None if deadline is None else deadline - self._clock())
         except asyncio.TimeoutError:
-            if not own or self._abandon(request, _RAN_OUT):
+            if not own or self._abandon(request, "timeout"):
                 self._counters.add("write_timeouts")
                 message = "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s"
                 logger.warning(message, self._store_name, what)
@@ -258,17 +261,11 @@ class WriteRecord:
             # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
         except asyncio.CancelledError:
             self._counters.add("write_cancellations")
-            logger.info(
-                "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; "
-                "it goes on in the background",
-                self._store_name,
-            )
-            if own and not self._abandon(request, _CANCELLED) and request.error is not None:
-                self._report_late(request, _CANCELLED)  # it failed just before: nobody else reports it
+            message = "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; %s"
+            logger.info(message, self._store_name, "it goes on in the background")
+            if own and not self._abandon(request, "cancelled") and request.error is not None:
+                self._report_late(request, "cancelled")  # it failed just before: nobody else reports it
             raise
-        if own and request.error is not None:
-            raise request.error
-        return request.result
 
     def _abandon(self, request: _Request, why: str) -> bool:
         """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
@@ -277,44 +274,38 @@ class WriteRecord:
                 request.abandoned = why
             return not request.ended
 
-    def _register(self, parts: list[Part], send: Send, abandoned: str | None = None) -> _Request:
-        """A request for ``parts``, on record as running. Called with the lock held."""
-        request = _Request(parts, send, abandoned)
-        self._unsettled.add(request)
-        self._running.update((part.key, request) for part in parts)
-        return request
+    def _sending(self) -> dict[Hashable, _Request]:
+        """The running requests, by the keys of their parts (lock held)."""
+        return {part.key: request for request in self._unsettled if not request.ended for part in request.parts}
 
     def _start(self, request: _Request) -> None:
         try:
             _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
-        except BaseException as error:  # noqa: BLE001 - recorded: its future raises it to whoever waits
-            # Typically "can't start new thread". A batch the store sends again gets no retry: _finish reports it lost.
-            if request.abandoned is None:
+        except BaseException as error:  # noqa: BLE001 - typically "can't start new thread": raised to whoever waits
+            if request.abandoned is None:  # a batch the store sends again gets no retry: it is reported lost
                 message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
                 logger.warning(message, self._store_name, self._redact(detail_of(error)))
-            self._finish(request, None, error)
+            request.error = error
+            self._finish(request)
 
     def _run(self, request: _Request) -> None:
         try:
-            result = request.send(list(request.parts))
+            request.result = request.send(list(request.parts))
         except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
-            self._finish(request, None, error)
-        else:
-            self._finish(request, result, None)
+            request.error = error
+        self._finish(request)
 
-    def _finish(self, request: _Request, result: Any, error: BaseException | None) -> None:
-        """Record the outcome, report it if nobody waits for it any more, then settle the future."""
+    def _finish(self, request: _Request) -> None:
+        """Put the outcome on record, report it if nobody waits for it any more, then settle the future."""
         try:
             with self._lock:
-                request.ended, request.result, request.error = True, result, error
-                self._saves += 1
-                late = self._saves if request.abandoned is not None else 0
-                for part in request.parts:
-                    if self._running.pop(part.key, None) is request and error is None:
+                request.ended = True
+                if request.error is None:
+                    late = next(self._late_saves) if request.abandoned else 0
+                    for part in request.parts:
                         self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, self._clock(), late)
-                self._evict()
-            if error is None:
-                self._counters.add("writes_saved", len(request.parts))
+                    self._evict()
+                    self._counters.add("writes_saved", len(request.parts))
             if request.abandoned is not None:
                 self._report_late(request, request.abandoned)
         finally:
@@ -325,64 +316,54 @@ class WriteRecord:
     def _report_late(self, request: _Request, why: str) -> None:
         """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
         error = request.error
-        reason = {_RAN_OUT: "timeout", _CANCELLED: "cancelled"}.get(why, "sent again")
-        _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=reason)
+        _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=why)
         if error is None:
-            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, why)
+            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, _WHY[why])
             return
         self._counters.add("write_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        if why == _RAN_OUT and not self._closing:
+        if why == "timeout" and self._phase == "open":
             then = "the manager's retry sends it again"
-        elif why == _SENT_AGAIN or _background.exiting() or request.size > self._max_bytes:
+        elif why == "sent again" or _background.exiting() or request.size > self._max_bytes:
             self._counters.add("writes_lost", len(request.parts))
             then = "it is not saved, and nothing will send it again"
         else:
-            then = self._keep(request)
+            then = _KEPT[self._phase]
+            self._keep(request)
         detail = self._redact(detail_of(error))
-        logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, why, then)
+        logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, _WHY[why], then)
 
-    def _keep(self, request: _Request) -> str:
-        """Keep a failed batch to send it again, the oldest kept ones making room; when it will be sent, in words."""
+    def _keep(self, request: _Request) -> None:
+        """Keep a failed batch to send it again, the oldest kept ones making room."""
         with self._lock:
-            self._kept.append(request)  # alone, it is within the bound: the oldest make room for it
+            self._kept.append(request)  # alone, it is within the bound
             dropped = []
             while sum(kept.size for kept in self._kept) > self._max_bytes:
                 dropped.append(self._kept.pop(0))
-            _background.finish_at_exit(self, hold=True)  # it must live to send them, store or not
-        message = (
-            "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; "
-            "it is not saved"
-        )
+            _keeping.add(self)
         for lost in dropped:
             self._counters.add("writes_lost", len(lost.parts))
-            logger.warning(message, self._store_name, len(lost.parts), self._max_bytes)
-        if self._closed:
-            return "no retry will come from the manager (the store is closed); it is sent again at interpreter exit"
-        if self._closing:
-            return "no retry will come from the manager (the store is closing); it is sent again before it closes"
-        return "no retry will come from the manager; the store sends it again with its next write or when it closes"
+            logger.warning(_DROPPED, self._store_name, len(lost.parts), self._max_bytes, "it is not saved")
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[None]]:
         """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
         with self._lock:
             kept, self._kept = self._kept, []
-            if kept:
-                _background.finish_at_exit(self, hold=False)
+            _keeping.discard(self)
+            known = (without, self._saved, self._sending())
             requests = []
             for old in kept:
-                known = (without, self._saved, self._running)
-                parts = [part for part in old.parts if not any(part.key in keys for keys in known)]
-                if parts:
-                    requests.append(self._register(parts, old.send, abandoned=_SENT_AGAIN))
+                if parts := [part for part in old.parts if not any(part.key in keys for keys in known)]:
+                    requests.append(_Request(parts, old.send, "sent again"))
+            self._unsettled.update(requests)
         for request in requests:
             self._counters.add("writes_sent_again", len(request.parts))
             self._start(request)
         return [request.future for request in requests]
 
     def _evict(self) -> None:
-        """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late
-        saves go last: the manager's retry of a batch whose write ran out of time is the duplicate to stop."""
+        """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late saves
+        go last and the newest never: the manager's retry of a batch whose write ran out of time is the one to stop."""
         cutoff = self._clock() - self._seconds
         for key in [key for key, saved in self._saved.items() if saved.at < cutoff]:
             del self._saved[key]
@@ -390,11 +371,11 @@ class WriteRecord:
         excess_bytes = sum(saved.anchor_bytes for saved in self._saved.values()) - self._max_bytes
         if excess <= 0 and excess_bytes <= 0:
             return
-        newest_late = max(saved.late for saved in self._saved.values())  # it stays whatever the bounds
+        newest_late = max(saved.late for saved in self._saved.values()) or None
         for key, saved in sorted(self._saved.items(), key=lambda item: item[1].late > 0):  # stable: oldest first
             if excess <= 0 and excess_bytes <= 0:
                 break
-            if not saved.late or saved.late != newest_late:
+            if saved.late != newest_late:
                 del self._saved[key]
                 excess -= 1
                 excess_bytes -= saved.anchor_bytes
