@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseStorePool, _background, _http
+from membase_strands import MembaseMemoryStore, MembaseStorePool, _background, _http, _telemetry
 from membase_strands.testing import API_KEY, InMemoryMembase
 from tests.support.loopback import LoopbackMembase, arrived, as_usual, ok_json, stall
 from tests.support.store_helpers import (
@@ -319,6 +319,8 @@ def held_locks(store: MembaseMemoryStore, pool: MembaseStorePool) -> dict[str, A
         "threads": _background._threads._lock,
         "fork and exit registries": _background._lock,
         "connection pools": _http._lock,
+        "metrics registry": _telemetry._lock,
+        "set-up check": store._setup._lock,
     }
 
 
@@ -335,6 +337,8 @@ def held_locks(store: MembaseMemoryStore, pool: MembaseStorePool) -> dict[str, A
         "threads",
         "fork and exit registries",
         "connection pools",
+        "metrics registry",
+        "set-up check",
     ],
 )
 def test_a_child_forked_while_another_thread_holds_a_lock_of_the_librarys_uses_everything(loopback, lock) -> None:

@@ -13,6 +13,8 @@ import asyncio
 import contextvars
 import functools
 import os
+import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
+from . import _background
 from ._counters import STANDARD
 from ._failures import describe_failure
 
@@ -133,19 +136,28 @@ def late(
         made.outcome(outcome if error is None else "error", error_kind=kind, **attributes)
 
 
-# References to the live stores, each leaving the set as its store dies. No lock (that a fork could find held):
-# adding, discarding and copying the set are each one step under the GIL (and under a free-threaded build's lock).
-_stores: set[weakref.ref[Any]] = set()
+_stores: weakref.WeakSet[Any] = weakref.WeakSet()  # a WeakSet: a store that dies while it is copied is no error
+_lock = threading.Lock()
 
 
 def register_store(store: Any) -> None:
     """Expose ``store.counters()`` as metrics. Cheap; holds the store weakly, so it never keeps it alive."""
-    _stores.add(weakref.ref(store, _stores.discard))
+    with _lock:
+        _stores.add(store)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a metrics scrape may have held it at the fork
+
+
+_background.reset_after_fork(sys.modules[__name__])
 
 
 def _observe(name: str, by: str | None, options: metrics.CallbackOptions) -> list[metrics.Observation]:
     """Each live store's counter ``name`` or, ``by`` an attribute, its counters ``name.<value>``."""
-    stores = [store for reference in list(_stores) if (store := reference()) is not None]
+    with _lock:
+        stores = list(_stores)
     return [
         metrics.Observation(value, {"membase.store": store.name, **({by: key.partition(".")[2]} if by else {})})
         for store in stores
