@@ -1,10 +1,8 @@
 """Long-term memory from Membase for Strands Agents.
 
-``MembaseMemoryStore`` implements the ``strands.memory.MemoryStore`` protocol: put it into
-``MemoryManager(stores=[...])`` and the agent recalls from Membase before each user turn, with
-a time box so a slow memory never holds the turn, and gets the ``membase_search``,
-``membase_save`` and ``membase_profile`` tools. ``injection_config()`` gives the manager a memory
-block that tells the model recalled passages are data, not instructions.
+``MembaseMemoryStore`` is a ``strands.memory.MemoryStore``: in a ``MemoryManager`` the agent recalls before each user
+turn, within a time budget, and gets the ``membase_search``, ``membase_save`` and ``membase_profile`` tools.
+``injection_config()`` frames what is recalled as data; ``MembaseStorePool`` gives each user a store of their own.
 """
 
 from ._version import __version__

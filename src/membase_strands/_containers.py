@@ -114,8 +114,8 @@ class ContainerResolver:
 class SetupCheck:
     """The store's check of its Memories when an agent is built: one per store, within the budget, never in the way.
 
-    A check still running is shared, one that ended late is used, one that failed is tried again. Past the budget it
-    goes on in the background: agents built meanwhile do not wait for it again, and one outage warns once.
+    A running check is shared, one that ended late is used, one that failed is tried again. Past the budget it goes
+    on in the background: agents built meanwhile do not wait for it again, and one outage warns once.
     """
 
     def __init__(self, check: Callable[[], None], redact: Callable[[str], str], store_name: str, lane: Hashable):

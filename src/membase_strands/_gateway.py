@@ -44,7 +44,11 @@ _UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
 
 
 class MembaseGateway:
-    """One store's access to one person's Membase: its clients, its calls, and what their answers mean."""
+    """One store's access to one person's Membase: its clients, its calls, and what their answers mean.
+
+    Attributes: ``hosted`` (reached over HTTP with a key, not a local engine), ``owns_engine`` (it started a local
+    engine, which :meth:`close` closes), ``base_url``, and ``location`` (for messages and ``repr``; never the key).
+    """
 
     def __init__(
         self,
@@ -73,6 +77,11 @@ class MembaseGateway:
             if key is not None or not os.environ.get("MEMBASE_LOCAL"):  # else the SDK's MEMBASE_LOCAL convention
                 self._key = _checked_key(key)
                 self._url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        self.hosted = bool(self._secret)
+        self.owns_engine = client is None and not self._key
+        self.base_url = self._url or (str(client.base_url) if client is not None else "")
+        where = f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
+        self.location = f"local={os.fspath(local)!r}" if local is not None else where
         self._lock = threading.Lock()
         self._resolver = ContainerResolver()
         self._used = self._refused = False  # a client passed in: called yet; refused (forked after it was called)
@@ -102,28 +111,6 @@ class MembaseGateway:
             self._clients = None  # rebuilt at the first call, over this process's own pools
         elif self._used:
             self._refused = True
-
-    @property
-    def hosted(self) -> bool:
-        """Whether Membase is reached over HTTP with a key (not the local engine)."""
-        return bool(self._secret)
-
-    @property
-    def owns_engine(self) -> bool:
-        """Whether the gateway started a local engine, which :meth:`close` closes."""
-        return self._given is None and not self._key
-
-    @property
-    def base_url(self) -> str:
-        """The Membase host (meaningful when :attr:`hosted`)."""
-        return self._url or (str(self._given.base_url) if self._given is not None else "")
-
-    @property
-    def location(self) -> str:
-        """Where Membase is, for messages and ``repr``: the base URL, or the local directory. Never the key."""
-        if self._local is not None:
-            return f"local={os.fspath(self._local)!r}"
-        return f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
 
     def close(self, after: Callable[[], list[Future[Any]]] = list) -> None:
         """Close the local engine the gateway started, once the writes ``after`` lists end (so none loses it); a

@@ -96,7 +96,7 @@ class DeadlineClient(httpx.Client):
         if stream:
             return response
         try:
-            response.stream = _DeadlineBody(response, request, deadline, seconds)
+            response.stream = _DeadlineBody(response, deadline, seconds)
             response.read()
         except BaseException:
             response.close()
@@ -107,9 +107,9 @@ class DeadlineClient(httpx.Client):
 class _DeadlineBody(httpx.SyncByteStream):
     """A response body that ends with a read timeout once the deadline has passed while more is still to come."""
 
-    def __init__(self, response: httpx.Response, request: httpx.Request, deadline: float, seconds: float) -> None:
+    def __init__(self, response: httpx.Response, deadline: float, seconds: float) -> None:
         self._stream: Iterable[bytes] = response.stream  # type: ignore[assignment]  # a sync client's body
-        self._request = request
+        self._request = response.request
         self._deadline = deadline
         self._seconds = seconds
         length = response.headers.get("content-length", "")

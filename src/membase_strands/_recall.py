@@ -74,10 +74,10 @@ class TimeBoxedRecall:
         self._paused_until = self._clock() + seconds
 
     async def run(self, start: Callable[[], Future[T]], budget: float | None) -> T:
-        """Start a request on a thread (``start`` returns its future) and wait at most ``budget`` seconds (``None``:
-        as long as it takes) for what it returns. Raises :class:`RecallSkipped` (nothing sent) while a late request
-        holds the guard, and :class:`MembaseRecallTimeout` past the budget; the request goes on in the background
-        then, and when the caller is cancelled, holding the guard."""
+        """What the request ``start`` starts (it returns its future) returns, within ``budget`` seconds (``None``: no
+        limit). :class:`RecallSkipped` (nothing sent) while the guard is up or recall is paused;
+        :class:`MembaseRecallTimeout` past the budget, the request going on in the background holding the guard
+        (as it does when the caller is cancelled)."""
         skip = "key refused (403)" if self._clock() < self._paused_until else "memory waking" if self.waking else None
         if skip is not None:
             self._counters.add("recall_skipped")

@@ -33,8 +33,7 @@ logger = logging.getLogger(__name__)
 
 RECORD_SIZE = 4096
 RECORD_SECONDS = 3600.0
-RECORD_BYTES = 1024 * 1024
-"""The most message text (bytes of ``str`` objects) the record keeps alive: saved anchors, and kept batches."""
+RECORD_BYTES = 1024 * 1024  # the most message text (bytes of str objects) saved anchors and kept batches keep alive
 
 # Why nobody waits for a request any more (its late span's ``membase.reason``), in the words of its log line.
 _WHY = {

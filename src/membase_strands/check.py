@@ -47,24 +47,16 @@ class Step:
 
 @dataclass
 class CheckReport:
-    """What :func:`run_check` found.
+    """What :func:`run_check` found."""
 
-    Attributes:
-        target: Where Membase was reached (a host, or a local directory); never the key.
-        first_search_seconds: The first probe search's time (a cold memory wakes up here).
-        second_search_seconds: The second's (the memory is awake).
-        suggested_recall_timeout: A ``recall_timeout`` with room for five warm searches (2-30 s, whole seconds).
-        scores: The scores of the passages the probe found, highest first, to choose ``min_score`` from.
-    """
-
-    target: str
+    target: str  # where Membase was reached (a host, or a local directory); never the key
     steps: list[Step] = field(default_factory=list)
     memories: list[str] = field(default_factory=list)
-    first_search_seconds: float | None = None
-    second_search_seconds: float | None = None
-    suggested_recall_timeout: float | None = None
+    first_search_seconds: float | None = None  # a cold memory wakes up here
+    second_search_seconds: float | None = None  # the memory is awake
+    suggested_recall_timeout: float | None = None  # room for five warm searches (2-30 s, whole seconds)
     probe_query: str = PROBE_QUERY
-    scores: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # highest first, to choose min_score from
 
     @property
     def score_range(self) -> tuple[float, float] | None:
@@ -123,7 +115,7 @@ def run_check(
         query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
 
     Returns:
-        The report; ``report.ok`` tells whether everything needed works.
+        The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
     """
     try:
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")

@@ -39,10 +39,8 @@ class MembaseStorePool:
 
         Args:
             credential_for: A user's Membase API key (a ``str``) or local directory (a ``pathlib.Path``), by user id.
-            max_stores: How many users' stores to keep for their next turns. Past it, the least recently used is
-                let go of (a turn still using it keeps its recall and writes); once collected, its user gets a new
-                one. Size it to the users active within a few minutes: a smaller bound costs rebuilt stores, never
-                a turn's memory.
+            max_stores: How many users' stores to keep for their next turns (size it to the users active within a
+                few minutes); past it the least recently used is let go of, never closed under a running turn.
             **store_options: Options for every user's store (``container``, ``recall_timeout``, ``capture``, ...);
                 ``client``, ``api_key`` and ``local`` come from ``credential_for``.
 

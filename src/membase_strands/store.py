@@ -343,8 +343,7 @@ class MembaseMemoryStore:
 
     @property
     def _default_limit(self) -> int:
-        """Passages to ask for when the caller gives no number (``max_search_results`` is a plain attribute)."""
-        return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS
+        return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS  # a plain attribute: a user may set None
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the guard, the write record, the set-up check and the gateway reset themselves

@@ -20,8 +20,7 @@ from typing import Any
 
 logger = logging.getLogger("standin_llm")
 
-DIMENSIONS = 1536
-"""The width of the engine's FAISS index; any other width fails inside the engine."""
+DIMENSIONS = 1536  # the width of the engine's FAISS index; any other width fails inside the engine
 
 STOPWORDS = frozenset(
     """a an and are as at be been but by can could did do does for from had has have he her hers him his how i if in
