@@ -59,7 +59,7 @@ def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[BaseException]:
 
 def idle(threads: _background._Threads) -> int:
     """How many of ``threads`` wait for a call (a call submitted now goes to one of them, no thread is started)."""
-    return threads._idle
+    return len(threads._idle)
 
 
 # --- A call on a thread --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import contextvars
 import os
+import queue
 import threading
 import time
 import weakref
@@ -28,23 +29,28 @@ IDLE_NAME = "membase-worker[idle]"  # the name of a thread waiting for a call
 
 
 class _Threads:
-    """Daemon threads that start when every one is busy, up to the cap, and retire when idle."""
+    """Daemon threads that start when every one is busy, up to the cap, and retire when idle. A call goes to an idle
+    thread's own queue (the cheapest wake-up), or at the cap into its lane, which the threads take in turn."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
+        self._idle: list[queue.SimpleQueue[list[Any]]] = []  # the queues of threads waiting, the last idle last
         self._lanes: dict[Hashable, deque[list[Any]]] = {}  # calls waiting for a thread; the first lane goes next
-        self._idle = 0  # threads waiting for a call
         self.alive = 0
 
     def submit(self, fn: Callable[[], T], name: str, lane: Hashable) -> Future[T]:
         future: Future[T] = Future()
         call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
         with self._lock:
-            if self.alive >= MAX_THREADS or self._idle > sum(len(calls) for calls in self._lanes.values()):
-                self._queue(call, lane)  # an idle thread takes it, or the first to be free at the cap
+            idle = self._idle.pop() if self._idle else None  # the most recently idle one: the others may retire
+            if idle is None and self.alive >= MAX_THREADS:
+                self._lanes.setdefault(lane, deque()).append(call)  # the first thread to be free takes it
                 return future
-            self.alive += 1
+            if idle is None:
+                self.alive += 1
+        if idle is not None:
+            idle.put(call)
+            return future
         try:
             threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
         except BaseException:
@@ -52,34 +58,34 @@ class _Threads:
                 self.alive -= 1
                 if not self.alive:
                     raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
-                self._queue(call, lane)  # a thread already alive takes it
+                self._lanes.setdefault(lane, deque()).append(call)  # a thread already alive takes it
         return future
-
-    def _queue(self, call: list[Any], lane: Hashable) -> None:
-        """Put ``call`` in line, behind its lane's earlier calls. Called with the lock held."""
-        self._lanes.setdefault(lane, deque()).append(call)
-        self._ready.notify()
 
     def _work(self, call: list[Any]) -> None:
         """Run ``call``, then the calls in line, a lane at a time; retire after :data:`IDLE_SECONDS` with none."""
-        thread = threading.current_thread()
+        thread, inbox = threading.current_thread(), queue.SimpleQueue[list[Any]]()
         while True:
             thread.name = call[3]
             _run(call)
             thread.name = IDLE_NAME
             with self._lock:
-                while not self._lanes:
-                    self._idle += 1
-                    woken = self._ready.wait(IDLE_SECONDS)
-                    self._idle -= 1
-                    if not woken and not self._lanes:
+                if self._lanes:
+                    lane = next(iter(self._lanes))
+                    calls = self._lanes.pop(lane)
+                    call = calls.popleft()
+                    if calls:
+                        self._lanes[lane] = calls  # its next call waits for the other lanes' turns
+                    continue
+                self._idle.append(inbox)
+            try:
+                call = inbox.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:
+                        self._idle.remove(inbox)
                         self.alive -= 1
                         return
-                lane = next(iter(self._lanes))
-                calls = self._lanes.pop(lane)
-                call = calls.popleft()
-                if calls:
-                    self._lanes[lane] = calls  # its next call waits for the other lanes' turns
+                call = inbox.get()  # a call took this thread just as its wait ended: it is on its way
 
 
 def _run(call: list[Any]) -> None:
@@ -115,26 +121,29 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     ``asyncio.TimeoutError``; the call is never cancelled (it keeps running, or waiting for its turn)."""
     if not future.done():
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        # Held weakly: the callback stays on the future until the call ends, and must not keep the waiter (and through
-        # it, the caller's frames: an agent, a store) alive that long.
+        waiter: asyncio.Future[bool] = loop.create_future()  # whether the call ended in time
+        # Held weakly: the callback outlives the wait, and must not keep the caller's frames (a store) alive that long.
         waiting = weakref.ref(waiter)
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(_settle, waiting)
+                loop.call_soon_threadsafe(_settle, waiting, True)
 
         future.add_done_callback(wake)
-        # asyncio.wait cancels nothing (asyncio.wait_for, before Python 3.12, can swallow the caller's cancellation).
-        done, _ = await asyncio.wait({waiter}, timeout=timeout)
-        if not done:
-            raise asyncio.TimeoutError
+        # A timer on the waiter, not asyncio.wait or wait_for: cheaper, and it can cancel nothing but the wait.
+        timer = None if timeout is None else loop.call_later(timeout, _settle, waiting, False)
+        try:
+            if not await waiter:
+                raise asyncio.TimeoutError
+        finally:
+            if timer is not None:
+                timer.cancel()
     return future.result()
 
 
-def _settle(waiting: weakref.ref[asyncio.Future[None]]) -> None:
-    if (waiter := waiting()) is not None:
-        waiter.set_result(None)
+def _settle(waiting: weakref.ref[asyncio.Future[bool]], ended: bool) -> None:
+    if (waiter := waiting()) is not None and not waiter.done():
+        waiter.set_result(ended)
 
 
 _lock = threading.Lock()

@@ -7,8 +7,7 @@ from collections import Counter
 
 from . import _background
 
-# Counts always present in a snapshot. Others appear once they happen: ``errors.<kind>`` (the kind of each Membase
-# failure, as :func:`membase_strands._failures.describe_failure` names it) and ``tool_calls.<tool>``.
+# Always in a snapshot; ``errors.<kind>`` (describe_failure's kinds) and ``tool_calls.<tool>`` once they happen.
 STANDARD = tuple(
     """recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled recall_late_completions
     recall_errors writes_saved writes_deduplicated writes_sent_again writes_lost write_timeouts write_cancellations

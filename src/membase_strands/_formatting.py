@@ -11,7 +11,7 @@ import functools
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from strands.memory import MemoryEntry
@@ -121,7 +121,7 @@ def arrange(
     shown = [reading for reading in readings if first[reading] is reading]
     kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
-    return replace(answer, passages=_fit(kept[:most], budget), floor=min_score, below_floor=below, folded=folded)
+    return SearchAnswer(_fit(kept[:most], budget), answer.unsearched, answer.none_answered, min_score, below, folded)
 
 
 class _Reading:
@@ -177,15 +177,15 @@ def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
     kept: list[Passage] = []
     left = sys.maxsize if budget is None else budget
     for reading in readings:
-        passage = replace(reading.passage, also_in=tuple(reading.memories)[1:])
-        room = left - len(passage.label)
+        memory, *others = reading.memories
+        room = left - sum(len(name) + 3 for name in reading.memories)  # the label: "[name] " for each
         text = clean_text(reading.head) if not reading.long and room >= 0 else None
         if text is not None and len(text) <= room:
-            kept.append(replace(passage, content=text))
+            kept.append(Passage(memory, text, reading.passage.metadata, tuple(others)))
             left = room - len(text)
         elif not kept:  # the best passage alone is longer than the budget: it is shown cut, alone
             text = (text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
-            return [replace(passage, content=text, metadata={**passage.metadata, "cut": True})]
+            return [Passage(memory, text, {**reading.passage.metadata, "cut": True}, tuple(others))]
     return kept
 
 

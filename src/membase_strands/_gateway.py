@@ -93,7 +93,7 @@ class MembaseGateway:
         if self._given is not None:
             return self._given, self._given
         if self._key:
-            http = shared_client(self._url)
+            http = shared_client(self._url, self._key)
             return (
                 membase.Membase(api_key=self._key, base_url=self._url, http_client=http),
                 membase.Membase(api_key=self._key, base_url=self._url, max_retries=0, http_client=http),

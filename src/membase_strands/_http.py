@@ -1,7 +1,7 @@
-"""The process's connection pools: one shared ``httpx.Client`` per base URL and proxy/TLS environment.
+"""The process's connection pools: a few shared ``httpx.Client`` per base URL and proxy/TLS environment.
 
 Every store built from a key sends through :func:`shared_client` (the SDK sends the key with each request, so
-stores share sockets, never credentials); its limits bound the idle sockets however many stores there are.
+stores share sockets, never credentials); the limits bound the idle sockets however many stores there are.
 httpx's timeouts count per read, so a server that drips a byte at a time could hold a call as long as it drips:
 :class:`DeadlineClient` ends an attempt whose body still arrives past its timeout (the SDK's 90 s). A forked
 child starts with no pools: the parent's are dropped, not closed (a parent thread may have held their locks).
@@ -25,8 +25,10 @@ from membase.client import DEFAULT_TIMEOUT
 from . import _background
 
 ATTEMPT_SECONDS = DEFAULT_TIMEOUT  # the whole-call deadline of one attempt: the SDK's own timeout
-# Idle sockets past 50 are closed, and any idle for 5 s at the pool's next use.
-LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=50, keepalive_expiry=5.0)
+# A few pools per host, each store's by its key: under one pool's lock httpcore checks every pooled connection for each
+# request, and 32 busy threads queued on it. Idle sockets past 12 a pool are closed, any idle 5 s at its next use.
+POOLS_PER_HOST = 4
+LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=12, keepalive_expiry=5.0)
 # httpx reads these when it builds a client: stores share a pool only when built under the same values.
 _HTTP_ENVIRONMENT = tuple(
     name
@@ -36,25 +38,25 @@ _HTTP_ENVIRONMENT = tuple(
 
 
 _lock = threading.Lock()
-_clients: dict[tuple[str | None, ...], httpx.Client] = {}
+_clients: dict[tuple[str | int | None, ...], httpx.Client] = {}
 _routes: weakref.WeakValueDictionary[str, httpx.Client] = weakref.WeakValueDictionary()
 
 
-def shared_client(base_url: str) -> httpx.Client:
-    """The shared client for ``base_url`` under the current environment, built on first use."""
+def shared_client(base_url: str, key: str) -> httpx.Client:
+    """The shared client for ``base_url`` (one of its few, by ``key``) under the current environment."""
     routed = _routes.get(base_url)
     if routed is not None:
         return routed
     environment = tuple(os.environ.get(name) for name in _HTTP_ENVIRONMENT)
-    key = (base_url, *environment)
+    pool = (base_url, hash(key) % POOLS_PER_HOST, *environment)
     with _lock:
-        client = _clients.get(key)
+        client = _clients.get(pool)
         if client is None:
             certificates = environment[-4:]  # SSL_CERT_FILE and SSL_CERT_DIR, in both cases
             client = DeadlineClient(
                 base_url=base_url, timeout=ATTEMPT_SECONDS, limits=LIMITS, verify=_ssl_context(*certificates)
             )
-            _clients[key] = client
+            _clients[pool] = client
     return client
 
 

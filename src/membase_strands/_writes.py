@@ -81,8 +81,7 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
         role = message.get("role")
         if role not in roles or not text:
             continue
-        # The first text block is the same object on every retry of the batch and a new one in a new agent run; the
-        # record holds it, so its id stays unique while the record stands.
+        # The same object on every retry of the batch, new in a new run; held by the record, so its id stays unique.
         anchor = blocks[0]
         key = fingerprint("message", numbers[index] if numbers else None, id(anchor), role, text)
         line = f"{role}: {text}" if len(roles) > 1 else text

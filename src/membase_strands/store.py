@@ -130,8 +130,7 @@ class MembaseMemoryStore:
         self._setup = SetupCheck(check, self._gateway.redact, self.name, lane=self._gateway)
         self._tools: list[AgentTool] | None = None
         _background.reset_after_fork(self)
-        # A store dropped unclosed (say, one a pool let go of) must not keep its local engine. The callback holds the
-        # gateway and the write record, never the store; at exit it does not run, as a daemon write may.
+        # Dropped unclosed (a pool let go of it), it closes its local engine; at exit not, as a daemon write may run.
         self._finalizer: weakref.finalize[Any, Any] | None = None
         if self._gateway.owns_engine:
             close_engine = functools.partial(self._gateway.close, after=self._writes.running)
@@ -199,8 +198,7 @@ class MembaseMemoryStore:
             raise
         except Exception as error:
             self._fail("recall", error)
-        # The manager keeps only the first `limit` entries: make room for the notices, so a Memory that could not
-        # answer is never dropped silently behind a full page of passages.
+        # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
         most = max(0, limit - len(answer.unsearched))
         answer = arrange(answer, most, min_score=self._min_score, budget=self._max_recall_chars)
         left_out = {"recall_passages_folded": answer.folded, "recall_passages_below_floor": answer.below_floor}

@@ -43,21 +43,15 @@ class Note:
 
 @dataclass
 class InMemoryMembase:
-    """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline.
+    """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline."""
 
-    Attributes:
-        containers: The Memories in reach, as Membase lists them; at first one, ``Main`` (id ``ctr_main``).
-        notes: Every note saved, seeded ones too.
-        standing: The profile's standing facts.
-        unsearchable: Memory id -> the reason it cannot answer a search.
-        base_url: A host of its own, routed to its ``httpx.MockTransport`` while it lives.
-    """
-
+    # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
     containers: list[dict[str, Any]] = field(default_factory=lambda: [{"id": "ctr_main", "name": "Main"}])
-    notes: list[Note] = field(default_factory=list)
-    standing: list[str] = field(default_factory=list)
-    unsearchable: dict[str, str] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)  # every note saved, seeded ones too
+    standing: list[str] = field(default_factory=list)  # the profile's standing facts
+    unsearchable: dict[str, str] = field(default_factory=dict)  # Memory id -> why it cannot answer a search
     requests: list[Recorded] = field(default_factory=list)
+    # A host of its own, routed to its httpx.MockTransport while it lives.
     base_url: str = field(init=False, default_factory=lambda: f"https://membase-{next(_NUMBERS)}.test")
     _faults: dict[tuple[str, str], Iterator[Responder]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
