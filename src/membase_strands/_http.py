@@ -26,9 +26,9 @@ from . import _background
 
 ATTEMPT_SECONDS = DEFAULT_TIMEOUT  # the whole-call deadline of one attempt: the SDK's own timeout
 # A few pools per host, each store's by its key: under one pool's lock httpcore checks every pooled connection for each
-# request, and 32 busy threads queued on it. Idle sockets past 12 a pool are closed, any idle 5 s at its next use.
-POOLS_PER_HOST = 4
-LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=12, keepalive_expiry=5.0)
+# request, and 32 busy threads queued on it. Idle sockets past 6 a pool are closed, any idle 5 s at its next use.
+POOLS_PER_HOST = 8
+LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=6, keepalive_expiry=5.0)
 # httpx reads these when it builds a client: stores share a pool only when built under the same values.
 _HTTP_ENVIRONMENT = tuple(
     name
