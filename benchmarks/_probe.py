@@ -54,15 +54,19 @@ def peak_threads() -> Iterator[dict[str, int]]:
         sampler.join(5)
 
 
-def recall(url: str, calls: int) -> dict[str, Any]:
-    """Raw ``client.search`` and ``await store.search`` over loopback, one of each in turn (the order alternates)."""
+def recall(url: str, calls: int, given: bool = False) -> dict[str, Any]:
+    """Raw ``client.search`` and ``await store.search`` over loopback, one of each in turn (the order alternates).
+    ``given``: the store is given a client (``client=``, one attempt) instead of building its own from the key."""
     import membase
 
     from membase_strands import MembaseMemoryStore
 
     warmup = calls // 4
     raw = membase.Membase(api_key="user-raw", base_url=url)
-    store = MembaseMemoryStore(api_key="user-store", base_url=url)
+    if given:
+        store = MembaseMemoryStore(client=membase.Membase(api_key="user-store", base_url=url, max_retries=0))
+    else:
+        store = MembaseMemoryStore(api_key="user-store", base_url=url)
     times: dict[str, list[float]] = {"raw": [], "store": []}
     hits = 0
 
