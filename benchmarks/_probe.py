@@ -11,6 +11,7 @@ kit's ``ScriptedModel``. ``URL`` is the loopback server (``_server.py``). Prints
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -54,19 +55,21 @@ def peak_threads() -> Iterator[dict[str, int]]:
         sampler.join(5)
 
 
-def recall(url: str, calls: int, given: bool = False) -> dict[str, Any]:
+def recall(url: str, calls: int, kind: str = "key") -> dict[str, Any]:
     """Raw ``client.search`` and ``await store.search`` over loopback, one of each in turn (the order alternates).
-    ``given``: the store is given a client (``client=``, one attempt) instead of building its own from the key."""
+    ``kind``: the store is built from the key (``key``) or given a client (``given``: one attempt); ``thread``: no
+    store, the raw call awaited on a thread of asyncio's default executor (what any hand-off to a thread costs)."""
     import membase
 
     from membase_strands import MembaseMemoryStore
 
     warmup = calls // 4
     raw = membase.Membase(api_key="user-raw", base_url=url)
-    if given:
+    if kind == "given":
         store = MembaseMemoryStore(client=membase.Membase(api_key="user-store", base_url=url, max_retries=0))
     else:
         store = MembaseMemoryStore(api_key="user-store", base_url=url)
+    threaded = membase.Membase(api_key="user-thread", base_url=url, max_retries=0)
     times: dict[str, list[float]] = {"raw": [], "store": []}
     hits = 0
 
@@ -77,6 +80,9 @@ def recall(url: str, calls: int, given: bool = False) -> dict[str, Any]:
                 started = time.perf_counter_ns()
                 if which == "raw":
                     raw.search(QUESTION, limit=5)
+                elif kind == "thread":
+                    search = functools.partial(threaded.search, QUESTION, limit=5)
+                    hits += bool(await asyncio.get_running_loop().run_in_executor(None, search)) and index >= warmup
                 else:
                     hits += bool(await store.search(QUESTION)) and index >= warmup
                 if index >= warmup:
@@ -86,6 +92,7 @@ def recall(url: str, calls: int, given: bool = False) -> dict[str, Any]:
     asyncio.run(measure())
     store.close()
     raw.close()
+    threaded.close()
     out: dict[str, Any] = {"hits": hits, "calls": calls}
     for which, values in times.items():
         out[f"{which}_us"] = statistics.median(values)

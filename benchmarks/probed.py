@@ -44,7 +44,8 @@ def recall_overhead(plan: Plan) -> Section:
         f"one probe per library beside two busy processes ({plan.busy_calls} calls each): the share of calls "
         "over 2 ms. The rows 'store given client=' time a store given a ready client, interleaved the same way: at "
         f"{BEFORE} that store's recall ran on a worker thread, as every recall does now, so they show what the "
-        "hand-off to a thread and back costs on this machine.",
+        "hand-off to a thread and back costs on this machine; the row 'no store' awaits the raw call on a thread of "
+        "asyncio's default executor (`run_in_executor`): the least any hand-off costs.",
         [
             "library",
             "raw call µs",
@@ -56,7 +57,9 @@ def recall_overhead(plan: Plan) -> Section:
     )
     with ServerProcess(0) as server:
         quiet = interleaved(plan.rounds, "recall", server.url, calls=plan.recall_calls)
-        given = interleaved(plan.rounds, "recall", server.url, calls=plan.recall_calls, given=True)
+        given = interleaved(plan.rounds, "recall", server.url, calls=plan.recall_calls, kind="given")
+        on_thread = {"calls": plan.recall_calls, "kind": "thread"}
+        threaded = [probe("recall", NOW, server.url, **on_thread) for _ in range(plan.rounds)]
         busy: dict[str, list[dict[str, Any]]] = {NOW: [], BEFORE: []}
         if plan.busy_calls:
             with busy_processes(2):
@@ -70,6 +73,9 @@ def recall_overhead(plan: Plan) -> Section:
         adds = [r["store_us"] - r["raw_us"] for r in results]
         raw, store = median(of(results, "raw_us")), median(of(results, "store_us"))
         section.row(f"{label}, store given client=", fmt(raw), fmt(store), fmt(median(adds)), spread(adds), "")
+    adds = [r["store_us"] - r["raw_us"] for r in threaded]
+    raw, thread = median(of(threaded, "raw_us")), median(of(threaded, "store_us"))
+    section.row("no store: the raw call on a thread", fmt(raw), fmt(thread), fmt(median(adds)), spread(adds), "")
     raw_us, store_us = mock_overhead(plan.recall_calls)
     section.row("now, testing kit (MockTransport)", fmt(raw_us), fmt(store_us), fmt(store_us - raw_us))
     now, before = median(added[NOW]), median(added[BEFORE])
