@@ -17,7 +17,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,11 +89,11 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
     ``links`` of a late outcome, a root span. Left by an exception with no outcome set, its outcome is ``cancelled``,
     ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text (a
     server may echo what it was sent: the key, the user's words)."""
-    root = None if links is None else otel_context.Context()
-    with _tracer.start_as_current_span(
-        name, root, links=links, record_exception=False, set_status_on_exception=False
-    ) as span:
-        made = Operation(span)
+    span = _tracer.start_span(name, None if links is None else otel_context.Context(), links=links)
+    traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
+    ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
+    with ending if traced else nullcontext():
+        made = Operation(span) if traced else _NOWHERE
         made.outcome(None, store=store_name, **attributes)
         token = _current.set(made)
         try:
