@@ -336,7 +336,7 @@ async def test_a_write_that_outlives_close_is_saved_once_on_its_own_connection_a
         assert store.counters()["writes_saved"] == 0
         release.set()
         settle(running)
-        assert sent.is_set()  # the server's answer went out on the write's connection ...
+        assert sent.wait(LONG)  # the server's answer went out on the write's connection (it sets this just after)
         assert server.open_connections == server.connections  # ... which nobody closed: it stays in the pool
 
     assert any("a write that ran out of time finished; it is saved" in m for m in messages(caplog, logging.INFO))
