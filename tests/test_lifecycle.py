@@ -231,7 +231,7 @@ async def test_async_with_closes_the_store_and_leaves_the_shared_connections_and
             client.close()
 
 
-async def test_a_cancelled_aclose_still_closes_the_store_and_a_second_aclose_returns(gates, caplog):
+async def test_a_cancelled_aclose_still_closes_the_store_and_a_second_aclose_waits_for_its_writes(gates, caplog):
     caplog.set_level(logging.INFO)
     with LoopbackMembase() as server:
         in_flight, release = threading.Event(), gates.new()
@@ -249,12 +249,13 @@ async def test_a_cancelled_aclose_still_closes_the_store_and_a_second_aclose_ret
             with pytest.raises(asyncio.CancelledError):
                 await closing
 
-            # Closed all the same, so the store never ends half closed; a second aclose() has nothing left to
-            # wait for (the generous bound only catches one that would wait out the write's budget).
-            assert store._closed
-            await asyncio.wait_for(store.aclose(), LONG / 2)
+            # Closed all the same, so the store never ends half closed; its closing goes on in the background.
             with pytest.raises(RuntimeError, match="closed"):
                 await store.search(QUESTION)
+            second = asyncio.create_task(store.aclose())  # waits for the first closing, up to write_timeout
+            release.set()
+            await asyncio.wait_for(second, LONG)
+            assert store.counters()["writes_saved"] == 1  # the write's outcome is on record when it returns
         finally:
             release.set()
         # The write kept its connection: it ends saved, and the turn's flush got that answer.
@@ -679,15 +680,21 @@ from strands.memory import MemoryManager
 from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, ScriptedModel
 
-url, write_timeout, grace, fork = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "fork"
+url, write_timeout, grace, mode = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 store = MembaseMemoryStore(
     api_key=API_KEY, base_url=url, container="Main", capture=True, extraction=True, write_timeout=write_timeout
 )
+if mode == "preload":  # as gunicorn --preload: the store is built before the fork and used in the child only
+    child = os.fork()
+    if child != 0:
+        os.waitpid(child, 0)
+        sys.exit(0)
+    logging.getLogger("program").info("forked")
 agent = Agent(model=ScriptedModel(["Noted."]), memory_manager=MemoryManager(stores=[store]), callback_handler=None)
 agent("I like green tea.")  # its captured write outlives its budget: the server holds it
 store._writes._budget = grace  # how long the exit waits for it (the test's own knob; the store's write_timeout)
 logging.getLogger("program").info("turn over")
-if fork:
+if mode == "fork":
     child = os.fork()
     if child == 0:
         logging.getLogger("program").info("forked")
@@ -808,6 +815,23 @@ def test_at_exit_a_write_that_does_not_finish_gets_a_warning_naming_its_store(se
     assert program.counters()["writes_saved"] == 0
     assert not any(GREEN_TEA in line for line in lines if " membase_strands." in line)  # never the text
     assert API_KEY not in program.output()
+
+
+def test_a_store_built_before_the_fork_gets_its_exit_wait_in_the_child_that_uses_it(server, gates):
+    release = gates.new()
+    server.on(*MEMORIES, stall(release, then=ok_json(SAVED_ANSWER)))
+    program = Program(server.url, write_timeout=BUDGET, grace=LONG, mode="preload")
+    try:
+        assert program.wait_for_line(EXITING), program.output()  # the child's, with its write still running
+        release.set()
+    finally:
+        code = program.finish()
+
+    assert code == 0, program.output()
+    child = int(next(line for line in program.lines() if line.endswith("INFO program forked")).split()[0])
+    assert any("a write that ran out of time finished; it is saved" in line for line in program.lines(child))
+    assert program.counters(child)["writes_saved"] == 1
+    assert server.fake.saved() == [GREEN_TEA]
 
 
 def test_a_forked_child_does_not_wait_for_or_report_its_parents_running_write(server, gates):

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -250,6 +251,38 @@ def test_a_prompt_answer_is_untouched_by_the_deadline(loopback, built, deadline)
     assert status == "success"
     assert f"1. [Main] {FACT}" in text
     assert loopback.drips == []
+
+
+class Chunks(httpx.SyncByteStream):
+    """A body of no stated length, sent in chunks; those after ``late`` come once the deadline has passed."""
+
+    def __init__(self, chunks: list[bytes], late: int, deadline: float) -> None:
+        self.chunks, self.late, self.deadline = chunks, late, deadline
+
+    def __iter__(self) -> Iterator[bytes]:
+        for index, chunk in enumerate(self.chunks):
+            while index == self.late and time.monotonic() <= self.deadline:  # what this test is about: the deadline
+                time.sleep(0.01)
+            yield chunk
+
+
+def chunked_client(chunks: list[bytes], late: int) -> httpx.Client:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Chunks(chunks, late, time.monotonic() + DEADLINE))
+
+    return _http.DeadlineClient(transport=httpx.MockTransport(answer), timeout=DEADLINE)
+
+
+def test_a_body_of_no_stated_length_whose_last_chunk_comes_after_the_deadline_is_kept_whole() -> None:
+    """Only more data tells that such a body was not whole: a saved note must not read as failed (and be resent)."""
+    with chunked_client([b'{"id": ', b'"mem_1"}'], late=1) as client:
+        assert client.post("http://membase.test/v1/memories").json() == {"id": "mem_1"}
+
+
+def test_a_body_of_no_stated_length_still_arriving_after_the_deadline_is_ended() -> None:
+    with chunked_client([b'{"results": [', b"1, ", b"2]}"], late=1) as client:
+        with pytest.raises(httpx.ReadTimeout, match="whole-call deadline"):
+            client.post("http://membase.test/v1/search")
 
 
 # --- A server that sends more hits than it was asked for ---------------------------------------

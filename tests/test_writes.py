@@ -944,6 +944,34 @@ async def test_the_record_keeps_a_failed_write_whose_caller_was_cancelled_and_se
     assert counters.snapshot()["writes_sent_again"] == 1
 
 
+async def test_a_retry_cancelled_while_an_earlier_write_sends_part_of_it_keeps_the_rest_and_sends_it_next(caplog):
+    """A retry brings the old words and new ones; it waits while an earlier request still sends the old. Cancelled
+    then (a flush a web server gave up on: no retry will come), the new words are kept and sent with the next write."""
+    caplog.set_level(logging.INFO)
+    gate = threading.Event()
+    counters = Counters()
+    record = WriteRecord("t", counters, budget=LONG, clock=Clock())
+    stuck, send = Sender(gate=gate), Sender()
+    try:
+        first = asyncio.create_task(record.write([part("a")], stuck))
+        assert await until(stuck.arrived.is_set, timeout=LONG)
+        retry = await started(record.write([part("a"), part("b")], send))  # waits for the first's "a"
+        retry.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await retry
+        gate.set()
+        assert await first == "saved"
+    finally:
+        gate.set()
+
+    assert await record.write([part("c")], send) == "saved"  # "b" goes out beside it, "a" not again
+    settle(record.running())
+    assert sorted(send.sent()) == ["b", "c"]
+    assert stuck.sent() == ["a"]
+    assert counters.snapshot()["writes_sent_again"] == 1
+    assert counters.snapshot()["writes_lost"] == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no os.fork()")
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_batch_kept_for_sending_again_is_sent_again_by_the_parent_only_not_by_a_forked_child(caplog):

@@ -58,7 +58,11 @@ class _Threads:
                 self.alive -= 1
                 if not self.alive:
                     raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
-                self._lanes.setdefault(lane, deque()).append(call)  # a thread already alive takes it
+                idle = self._idle.pop() if self._idle else None  # one may have gone idle meanwhile: it takes it
+                if idle is None:
+                    self._lanes.setdefault(lane, deque()).append(call)  # a busy thread takes it when it is done
+            if idle is not None:
+                idle.put(call)
         return future
 
     def _work(self, call: list[Any]) -> None:
@@ -175,8 +179,7 @@ def _after_fork_in_child() -> None:
     global _threads, _lock
     _threads = _Threads()
     _lock = threading.Lock()
-    _exit_members.clear()  # the parent's writes have no thread here: exit neither waits for nor reports them
-    for member in list(_fork_members):
+    for member in list(_fork_members):  # each forgets its parent's work: exit waits only for the child's own
         member._after_fork_in_child()
 
 

@@ -125,10 +125,8 @@ class SetupCheck:
         self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
         _background.reset_after_fork(self)
 
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        if self._running is not None and not self._running.done():
-            self._running = None  # its thread is the parent's: it will never finish here
+    def _after_fork_in_child(self) -> None:  # takes no lock, not even a Future's: the child checks again
+        self._lock, self._running, self._waited_out = threading.Lock(), None, None
 
     async def run(self, budget: float) -> None:
         """Wait up to ``budget`` seconds for the check; ``ValueError`` when it finds the configuration cannot work."""

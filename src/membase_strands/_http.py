@@ -81,7 +81,7 @@ def _ssl_context(*certificate_environment: str | None) -> ssl.SSLContext:
 
 
 class DeadlineClient(httpx.Client):
-    """An ``httpx.Client`` whose responses must arrive whole within its timeout (its longest phase)."""
+    """An ``httpx.Client`` that ends an answer whose body still arrives past its timeout (its longest phase)."""
 
     def send(
         self,
@@ -107,7 +107,7 @@ class DeadlineClient(httpx.Client):
 
 
 class _DeadlineBody(httpx.SyncByteStream):
-    """A response body that ends with a read timeout once the deadline has passed while more is still to come."""
+    """A response body that ends with a read timeout when more of it arrives after the deadline has passed."""
 
     def __init__(self, response: httpx.Response, deadline: float, seconds: float) -> None:
         self._stream: Iterable[bytes] = response.stream  # type: ignore[assignment]  # a sync client's body
@@ -118,16 +118,15 @@ class _DeadlineBody(httpx.SyncByteStream):
         self._length = int(length) if length.isdigit() else None
 
     def __iter__(self) -> Iterator[bytes]:
-        received = 0
+        received, overdue = 0, False
         for chunk in self._stream:
+            if overdue:  # more came after the deadline passed with the body not whole
+                message = f"Membase did not finish answering within the whole-call deadline of {self._seconds:g} s"
+                raise httpx.ReadTimeout(message, request=self._request)
             received += len(chunk)
             yield chunk
-            # A body that is whole is kept however late it came: nothing would be gained by refusing it.
-            if time.monotonic() > self._deadline and (self._length is None or received < self._length):
-                raise httpx.ReadTimeout(
-                    f"Membase did not finish answering within the whole-call deadline of {self._seconds:g} s",
-                    request=self._request,
-                )
+            # Whole by its length, or as no more coming shows, a body is kept however late it came.
+            overdue = time.monotonic() > self._deadline and (self._length is None or received < self._length)
 
     def close(self) -> None:
         if isinstance(self._stream, httpx.SyncByteStream):

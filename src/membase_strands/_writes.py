@@ -186,7 +186,11 @@ class WriteRecord:
                         self._unsettled.add(request)
                     break
             # An earlier call is sending some of them: wait for it; what it fails to save is new on the next pass.
-            await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+            try:
+                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
+            except asyncio.CancelledError:  # no retry will come: what is not saved by then is sent with the next write
+                self._keep(_Request(list(parts), send))
+                raise
             waited = waited or earlier.error is None
         decision = "send" if not saved else "partial" if todo else "already saved"
         _telemetry.annotate(sent=len(todo), deduplicated=len(saved), waited_for_earlier=waited, decision=decision)
@@ -320,7 +324,7 @@ class WriteRecord:
             return
         self._counters.add("write_errors")
         self._counters.add(f"errors.{describe_failure(error).kind}")
-        if why == "timeout" and self._phase == "open":
+        if why == "timeout" and self._phase == "open" and not _background.exiting():
             then = "the manager's retry sends it again"
         elif why == "sent again" or _background.exiting() or request.size > self._max_bytes:
             self._counters.add("writes_lost", len(request.parts))
@@ -332,7 +336,7 @@ class WriteRecord:
         logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, _WHY[why], then)
 
     def _keep(self, request: _Request) -> None:
-        """Keep a failed batch to send it again, the oldest kept ones making room."""
+        """Keep a batch no retry will bring back, to send it again; the oldest kept ones make room."""
         with self._lock:
             self._kept.append(request)  # alone, it is within the bound
             dropped = []

@@ -288,29 +288,25 @@ class MembaseMemoryStore:
         if not self._begin_close():
             wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
             return
+        self._finish_closing()
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
+        closing goes on in the background (each outcome is logged when its write ends)."""
+        if not self._begin_close():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
+            return
+        await wait_for_future(_background.submit(self._finish_closing, name=f"membase-close[{self.name}]"), None)
+
+    def _finish_closing(self) -> None:
+        """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine, if any (blocking)."""
         try:
             self._writes.drain()
         finally:
             self._close_done.set_result(None)
             if self._release():
                 self._gateway.close()
-
-    async def aclose(self) -> None:
-        """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
-        writes still running go on (their outcome is logged when they end)."""
-        if not self._begin_close():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-            return
-        closing = None
-        try:
-            await wait_for_future(_background.submit(self._writes.drain, name=f"membase-close[{self.name}]"), None)
-        finally:
-            self._close_done.set_result(None)  # also when cancelled: the store never ends half closed
-            if self._release():
-                closing = _background.submit(self._gateway.close, name=f"membase-close[{self.name}]")
-        if closing is not None:
-            await wait_for_future(closing, None)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
