@@ -46,6 +46,7 @@ from tests.support.store_helpers import (
     FACT,
     LONG,
     QUESTION,
+    Gates,
     client_of,
     drain_began,
     make_agent,
@@ -553,10 +554,8 @@ async def test_a_write_that_fails_during_the_exit_grace_says_nothing_will_send_i
     assert (store.counters()["write_errors"], store.counters()["writes_lost"]) == (1, 1)
 
 
-async def test_at_exit_a_batch_kept_for_sending_again_is_sent_once(exit_hook, gates, caplog):
-    """Issue 19: a batch whose caller was cancelled and that then failed, with no next write and no close."""
-    caplog.set_level(logging.INFO)
-    membase = InMemoryMembase()
+async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Gates) -> MembaseMemoryStore:
+    """A capturing store whose write of GREEN_TEA failed (500) after its caller was cancelled: the store keeps it."""
     in_flight, release = threading.Event(), gates.new()
     membase.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
     store = capturing(membase, write_timeout=LONG)
@@ -568,6 +567,14 @@ async def test_at_exit_a_batch_kept_for_sending_again_is_sent_once(exit_hook, ga
         await write
     release.set()
     settle(running)
+    return store
+
+
+async def test_at_exit_a_batch_kept_for_sending_again_is_sent_once(exit_hook, gates, caplog):
+    """Issue 19: a batch whose caller was cancelled and that then failed, with no next write and no close."""
+    caplog.set_level(logging.INFO)
+    membase = InMemoryMembase()
+    store = await kept_after_a_cancelled_write(membase, gates)
     assert membase.saved() == []
 
     await asyncio.to_thread(exit_hook)
@@ -583,17 +590,7 @@ async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_i
 ):
     """Python 3.12 refuses new threads at interpreter exit: the store's own resend never starts, and no retry comes."""
     membase = InMemoryMembase()
-    in_flight, release = threading.Event(), gates.new()
-    membase.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
-    store = capturing(membase, write_timeout=LONG)
-    write = asyncio.create_task(store.add(GREEN_TEA))
-    assert await until(in_flight.is_set, timeout=LONG)
-    running = store._writes.running()
-    write.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await write
-    release.set()
-    settle(running)
+    store = await kept_after_a_cancelled_write(membase, gates)
     caplog.clear()
 
     def refuse(thread: threading.Thread) -> None:

@@ -891,18 +891,7 @@ async def test_kept_batches_are_bounded_in_bytes_the_oldest_dropped_with_a_warni
 async def test_a_failed_batch_over_the_byte_bound_on_its_own_is_lost_once_and_counted_once(caplog):
     counters = Counters()
     record = WriteRecord("t", counters, budget=LONG, max_bytes=50, clock=Clock())
-    gate = threading.Event()
-    failing = Sender(gate=gate, fail=1)
-    try:
-        task = asyncio.create_task(record.write([sized("huge", 100)], failing))
-        assert await until(failing.arrived.is_set, timeout=LONG)
-        running = record.running()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    finally:
-        gate.set()
-    settle(running)
+    await cancelled_then_failed(record, [sized("huge", 100)])
 
     assert warnings(caplog) == [  # nothing about a batch kept, then dropped: it never was kept
         "store=<t>, reason=<Membase said no> | a write whose caller was cancelled failed; "
@@ -914,20 +903,9 @@ async def test_a_failed_batch_over_the_byte_bound_on_its_own_is_lost_once_and_co
 
 async def test_the_record_keeps_a_failed_write_whose_caller_was_cancelled_and_sends_it_with_the_next_write(caplog):
     caplog.set_level(logging.INFO)
-    gate = threading.Event()
     counters = Counters()
     record = WriteRecord("t", counters, budget=LONG, clock=Clock())
-    failing = Sender(gate=gate, fail=1)
-    try:
-        task = asyncio.create_task(record.write([part("a")], failing))
-        assert await until(failing.arrived.is_set, timeout=LONG)
-        running = record.running()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    finally:
-        gate.set()
-    settle(running)
+    failing = await cancelled_then_failed(record, [part("a")])
 
     snapshot = counters.snapshot()
     assert (snapshot["write_cancellations"], snapshot["write_errors"], snapshot["errors.error"]) == (1, 1, 1)
@@ -976,23 +954,7 @@ async def test_a_retry_cancelled_while_an_earlier_write_sends_part_of_it_keeps_t
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_batch_kept_for_sending_again_is_sent_again_by_the_parent_only_not_by_a_forked_child(caplog):
     record = WriteRecord("t", budget=LONG, clock=Clock())
-    gate = threading.Event()
-    failing = Sender(gate=gate, fail=1)
-
-    async def cancelled_then_failed() -> None:
-        task = asyncio.create_task(record.write([part("a")], failing))
-        assert await until(failing.arrived.is_set, timeout=LONG)
-        running = record.running()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        gate.set()
-        settle(running)
-
-    try:
-        asyncio.run(cancelled_then_failed())
-    finally:
-        gate.set()
+    failing = asyncio.run(cancelled_then_failed(record, [part("a")]))
     assert any(KEPT in m for m in warnings(caplog))
 
     def next_write() -> list[list[str]]:
@@ -1206,6 +1168,23 @@ class Sender:
 
     def sent(self) -> list[str]:
         return [text for request in self.requests for text in request]
+
+
+async def cancelled_then_failed(record: WriteRecord, parts: list[Part]) -> Sender:
+    """Write ``parts`` with a send that fails, its caller cancelled while it runs; return once it has failed."""
+    gate = threading.Event()
+    failing = Sender(gate=gate, fail=1)
+    try:
+        task = asyncio.create_task(record.write(parts, failing))
+        assert await until(failing.arrived.is_set, timeout=LONG)
+        running = record.running()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        gate.set()
+    settle(running)
+    return failing
 
 
 def part(text: str) -> Part:
