@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, _background
+from membase_strands import MembaseAccessError, MembaseMemoryStore, _background, _http
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase
 from tests.support.store_helpers import (
@@ -151,6 +151,10 @@ def test_three_hundred_recalls_at_once_on_one_store_all_return_memory():
         assert counters["recall_timeouts"] == counters["recall_skipped"] == counters["recall_errors"] == 0
         # At most one request per thread was ever in flight: the rest waited their turn.
         assert server.peak_in_flight <= _background.MAX_THREADS
+        # One store's requests share one pool, its connections all kept alive: none was closed under the burst (past
+        # its keep-alive limit httpcore closes idle connections, even one just handed to a request: EBADF).
+        assert server.connections <= _http.LIMITS.max_connections
+        assert server.open_connections == server.connections
 
 
 # --- A stalled Membase ---------------------------------------------------------------------------

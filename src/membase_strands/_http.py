@@ -25,10 +25,10 @@ from membase.client import DEFAULT_TIMEOUT
 from . import _background
 
 ATTEMPT_SECONDS = DEFAULT_TIMEOUT  # the whole-call deadline of one attempt: the SDK's own timeout
-# A few pools per host, each store's by its key: under one pool's lock httpcore checks every pooled connection for each
-# request, and 32 busy threads queued on it. Idle sockets past 6 a pool are closed, any idle 5 s at its next use.
+# A few pools per host, each store's by its key (32 busy threads queued on one pool's lock), of 6 connections each, all
+# kept alive: past its keep-alive limit httpcore closes idle ones, even one just handed to a request (EBADF in a burst).
 POOLS_PER_HOST = 8
-LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=6, keepalive_expiry=5.0)
+LIMITS = httpx.Limits(max_connections=6, max_keepalive_connections=6, keepalive_expiry=5.0)
 # httpx reads these when it builds a client: stores share a pool only when built under the same values.
 _HTTP_ENVIRONMENT = tuple(
     name
