@@ -1,8 +1,14 @@
-"""Where the library's blocking work runs: daemon threads, the one fork hook, and the exit wait for writes.
+"""Where the library's blocking work runs, and the one lock that guards its state.
 
-Daemon threads, because nobody joins them: ``asyncio.to_thread``'s are joined when a synchronous ``agent("...")``'s
-``asyncio.run`` loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a request past its budget would hold
-the turn or the exit anyway. At the :data:`MAX_THREADS` cap, calls wait in a lane per store, the lanes taking turns.
+- Daemon threads, because nobody joins them: ``asyncio.to_thread``'s are joined when a synchronous ``agent("...")``'s
+  loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a request past its budget would hold either.
+- Three kinds of calls, each with threads of its own: recalls may always use :data:`RECALL_THREADS` threads, so
+  hung writes or tool calls never keep a recall from being sent, and closes never queue behind other stores' calls.
+  At a cap, a call waits in its lane (a store's, or a user's), and the lanes take turns. A thread retires after
+  :data:`IDLE_SECONDS` without a call.
+- :data:`LOCK` guards every piece of the library's shared state, in short sections and never across I/O. It is
+  held across ``fork()``, so a child never inherits it taken; the child starts with no threads, and state a parent
+  started (requests, checks, engines) is told apart by the pid that started it.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import contextvars
 import os
 import queue
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -23,177 +28,185 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-MAX_THREADS = 32  # the most threads the library runs at once; past it, calls wait their turn
-IDLE_SECONDS = 2.0  # how long a thread waits for a call before it retires
-IDLE_NAME = "membase-worker[idle]"  # the name of a thread waiting for a call
+LOCK = threading.RLock()
+RECALL_THREADS = 16  # threads only recalls may take
+WORK_THREADS = 24  # threads for writes, tool requests and set-up checks
+CLOSE_THREADS = 16  # threads for closing stores, which wait for their writes: never behind other stores' calls
+IDLE_SECONDS = 2.0
+IDLE_NAME = "membase-worker[idle]"
+_CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS}
+
+
+class _Call:
+    __slots__ = ("fn", "context", "future", "name", "kind")
+
+    def __init__(self, fn: Callable[[], Any], future: Future[Any], name: str, kind: str) -> None:
+        self.fn: Callable[[], Any] | None = fn
+        self.future, self.name, self.kind = future, name, kind
+        self.context: contextvars.Context | None = contextvars.copy_context()  # the caller's: its tracing span
 
 
 class _Threads:
-    """Daemon threads that start when every one is busy, up to the cap, and retire when idle. A call goes to an idle
-    thread's own queue (the cheapest wake-up), or at the cap into its lane, which the threads take in turn."""
+    """The daemon threads. A call goes to an idle thread's own queue, or a new thread below its kind's cap, or in
+    line; a thread that ends a call takes the next in line whose kind has room."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[list[Any]]] = []  # the queues of threads waiting, the last idle last
-        self._lanes: dict[Hashable, deque[list[Any]]] = {}  # calls waiting for a thread; the first lane goes next
+        self.idle: list[queue.SimpleQueue[_Call]] = []  # the queues of waiting threads, the last idle last
+        self.running = dict.fromkeys(_CAPS, 0)
+        self.lanes: dict[str, dict[Hashable, deque[_Call]]] = {kind: {} for kind in _CAPS}
         self.alive = 0
 
-    def submit(self, fn: Callable[[], T], name: str, lane: Hashable) -> Future[T]:
-        future: Future[T] = Future()
-        call = [fn, contextvars.copy_context(), future, name]  # the caller's context: its tracing span goes along
-        with self._lock:
-            idle = self._idle.pop() if self._idle else None  # the most recently idle one: the others may retire
-            if idle is None and self.alive >= MAX_THREADS:
-                self._lanes.setdefault(lane, deque()).append(call)  # the first thread to be free takes it
-                return future
-            if idle is None:
-                self.alive += 1
-        if idle is not None:
-            idle.put(call)
-            return future
+    def submit(self, call: _Call, lane: Hashable) -> None:
+        with LOCK:
+            if self.running[call.kind] >= _CAPS[call.kind]:
+                self.lanes[call.kind].setdefault(lane, deque()).append(call)
+                return
+            self.running[call.kind] += 1
+            inbox = self.idle.pop() if self.idle else None
+            self.alive += inbox is None
+        if inbox is not None:
+            inbox.put(call)
+            return
         try:
-            threading.Thread(target=self._work, args=(call,), name=name, daemon=True).start()
-        except BaseException:
-            with self._lock:
+            threading.Thread(target=self._work, args=(call,), name=call.name, daemon=True).start()
+        except BaseException as error:  # typically "can't start new thread": the call fails, nobody waits forever
+            with LOCK:
                 self.alive -= 1
-                if not self.alive:
-                    raise  # no thread would ever take the call: it fails now, so nobody waits for it forever
-                idle = self._idle.pop() if self._idle else None  # one may have gone idle meanwhile: it takes it
-                if idle is None:
-                    self._lanes.setdefault(lane, deque()).append(call)  # a busy thread takes it when it is done
-            if idle is not None:
-                idle.put(call)
-        return future
+                self.running[call.kind] -= 1
+            call.future.set_exception(error)
 
-    def _work(self, call: list[Any]) -> None:
-        """Run ``call``, then the calls in line, a lane at a time; retire after :data:`IDLE_SECONDS` with none."""
-        thread, inbox = threading.current_thread(), queue.SimpleQueue[list[Any]]()
-        while True:
-            thread.name = call[3]
-            _run(call)
-            thread.name = IDLE_NAME
-            with self._lock:
-                if self._lanes:
-                    lane = next(iter(self._lanes))
-                    calls = self._lanes.pop(lane)
-                    call = calls.popleft()
-                    if calls:
-                        self._lanes[lane] = calls  # its next call waits for the other lanes' turns
-                    continue
-                self._idle.append(inbox)
-            try:
-                call = inbox.get(timeout=IDLE_SECONDS)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:
-                        self._idle.remove(inbox)
-                        self.alive -= 1
-                        return
-                call = inbox.get()  # a call took this thread just as its wait ended: it is on its way
+    def _next(self) -> _Call | None:
+        """The next call in line whose kind has room (lock held), counted as running."""
+        for kind, lanes in self.lanes.items():
+            if lanes and self.running[kind] < _CAPS[kind]:
+                lane = next(iter(lanes))
+                calls = lanes.pop(lane)
+                call = calls.popleft()
+                if calls:
+                    lanes[lane] = calls  # its next call waits for the other lanes' turns
+                self.running[kind] += 1
+                return call
+        return None
 
-
-def _run(call: list[Any]) -> None:
-    fn, context, future, _ = call
-    call.clear()  # nothing of the call outlives it here: its closure can hold a store
-    if future.set_running_or_notify_cancel():  # else it was cancelled while in line
+    def _work(self, call: _Call | None) -> None:
+        thread, inbox = threading.current_thread(), queue.SimpleQueue[_Call]()
+        _local.resources = {}
         try:
-            result = context.run(fn)
+            while call is not None:
+                thread.name = call.name
+                _run(call)
+                thread.name = IDLE_NAME
+                with LOCK:
+                    self.running[call.kind] -= 1
+                    call = self._next()
+                    if call is None:
+                        self.idle.append(inbox)
+                if call is None:
+                    call = _wait_for_call(self, inbox)
+        finally:
+            for resource in _local.resources.values():
+                with contextlib.suppress(Exception):
+                    resource.close()
+
+
+def _wait_for_call(threads: _Threads, inbox: queue.SimpleQueue[_Call]) -> _Call | None:
+    """The next call handed to this idle thread, or ``None`` when it retires."""
+    try:
+        return inbox.get(timeout=IDLE_SECONDS)
+    except queue.Empty:
+        with LOCK:
+            if inbox in threads.idle:
+                threads.idle.remove(inbox)
+                threads.alive -= 1
+                return None
+        return inbox.get()  # a call took this thread just as its wait ended: it is on its way
+
+
+def _run(call: _Call) -> None:
+    if call.future.set_running_or_notify_cancel() and call.context and call.fn:  # else cancelled while in line
+        try:
+            result = call.context.run(call.fn)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
-            del fn, context  # the error's traceback holds this frame
-            future.set_exception(error)
+            call.future.set_exception(error)
         else:
-            del fn, context
-            future.set_result(result)
+            call.future.set_result(result)
+    call.fn = call.context = None  # nothing of the call outlives it here: its closure can hold a store
 
 
 _threads = _Threads()
+_local = threading.local()
 
 
-def submit(fn: Callable[[], T], *, name: str, lane: Hashable = None) -> Future[T]:
-    """Run ``fn`` on a daemon thread named ``name``, in the caller's context; a future for its outcome. ``lane``:
-    whose call it is (a store's own object). Raises ``RuntimeError`` if no thread can start and none is alive."""
-    return _threads.submit(fn, name, lane)
+def submit(fn: Callable[[], T], *, name: str, kind: str = "work", lane: Hashable = None) -> Future[T]:
+    """Run ``fn`` on a daemon thread named ``name``, in the caller's context. ``kind``: ``"recall"``, ``"work"`` or
+    ``"close"``; ``lane``: whose call it is, for taking turns at the cap. The future fails if no thread can start."""
+    future: Future[T] = Future()
+    _threads.submit(_Call(fn, future, name, kind), lane)
+    return future
 
 
-def threads_alive() -> int:
-    """How many of the library's threads are alive, busy or idle."""
-    return _threads.alive
+def worker_resources() -> dict[Hashable, Any] | None:
+    """The current library thread's own resources (each closed when it retires); ``None`` on any other thread."""
+    return getattr(_local, "resources", None)
 
 
 async def wait_for_future(future: Future[T], timeout: float | None) -> T:
-    """Await a thread's future on the running loop for at most ``timeout`` seconds, else raise
-    ``asyncio.TimeoutError``; the call is never cancelled (it keeps running, or waiting for its turn)."""
+    """Await a thread's future for at most ``timeout`` seconds, else raise ``asyncio.TimeoutError``; the call is
+    never cancelled. The waiting task is held by the call until it ends, so a task nobody else holds still wakes."""
     if not future.done():
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()  # whether the call ended in time
-        # Held weakly: the callback outlives the wait, and must not keep the caller's frames (a store) alive that long.
-        waiting = weakref.ref(waiter)
+        waiter: asyncio.Future[None] = loop.create_future()
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(_settle, waiting, True)
+                loop.call_soon_threadsafe(_settle, waiter)
 
         future.add_done_callback(wake)
-        # A timer on the waiter, not asyncio.wait or wait_for: cheaper, and it can cancel nothing but the wait.
-        timer = None if timeout is None else loop.call_later(timeout, _settle, waiting, False)
         try:
-            if not await waiter:
-                raise asyncio.TimeoutError
+            done, _ = await asyncio.wait({waiter}, timeout=timeout)
         finally:
-            if timer is not None:
-                timer.cancel()
+            waiter.cancel()  # lets go of this task once its wait is over
+        if not done:
+            raise asyncio.TimeoutError
     return future.result()
 
 
-def _settle(waiting: weakref.ref[asyncio.Future[bool]], ended: bool) -> None:
-    if (waiter := waiting()) is not None and not waiter.done():
-        waiter.set_result(ended)
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
-_lock = threading.Lock()
-_fork_members: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
 _exiting = False
 
 
-def reset_after_fork(member: Any) -> None:
-    """Call ``member._after_fork_in_child()`` in every child forked while ``member`` lives (held weakly). It runs
-    in the child's only thread, before anything else: it must take no lock of its own."""
-    with _lock:
-        _fork_members.add(member)
-
-
 def finish_at_exit(member: Any) -> None:
-    """Call ``member._finish_at_exit(started)`` at interpreter exit if ``member`` lives then (it is held weakly)."""
-    with _lock:
+    """Call ``member._finish_at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
+    with LOCK:
         _exit_members.add(member)
 
 
 def exiting() -> bool:
-    """Whether the interpreter is exiting: a write that fails now gets no retry from the manager."""
+    """Whether the interpreter is exiting: no manager retry will come any more."""
     return _exiting
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child (none of the parent's threads, their locks as they were): fresh threads and locks first."""
-    global _threads, _lock
-    _threads = _Threads()
-    _lock = threading.Lock()
-    for member in list(_fork_members):  # each forgets its parent's work: exit waits only for the child's own
-        member._after_fork_in_child()
 
 
 def _at_exit() -> None:
     global _exiting
     _exiting = True
-    started = time.monotonic()
-    with _lock:
+    with LOCK:
         members = list(_exit_members)
     for member in members:
-        member._finish_at_exit(started)
+        member._finish_at_exit()
+
+
+def _after_fork_in_child() -> None:
+    global _threads
+    _threads = _Threads()  # the parent's threads are not here; calls in line were theirs
+    LOCK.release()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=LOCK.acquire, after_in_parent=LOCK.release, after_in_child=_after_fork_in_child)
 # Registered after logging's own hook (asyncio imports logging): atexit runs last-in first-out, so the log still works.
 atexit.register(_at_exit)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+import os
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import membase
 
 from . import _background
+from ._background import LOCK
 from ._failures import BadResponseError, detail_of
 from ._text import clip
 
@@ -74,12 +75,11 @@ class ContainerResolver:
     """Name-to-id resolutions for one client, cached; safe to share between threads."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._ids: dict[str, str] = {}
 
     def resolve(self, client: membase.Membase, wanted: str) -> str:
         """The id of the Memory ``wanted`` names, from the cache or from ``containers.list()``."""
-        with self._lock:
+        with LOCK:
             cached = self._ids.get(wanted)
         if cached is None:
             cached = match(wanted, parse_containers(client.containers.list())).id
@@ -88,7 +88,7 @@ class ContainerResolver:
 
     def remember(self, wanted: str, container_id: str) -> None:
         """Cache an id found by another route (the store's set-up check)."""
-        with self._lock:
+        with LOCK:
             self._ids[wanted] = container_id
 
     def call(self, client: membase.Membase, wanted: str | None, request: Callable[[str | None], T]) -> T:
@@ -96,7 +96,7 @@ class ContainerResolver:
         once more and, if the name now names another Memory, the request is sent again."""
         if wanted is None:
             return request(None)
-        with self._lock:
+        with LOCK:
             was_cached = wanted in self._ids
         container_id = self.resolve(client, wanted)
         try:
@@ -104,7 +104,7 @@ class ContainerResolver:
         except (membase.PermissionDeniedError, membase.NotFoundError):
             if not was_cached:
                 raise
-            with self._lock:
+            with LOCK:
                 self._ids.pop(wanted, None)
             if self.resolve(client, wanted) == container_id:
                 raise
@@ -120,18 +120,17 @@ class SetupCheck:
 
     def __init__(self, check: Callable[[], None], redact: Callable[[str], str], store_name: str, lane: Hashable):
         self._check, self._redact, self._store_name, self._lane = check, redact, store_name, lane
-        self._lock = threading.Lock()
         self._running: Future[None] | None = None
         self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
-        _background.reset_after_fork(self)
-
-    def _after_fork_in_child(self) -> None:  # takes no lock, not even a Future's: the child checks again
-        self._lock, self._running, self._waited_out = threading.Lock(), None, None
+        self._pid = os.getpid()  # the process that started the checks above: a forked child checks again
 
     async def run(self, budget: float) -> None:
         """Wait up to ``budget`` seconds for the check; ``ValueError`` when it finds the configuration cannot work."""
         unlisted = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
-        with self._lock:
+        with LOCK:
+            if self._pid != os.getpid():
+                self._running = self._waited_out = None
+                self._pid = os.getpid()
             check = self._running
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
                 name = f"membase-check[{self._store_name}]"
@@ -143,7 +142,7 @@ class SetupCheck:
         try:
             await _background.wait_for_future(check, budget)
         except asyncio.TimeoutError:
-            with self._lock:
+            with LOCK:
                 first, self._waited_out = self._waited_out is not check, check
             if first:  # agents built together during one outage warn once
                 logger.warning(unlisted, self._store_name, "no answer in time")

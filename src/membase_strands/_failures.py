@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import membase
@@ -20,6 +22,7 @@ ACCESS_SENTENCE = (
     "or the action is above what the key may do. The request was not retried."
 )
 _TRY_LATER = "; try again in a minute."  # the advice for a failure that may pass
+PIECE = 8  # no run of this many characters of a key ever leaves the library
 
 
 class BadResponseError(membase.MembaseError):
@@ -34,18 +37,29 @@ class Failure:
     sentence: str
 
 
-def detail_of(error: BaseException) -> str:
-    """The server's own message for an error, on one line and capped in length."""
+def detail_of(error: BaseException, redact: Callable[[str], str] = str) -> str:
+    """The server's own message for an error, ``redact``-ed before it is cut to one line of at most 300 characters."""
     text = error.message if isinstance(error, membase.MembaseError) else str(error)
-    return clip(text or type(error).__name__, 300)
+    return clip(redact(text[:4096]) or type(error).__name__, 300)
 
 
 def redact(text: str, secret: str) -> str:
-    """``text`` with every occurrence of ``secret`` masked, also as ``repr()`` would quote it."""
-    if secret:  # transports quote what they reject (b'Bearer ...\n'), so the escaped form is masked as well
-        for form in dict.fromkeys((secret, repr(secret)[1:-1])):
-            text = text.replace(form, "[redacted]")
-    return text
+    """``text`` with each piece of ``secret`` that is :data:`PIECE` characters or longer masked, wherever it is."""
+    if len(secret) < PIECE:
+        return text.replace(secret, "[redacted]") if secret else text
+    forms = (secret, repr(secret)[1:-1])  # transports quote what they reject (b'Bearer ...\n')
+    pieces = {form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1)}
+    if not any(piece in text for piece in pieces):  # the common case
+        return text
+    masked = bytearray(len(text))
+    for start in range(len(text) - PIECE + 1):
+        if text[start : start + PIECE] in pieces:
+            masked[start : start + PIECE] = b"x" * PIECE
+    kept, end = [], 0
+    for run in re.finditer(b"x+", masked):
+        kept += [text[end : run.start()], "[redacted]"]
+        end = run.end()
+    return "".join([*kept, text[end:]])
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
@@ -60,10 +74,12 @@ def without_secret(error: BaseException, secret: str) -> BaseException:
     return BadResponseError(redact(str(error), secret), status=getattr(error, "status", None))
 
 
-def describe_failure(error: BaseException, *, container_named: bool = False) -> Failure:
+def describe_failure(
+    error: BaseException, *, container_named: bool = False, redact: Callable[[str], str] = str
+) -> Failure:
     """The :class:`Failure` of an exception from a Membase call (or of this library, for an unreadable answer);
-    ``container_named``: the request named a Memory, so a 400 is about it."""
-    detail = detail_of(error)
+    ``container_named``: the request named a Memory, so a 400 is about it; ``redact`` masks the key in its text."""
+    detail = detail_of(error, redact)
     # Order matters: APITimeoutError is an APIConnectionError, every status error an APIStatusError.
     if isinstance(error, (membase.PermissionDeniedError, MembaseAccessError)):
         return Failure("access", ACCESS_SENTENCE)

@@ -21,6 +21,7 @@ from ._options import finite
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
+PROFILE_LABEL = "Membase profile"
 _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
 _SILENCE = "Nothing from it is included, so its silence is not evidence that it holds nothing relevant."
 _NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
@@ -203,8 +204,8 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
     return entries
 
 
-def search_text(query: str, answer: SearchAnswer) -> str:
-    """The ``membase_search`` tool's answer to what :func:`arrange` returned."""
+def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
+    """The ``membase_search`` tool's answer to what :func:`arrange` returned; ``ids``: each passage's id too."""
     quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
     weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
@@ -213,7 +214,8 @@ def search_text(query: str, answer: SearchAnswer) -> str:
         else ""
     )
     if answer.passages:
-        lines = [f"Membase found {count} passage{'s' if count != 1 else ''} for {quoted}:", *_numbered(answer.passages)]
+        found = f"Membase found {count} passage{'s' if count != 1 else ''} for {quoted}:"
+        lines = [found, *_numbered(answer.passages, ids)]
         lines += ["", f"({weaker}.)"] if below else []
     elif below:
         lines = [f"Nothing matched {quoted} above the relevance floor: {weaker}."]
@@ -250,18 +252,58 @@ def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
     return f"{head}\n{_PROFILE_CUT_MARKER}"
 
 
-def _bulleted(items: Any) -> list[str]:
-    """Profile facts as bullets; continuation lines are indented, so a fact never passes for a heading or another."""
-    bullets = []
+def standing_facts(body: Any) -> list[str]:
+    """The standing facts of a ``client.profile()`` answer, as text."""
+    if not isinstance(body, dict):
+        raise BadResponseError("the profile answer is not an object")
+    return _facts(body.get("static"))
+
+
+def profile_entry(facts: list[str], budget: int | None) -> MemoryEntry:
+    """The memory entry of the user's standing facts, first in a recall, cut to ``budget`` characters."""
+    text = "\n".join([f"[{PROFILE_LABEL}] Standing facts about the user:", *_bulleted(facts)])
+    if budget is not None and len(text) > budget:
+        text = text[: max(0, budget - len(CUT_MARKER))].rstrip() + CUT_MARKER
+    return MemoryEntry(content=text, metadata={"memory": PROFILE_LABEL, "profile": True, "standing_facts": len(facts)})
+
+
+def _facts(items: Any) -> list[str]:
+    """The text of each profile fact (a string, or an object with its text under a few names)."""
+    facts = []
     for item in _as_list(items):
         fact = item.get("content") or item.get("description") or item.get("text") if isinstance(item, dict) else item
         if isinstance(fact, str) and (text := clean_text(fact).strip()):
-            bullets.append("- " + text.replace("\n", "\n  "))
-    return bullets
+            facts.append(text)
+    return facts
 
 
-def _numbered(passages: list[Passage]) -> list[str]:
-    return [f"{rank}. {passage.label}{passage.text}".replace("\n", "\n   ") for rank, passage in enumerate(passages, 1)]
+def _bulleted(items: Any) -> list[str]:
+    """Profile facts as bullets; continuation lines are indented, so a fact never passes for a heading or another."""
+    return ["- " + fact.replace("\n", "\n  ") for fact in _facts(items)]
+
+
+def _numbered(passages: list[Passage], ids: bool = False) -> list[str]:
+    lines = []
+    for rank, passage in enumerate(passages, 1):
+        known = passage_id(passage.metadata) if ids else None
+        lines.append(
+            f"{rank}. {passage.label}{passage.text}{f' (id: {known})' if known else ''}".replace("\n", "\n   ")
+        )
+    return lines
+
+
+def passage_id(metadata: dict[str, Any]) -> str | None:
+    """The id ``membase_forget`` takes for a passage: its learned memory (``episode:<Memory>:<n>`` is ``<Memory>:<n>``)
+    or ``document:<id>``, from its ``source``; else its own ``memory_id`` or ``id``."""
+    source = metadata.get("source")
+    if isinstance(source, str):
+        kind, _, rest = source.partition(":")
+        if kind == "episode" and rest:
+            return clip(rest, 120)
+        if kind == "document" and rest:
+            return clip(f"document:{rest.partition('#')[0]}", 120)
+    known = metadata.get("memory_id") or metadata.get("id")
+    return clip(known, 120) if isinstance(known, str) and known else None
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -4,14 +4,14 @@ It holds the SDK clients a store calls through, all built with the SDK's own con
 answers mean (parsed searches, Memory names resolved to ids, unreadable 2xx bodies, error texts with the key
 masked). Every call blocks; the store decides where it runs and how long it waits.
 
-- From a key: two ``membase.Membase`` clients over the process's shared pool for the base URL (``_http``). One
-  retries as the SDK does (the tools, which should wait out a waking memory); one makes a single attempt (recall,
-  whose late request must hold the in-flight guard for one attempt, not three; and writes, since a POST that
-  timed out may be stored already).
-- ``local=DIR``: the SDK's local engine, closed with the store. ``client=``: used as it is, never closed.
+- From a key: two ``membase.Membase`` clients over the process's shared client for the store's route (``_http``).
+  One retries as the SDK does (the tools, which should wait out a waking memory); one makes a single attempt
+  (recall, whose late request must hold the in-flight guard for one attempt, not three; and writes, since a POST
+  that timed out may be stored already).
+- ``local=DIR``: this process's engine for the directory (``_local``). ``client=``: used as it is, never closed.
 
-In a forked child the store's own clients are rebuilt over the child's pools, so no process reads another's
-socket. A client passed in cannot be rebuilt: used before the fork, it is refused in the child.
+A forked child builds its own clients, over its own connections, at its first call. A client passed in cannot be
+rebuilt: used before the fork, it is refused in the child.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-import threading
+import urllib.parse
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import membase
 
-from . import _background
+from . import _http, _local
+from ._background import LOCK
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._failures import BadResponseError, redact, without_secret
 from ._formatting import SearchAnswer, parse_search
-from ._http import shared_client
 from ._text import sendable
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ _UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
 class MembaseGateway:
     """One store's access to one person's Membase: its clients, its calls, and what their answers mean.
 
-    Attributes: ``hosted`` (reached over HTTP with a key, not a local engine), ``owns_engine`` (it started a local
-    engine, which :meth:`close` closes), ``base_url``, and ``location`` (for messages and ``repr``; never the key).
+    Attributes: ``hosted`` (reached over HTTP with a key, not a local engine), ``base_url``, ``local`` (the local
+    directory, if any), and ``location`` (for messages and ``repr``; never the key).
     """
 
     def __init__(
@@ -57,75 +57,89 @@ class MembaseGateway:
         api_key: str | None = None,
         base_url: str | None = None,
         local: str | os.PathLike[str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+        request_timeout: float = 90.0,
+        max_response_bytes: int = 16 * 1024 * 1024,
         store_name: str = "membase",
     ) -> None:
-        """Build the clients (a local engine starts here); no network call. ``ValueError``: bad options, no key."""
+        """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
         self._store_name = store_name
         self._given = client
-        self._local = local
-        self._key = self._url = ""
+        self._key = ""
+        self._route: _http.Route | None = None
+        self.local: Path | None = None
         if client is not None:
-            if api_key is not None or base_url is not None or local is not None:
-                raise ValueError("client: pass either a ready client or api_key/base_url/local, not both")
+            if any(option is not None for option in (api_key, base_url, local, transport)):
+                raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
         elif local is not None:
-            if api_key is not None or base_url is not None:
-                raise ValueError("local: local Membase runs on this machine and takes no api_key or base_url")
+            if api_key is not None or base_url is not None or transport is not None:
+                raise ValueError(
+                    "local: local Membase runs on this machine and takes no api_key, base_url or transport"
+                )
+            self.local = _local.directory_of(local)
         else:
             key = api_key if api_key is not None else os.environ.get("MEMBASE_API_KEY")
-            if key is not None or not os.environ.get("MEMBASE_LOCAL"):  # else the SDK's MEMBASE_LOCAL convention
+            if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
+                self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
+            else:
                 self._key = _checked_key(key)
-                self._url = (base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
-        self.hosted = bool(self._secret)
-        self.owns_engine = client is None and not self._key
-        self.base_url = self._url or (str(client.base_url) if client is not None else "")
-        where = f"base_url={self.base_url!r}" if self.hosted else "local (MEMBASE_LOCAL)"
-        self.location = f"local={os.fspath(local)!r}" if local is not None else where
-        self._lock = threading.Lock()
+                url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
+                self._route = _http.route(url, transport, request_timeout, max_response_bytes)
+        self.hosted = bool(self._key or (client is not None and client.api_key))
+        self.base_url = self._route.base_url if self._route else str(client.base_url) if client is not None else ""
+        where = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
+        self.location = where
         self._resolver = ContainerResolver()
-        self._used = self._refused = False  # a client passed in: called yet; refused (forked after it was called)
-        self._clients: tuple[membase.Membase, membase.Membase] | None = self._build()
-        _background.reset_after_fork(self)
+        self._pid = 0  # the process the clients below were built in
+        self._clients: tuple[membase.Membase, membase.Membase] | None = None
+        if self.local is not None:
+            self._client(retry=False)  # the engine starts now, or says why it cannot
 
     def _build(self) -> tuple[membase.Membase, membase.Membase]:
         """The clients: (the one that retries, the one that makes a single attempt)."""
         if self._given is not None:
+            if self._pid:  # used in the parent
+                raise RuntimeError(
+                    f"store '{self._store_name}': its Membase client (client=) was used before this process was "
+                    "forked, and sharing its connections would mix up the two processes' answers; build the client "
+                    "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
+                )
             return self._given, self._given
-        if self._key:
-            http = shared_client(self._url, self._key)
+        if self._route is not None:
+            http = _http.client_for(self._route)
+            url = self._route.base_url
             return (
-                membase.Membase(api_key=self._key, base_url=self._url, http_client=http),
-                membase.Membase(api_key=self._key, base_url=self._url, max_retries=0, http_client=http),
+                membase.Membase(api_key=self._key, base_url=url, http_client=http),
+                membase.Membase(api_key=self._key, base_url=url, max_retries=0, http_client=http),
             )
-        try:
-            engine = membase.Membase(local=self._local) if self._local is not None else membase.Membase()
-        except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
-            raise membase.MissingDependencyError(_local_unavailable()) from error
-        return engine, engine  # the local engine makes one attempt
+        assert self.local is not None
+        engine = _local.open_engine(self.local)  # the engine makes one attempt
+        return engine, engine
 
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        self._resolver = ContainerResolver()
-        if self._given is None:
-            self._clients = None  # rebuilt at the first call, over this process's own pools
-        elif self._used:
-            self._refused = True
+    def _client(self, *, retry: bool) -> membase.Membase:
+        clients = self._clients
+        if clients is None or self._pid != os.getpid():
+            built = self._build()  # outside the lock: a local engine may take a while to start
+            with LOCK:
+                first = self._clients is None or self._pid != os.getpid()
+                if first:
+                    self._clients, self._pid = built, os.getpid()
+                clients = self._clients or built
+            if not first and self.local is not None:
+                _local.close_engine(self.local)  # another thread opened it first: one user less
+        return clients[0] if retry else clients[1]
 
-    def close(self, after: Callable[[], list[Future[Any]]] = list) -> None:
-        """Close the local engine the gateway started, once the writes ``after`` lists end (so none loses it); a
-        hosted or passed-in client has nothing of its own. Blocks while it waits."""
-        writes = after()
-        if writes:
-            logger.debug("store=<%s> | closing its local engine once its running writes end", self._store_name)
-            wait(writes)
-        try:
-            if self.owns_engine and self._clients is not None:
-                self._clients[0].close()
-        except Exception as error:
-            logger.warning(
-                "store=<%s>, reason=<%s> | could not close its local engine", self._store_name, type(error).__name__
-            )
+    def close(self) -> None:
+        """Let go of the local engine this gateway opened in this process, if any (blocking)."""
+        if self.local is not None and self._clients is not None and self._pid == os.getpid():
+            self._clients = None
+            try:
+                _local.close_engine(self.local)
+            except Exception as error:
+                reason = type(error).__name__
+                logger.warning("store=<%s>, reason=<%s> | could not close its local engine", self._store_name, reason)
 
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
@@ -164,9 +178,25 @@ class MembaseGateway:
 
         return self._call(save, retry=False)
 
-    def profile(self, topic: str | None) -> Any:
-        """The profile: standing facts, recent changes and, with ``topic``, relevant results (SDK retries)."""
-        return self._call(lambda client: client.profile(q=sendable(topic) if topic else None), retry=True)
+    def profile(self, topic: str | None, *, retry: bool = True) -> Any:
+        """The profile: standing facts, recent changes and, with ``topic``, relevant results."""
+        return self._call(lambda client: client.profile(q=sendable(topic) if topic else None), retry=retry)
+
+    def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
+        """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it: a learned memory,
+        or ``document:<id>``); without ``confirm``, Membase only says what would be forgotten. ``BadResponseError``
+        when the answer is not an object."""
+        document = passage_id.removeprefix("document:") if passage_id.startswith("document:") else None
+
+        def forget(client: membase.Membase) -> Any:
+            if document is not None:
+                return client.documents.delete(urllib.parse.quote(document, safe=""), confirm=confirm)
+            return client.memories.forget(urllib.parse.quote(passage_id, safe=":"), confirm=confirm)
+
+        answer = self._call(forget, retry=False)  # a confirmed forget is sent once
+        if not isinstance(answer, dict):
+            raise BadResponseError("the answer to a forget is not an object")
+        return answer
 
     def memories_in_reach(self) -> list[Container]:
         """The Memories this key reaches, in one attempt."""
@@ -196,20 +226,6 @@ class MembaseGateway:
         except _UNREADABLE as error:  # a ValueError of the library's own (a Memory name) passes
             raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
 
-    def _client(self, *, retry: bool) -> membase.Membase:
-        if self._refused:
-            raise RuntimeError(
-                f"store '{self._store_name}': its Membase client (client=) was used before this process was forked, "
-                "and sharing its connections would mix up the two processes' answers; build the client after the "
-                "fork (for gunicorn, in post_fork), or let the store build it from the key"
-            )
-        clients = self._clients
-        if clients is None:
-            with self._lock:
-                clients = self._clients = self._clients or self._build()
-        self._used = True
-        return clients[0] if retry else clients[1]
-
     @property
     def _secret(self) -> str:
         return self._key or (self._given.api_key if self._given is not None else "") or ""
@@ -235,15 +251,14 @@ def _checked_key(key: str | None) -> str:
     return key
 
 
-def _local_unavailable() -> str:
-    """What to do when local Membase cannot start here."""
-    major, minor = sys.version_info[:2]
-    if (major, minor) < (3, 12):
-        return (
-            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
-            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
+def _checked_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url.strip()) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"base_url must be http(s)://host (e.g. {DEFAULT_BASE_URL!r}), got {url!r}; "
+            "check base_url= or MEMBASE_BASE_URL"
         )
-    return 'local Membase needs its engine: pip install "membase-strands[local]"'
+    return url.strip().rstrip("/")
 
 
 def _unreadable(error: ValueError) -> str:

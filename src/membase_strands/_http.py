@@ -1,136 +1,178 @@
-"""The process's connection pools: a few shared ``httpx.Client`` per base URL and proxy/TLS environment.
+"""How stores built from a key reach Membase: shared ``httpx.Client``s over :class:`MembaseTransport`.
 
-Every store built from a key sends through :func:`shared_client` (the SDK sends the key with each request, so
-stores share sockets, never credentials); the limits bound the idle sockets however many stores there are.
-httpx's timeouts count per read, so a server that drips a byte at a time could hold a call as long as it drips:
-:class:`DeadlineClient` ends an attempt whose body still arrives past its timeout (the SDK's 90 s). A forked
-child starts with no pools: the parent's are dropped, not closed (a parent thread may have held their locks).
+- A store reads the environment once, when it is built (proxies, certificates: its :class:`Route`); stores with the
+  same route share one client, which keeps no cookies (a cookie one user's answer sets must never ride on another's).
+- Every attempt runs on a library thread, over connections that thread alone uses: no thread can close a pooled
+  socket another has just taken, and one user's hung call holds one thread's connection, never another user's.
+- One attempt is bounded as a whole, headers and body (``request_timeout``), and an answer is read up to
+  ``max_response_bytes``, not past it. Compressed answers are not asked for, so that bound is the bound in memory.
+- A request that cannot have reached Membase is sent once more, on a fresh connection: the connection could not be
+  made, or the request met a kept-alive connection the server had closed, before one byte of answer. A server closes
+  a kept-alive connection only between requests, so a request that meets that close was never read: sending it again
+  saves no note twice. A request that went out on a fresh connection and got no answer is not sent again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import http.cookiejar
 import os
 import ssl
-import sys
-import threading
 import time
+import urllib.parse
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
-from membase.client import DEFAULT_TIMEOUT
 
 from . import _background
+from ._failures import BadResponseError
 
-ATTEMPT_SECONDS = DEFAULT_TIMEOUT  # the whole-call deadline of one attempt: the SDK's own timeout
-# A few pools per host, each store's by its key (32 busy threads queued on one pool's lock), of 6 connections each, all
-# kept alive: past its keep-alive limit httpcore closes idle ones, even one just handed to a request (EBADF in a burst).
-POOLS_PER_HOST = 8
-LIMITS = httpx.Limits(max_connections=6, max_keepalive_connections=6, keepalive_expiry=5.0)
-# httpx reads these when it builds a client: stores share a pool only when built under the same values.
-_HTTP_ENVIRONMENT = tuple(
-    name
-    for base in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "SSL_CERT_FILE", "SSL_CERT_DIR")
-    for name in (base, base.lower())
-)
+# One connection per thread and host, kept alive less long than common servers keep theirs (uvicorn and Node 5 s).
+_LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
+_SENT_AGAIN_ON = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # a kept-alive connection, closed
+
+_clients: weakref.WeakValueDictionary[tuple[int, Route], httpx.Client] = weakref.WeakValueDictionary()
 
 
-_lock = threading.Lock()
-_clients: dict[tuple[str | int | None, ...], httpx.Client] = {}
-_routes: weakref.WeakValueDictionary[str, httpx.Client] = weakref.WeakValueDictionary()
+@dataclass(frozen=True)
+class Route:
+    """How one store reaches Membase, read from the environment once, when the store is built."""
+
+    base_url: str
+    transport: httpx.BaseTransport | None  # the caller's, instead of httpx's own (then no proxy from the environment)
+    proxy: str | None
+    verify: ssl.SSLContext | None  # httpx's TLS settings under SSL_CERT_FILE / SSL_CERT_DIR as they were
+    seconds: float  # one attempt, headers and body
+    max_bytes: int
 
 
-def shared_client(base_url: str, key: str) -> httpx.Client:
-    """The shared client for ``base_url`` (one of its few, by ``key``) under the current environment."""
-    routed = _routes.get(base_url)
-    if routed is not None:
-        return routed
-    environment = tuple(os.environ.get(name) for name in _HTTP_ENVIRONMENT)
-    pool = (base_url, hash(key) % POOLS_PER_HOST, *environment)
-    with _lock:
-        client = _clients.get(pool)
+def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
+    """The route to ``base_url`` under the environment as it is now."""
+    proxy, verify = None, None
+    if transport is None:
+        verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        url = urllib.parse.urlsplit(base_url)
+        if not _bypassed(url.hostname or "", _environment("no_proxy")):
+            proxy = _environment(f"{url.scheme}_proxy") or _environment("all_proxy")
+    return Route(base_url, transport, proxy, verify, seconds, max_bytes)
+
+
+def _environment(name: str) -> str | None:
+    """A proxy variable as httpx reads it: lower case first, then upper case."""
+    return os.environ.get(name) or os.environ.get(name.upper()) or None
+
+
+def _bypassed(host: str, no_proxy: str | None) -> bool:
+    """Whether ``NO_PROXY`` names ``host``: ``*``, the host itself, or a domain it is in."""
+    for entry in (no_proxy or "").lower().split(","):
+        domain = entry.strip().lstrip("*.")
+        if entry.strip() == "*" or (domain and (host == domain or host.endswith(f".{domain}"))):
+            return True
+    return False
+
+
+def client_for(route: Route) -> httpx.Client:
+    """This process's shared client for ``route`` (a forked child builds its own)."""
+    key = (os.getpid(), route)
+    with _background.LOCK:
+        client = _clients.get(key)
         if client is None:
-            certificates = environment[-4:]  # SSL_CERT_FILE and SSL_CERT_DIR, in both cases
-            client = DeadlineClient(
-                base_url=base_url, timeout=ATTEMPT_SECONDS, limits=LIMITS, verify=_ssl_context(*certificates)
+            client = _clients[key] = httpx.Client(
+                base_url=route.base_url,
+                transport=MembaseTransport(route),
+                timeout=route.seconds,  # each read; the transport bounds the whole attempt
+                headers={"Accept-Encoding": "identity"},
+                cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
             )
-            _clients[pool] = client
     return client
 
 
-def route(base_url: str, transport: httpx.BaseTransport) -> httpx.Client:
-    """Send through ``transport`` what stores built for ``base_url`` send, while the returned client lives: the
-    testing kit's way to keep a store built from a key on the production path down to the transport."""
-    client = DeadlineClient(base_url=base_url, transport=transport, timeout=ATTEMPT_SECONDS)
-    _routes[base_url] = client
-    return client
+class MembaseTransport(httpx.BaseTransport):
+    """Sends each attempt on a library thread within its bounds, once more if it cannot have reached Membase."""
+
+    def __init__(self, route: Route) -> None:
+        self._route = route
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        seconds = self._route.seconds
+        deadline = time.monotonic() + seconds
+        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
+            return self._attempt(request, deadline)
+        attempt = functools.partial(self._attempt, request, deadline)
+        lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
+        future = _background.submit(attempt, name="membase-request", lane=lane)
+        try:
+            return future.result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # one still in line is never sent
+            raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
+
+    def _attempt(self, request: httpx.Request, deadline: float) -> httpx.Response:
+        for last in (False, True):
+            steps: list[str] = []
+            request.extensions["trace"] = functools.partial(_trace, steps)  # httpx's public trace extension
+            try:
+                response = self._transport().handle_request(request)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                if last:
+                    raise
+                continue
+            except _SENT_AGAIN_ON:
+                reused = (
+                    "http11.send_request_headers.started" in steps and "connection.connect_tcp.started" not in steps
+                )
+                if last or not reused or "http11.receive_response_headers.complete" in steps:
+                    raise
+                continue
+            try:
+                content = self._read(response, deadline)
+            finally:
+                response.close()
+            return httpx.Response(response.status_code, headers=response.headers, content=content)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read(self, response: httpx.Response, deadline: float) -> bytes:
+        """The body, whole, within the deadline and the size bound; a body whole by its length is kept however late."""
+        limit, encoding = self._route.max_bytes, response.headers.get("content-encoding", "identity")
+        if encoding.lower() != "identity":
+            raise BadResponseError(f"Membase answered with a body compressed as {encoding!r}, which was not asked for")
+        stated = response.headers.get("content-length", "")
+        length = int(stated) if stated.isdigit() else None
+        chunks: list[bytes] = []
+        received, overdue = 0, False
+        for chunk in [response.content] if response.is_stream_consumed else response.iter_raw():  # a mock's is read
+            if overdue:
+                raise httpx.ReadTimeout(
+                    f"Membase did not finish answering within {self._route.seconds:g} s", request=response.request
+                )
+            received += len(chunk)
+            if received > limit or (length or 0) > limit:
+                raise BadResponseError(f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)")
+            chunks.append(chunk)
+            overdue = time.monotonic() > deadline and (length is None or received < length)
+        return b"".join(chunks)
+
+    def _transport(self) -> httpx.BaseTransport:
+        """The caller's transport, or this thread's own connections to the host."""
+        if self._route.transport is not None:
+            return self._route.transport
+        resources = _background.worker_resources()
+        assert resources is not None  # every attempt runs on a library thread
+        transport = resources.get(self)
+        if transport is None:
+            proxy = httpx.Proxy(self._route.proxy) if self._route.proxy else None
+            verify = self._route.verify or True
+            transport = resources[self] = httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS)
+        return transport
 
 
-def _after_fork_in_child() -> None:
-    global _lock, _clients
-    _lock = threading.Lock()
-    _clients = {}
+def _trace(steps: list[str], step: str, info: object) -> None:
+    steps.append(step)
 
 
 @functools.lru_cache(maxsize=8)
-def _ssl_context(*certificate_environment: str | None) -> ssl.SSLContext:
-    """httpx's default TLS settings (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), built once per setting (about 1 MiB)."""
+def _ssl_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    """httpx's default TLS settings, which it reads from these two variables (as set now), built once (about 1 MiB)."""
     return httpx.create_ssl_context()
-
-
-class DeadlineClient(httpx.Client):
-    """An ``httpx.Client`` that ends an answer whose body still arrives past its timeout (its longest phase)."""
-
-    def send(
-        self,
-        request: httpx.Request,
-        *,
-        stream: bool = False,
-        auth: Any = httpx.USE_CLIENT_DEFAULT,
-        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
-    ) -> httpx.Response:
-        phases = (self.timeout.connect, self.timeout.read, self.timeout.write, self.timeout.pool)
-        seconds = max((phase for phase in phases if phase is not None), default=DEFAULT_TIMEOUT)
-        deadline = time.monotonic() + seconds
-        response = super().send(request, stream=True, auth=auth, follow_redirects=follow_redirects)
-        if stream:
-            return response
-        try:
-            response.stream = _DeadlineBody(response, deadline, seconds)
-            response.read()
-        except BaseException:
-            response.close()
-            raise
-        return response
-
-
-class _DeadlineBody(httpx.SyncByteStream):
-    """A response body that ends with a read timeout when more of it arrives after the deadline has passed."""
-
-    def __init__(self, response: httpx.Response, deadline: float, seconds: float) -> None:
-        self._stream: Iterable[bytes] = response.stream  # type: ignore[assignment]  # a sync client's body
-        self._request = response.request
-        self._deadline = deadline
-        self._seconds = seconds
-        length = response.headers.get("content-length", "")
-        self._length = int(length) if length.isdigit() else None
-
-    def __iter__(self) -> Iterator[bytes]:
-        received, overdue = 0, False
-        for chunk in self._stream:
-            if overdue:  # more came after the deadline passed with the body not whole
-                message = f"Membase did not finish answering within the whole-call deadline of {self._seconds:g} s"
-                raise httpx.ReadTimeout(message, request=self._request)
-            received += len(chunk)
-            yield chunk
-            # Whole by its length, or as no more coming shows, a body is kept however late it came.
-            overdue = time.monotonic() > self._deadline and (self._length is None or received < self._length)
-
-    def close(self) -> None:
-        if isinstance(self._stream, httpx.SyncByteStream):
-            self._stream.close()
-
-
-_background.reset_after_fork(sys.modules[__name__])

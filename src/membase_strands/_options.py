@@ -12,8 +12,12 @@ MAX_QUERY_CHARS = 2000
 MIN_RECALL_CHARS = 200
 DEFAULT_RECALL_CHARS = 20_000
 DEFAULT_WRITE_TIMEOUT = 5.0
+DEFAULT_REQUEST_TIMEOUT = 90.0  # the SDK's own timeout
+DEFAULT_RESPONSE_BYTES = 16 * 1024 * 1024
+DEFAULT_PROFILE_TTL = 300.0
 WAIT_WITHOUT_BUDGET = 8.0  # how long the set-up check and close() wait when the matching option says None
-TOOL_NAMES = ("search", "save", "profile")
+TOOL_NAMES = ("search", "save", "profile")  # the default set; "forget" is opt-in
+ALL_TOOL_NAMES = (*TOOL_NAMES, "forget")
 
 
 def query_text(query: str) -> str:
@@ -60,18 +64,28 @@ def check_min_score(value: Any) -> float | None:
     raise ValueError(f"min_score must be a finite number (a score Membase gives passages) or None, got {value!r}")
 
 
-def check_timeout(option: str, value: Any) -> float | None:
-    if value is None or (finite(value) and value > 0):
+def check_timeout(option: str, value: Any, *, none: bool = True) -> float | None:
+    if (value is None and none) or (finite(value) and value > 0):
         return None if value is None else float(value)
-    raise ValueError(f"{option} must be a positive number of seconds or None, got {value!r}")
+    raise ValueError(f"{option} must be a positive number of seconds{' or None' if none else ''}, got {value!r}")
+
+
+def check_flag(option: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{option} must be True or False, got {value!r}")
+    return value
+
+
+def check_bytes(option: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
+        return value
+    raise ValueError(f"{option} must be a whole number of bytes, at least 1024, got {value!r}")
 
 
 def check_capture(capture: Any, extraction: Any) -> bool:
-    if not isinstance(capture, bool):
-        raise ValueError(f"capture must be True or False, got {capture!r}")
-    if extraction not in (None, False) and not capture:
+    if check_flag("capture", capture) is False and extraction not in (None, False):
         raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
-    return capture
+    return True if capture else False
 
 
 def check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
@@ -85,8 +99,8 @@ def check_tools(tools: Iterable[str]) -> tuple[str, ...]:
     if isinstance(tools, str):
         raise ValueError(f"tools must be a list of tool names such as ('search', 'save'), got {tools!r}")
     chosen = tuple(tools)
-    if unknown := [tool for tool in chosen if tool not in TOOL_NAMES]:
-        raise ValueError(f"tools: unknown tool name(s) {unknown!r}; choose from {', '.join(TOOL_NAMES)}")
+    if unknown := [tool for tool in chosen if tool not in ALL_TOOL_NAMES]:
+        raise ValueError(f"tools: unknown tool name(s) {unknown!r}; choose from {', '.join(ALL_TOOL_NAMES)}")
     return tuple(dict.fromkeys(chosen))
 
 
@@ -102,4 +116,4 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
 
 
 def finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))

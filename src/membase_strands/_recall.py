@@ -3,8 +3,9 @@
 The first search after a quiet spell can take up to a minute while the memory wakes. Past its budget a recall
 raises :class:`MembaseRecallTimeout` (the manager skips the store this turn) while its request runs on in the
 background, waking the memory; a cancelled recall's request runs on the same way. Until such a late request ends
-(one SDK attempt at most), recalls skip at once with :class:`RecallSkipped` rather than pile on: not a failure,
-logged at DEBUG only, so a long stall does not write a warning per turn.
+(one attempt at most), recalls skip at once rather than pile on: not a failure, logged at DEBUG only, so a long
+stall does not write a warning per turn. With ``recall_profile``, the profile's standing facts are read beside the
+search, within the same budget, at most once per ``profile_ttl``: a profile that fails or is late costs no passage.
 """
 
 from __future__ import annotations
@@ -12,125 +13,169 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
+import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-from membase.client import DEFAULT_TIMEOUT
+from strands.memory import MemoryEntry
 
 from . import _background, _telemetry
-from ._background import wait_for_future
-from ._counters import Counters
-from ._failures import detail_of
+from ._background import LOCK, wait_for_future
+from ._formatting import arrange, memory_entries, profile_entry, standing_facts
+from ._gateway import MembaseGateway
 from .errors import MembaseRecallTimeout
 
-logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-class RecallSkipped(Exception):
-    """Nothing was sent: a late or cancelled recall still runs, or recall is paused after a 403. Not a failure."""
-
-
-class TimeBoxedRecall:
-    """Waits for one store's recall requests within a budget; holds the guard while a late one still runs."""
+class Recall:
+    """One store's automatic recall: the budget, the in-flight guard, the 403 pause and the profile's cache."""
 
     def __init__(
         self,
-        store_name: str,
-        counters: Counters | None = None,
-        redact: Callable[[str], str] = str,
+        gateway: MembaseGateway,
+        ledger: _telemetry.Ledger,
         *,
-        hold_limit: float = DEFAULT_TIMEOUT,
-        clock: Callable[[], float] = time.monotonic,
+        container: str | None,
+        budget: float | None,
+        hold_limit: float,
+        min_score: float | None,
+        max_chars: int | None,
+        profile_ttl: float | None,
     ) -> None:
-        """``hold_limit``: the longest a late request holds the guard, from its start (one SDK attempt)."""
-        self._store_name = store_name
-        self._counters = counters if counters is not None else Counters()
-        self._redact = redact
-        self._hold_limit = hold_limit
-        self._clock = clock
-        self._lock = threading.Lock()
+        """``hold_limit``: the longest a late request holds the guard (one attempt); ``profile_ttl``: how long the
+        standing facts read are used (``None``: no profile in recall)."""
+        self._gateway, self._ledger, self._container = gateway, ledger, container
+        self._budget, self._hold_limit = budget, hold_limit
+        self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
         self._late: dict[Future[Any], float] = {}  # late request -> when it started
         self._paused_until = 0.0  # after a 403: no recall before then
-        _background.reset_after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        # The parent's late requests have no thread here: they must not keep the child's recall switched off.
-        self._lock, self._late = threading.Lock(), {}
-
-    @property
-    def waking(self) -> bool:
-        """Whether a recall that nobody waits for any more is still running, and still holds the guard."""
-        with self._lock:
-            oldest_that_counts = self._clock() - self._hold_limit
-            return any(started > oldest_that_counts for started in self._late.values())
+        self._profile: tuple[float, list[str]] | None = None  # when the standing facts were read, and what they are
+        self._profile_reading: Future[None] | None = None
+        self._pid = os.getpid()  # the process that started the requests above
 
     def pause(self, seconds: float) -> None:
         """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
-        self._paused_until = self._clock() + seconds
+        self._paused_until = time.monotonic() + seconds
 
-    async def run(self, start: Callable[[], Future[T]], budget: float | None) -> T:
-        """What the request ``start`` starts (it returns its future) returns, within ``budget`` seconds (``None``: no
-        limit). :class:`RecallSkipped` (nothing sent) while the guard is up or recall is paused;
-        :class:`MembaseRecallTimeout` past the budget, the request going on in the background holding the guard
-        (as it does when the caller is cancelled)."""
-        skip = "key refused (403)" if self._clock() < self._paused_until else "memory waking" if self.waking else None
-        if skip is not None:
-            self._counters.add("recall_skipped")
-            logger.debug("store=<%s>, reason=<%s> | recall skipped", self._store_name, skip)
-            raise RecallSkipped(skip)
-        started = self._clock()
-        future = start()
+    async def run(self, query: str, limit: int) -> list[MemoryEntry]:
+        """The entries for ``query``: the profile's (if asked for), up to ``limit`` passages best first, a notice per
+        Memory that could not answer; ``[]`` while the guard is up or recall is paused.
+
+        Raises:
+            MembaseRecallTimeout: The budget ran out; the request goes on in the background holding the guard.
+            membase.MembaseError, ValueError: The search failed.
+        """
+        if skip := self._skip():
+            self._ledger.record("skipped", "recall_skipped", level=logging.DEBUG, message="recall skipped", reason=skip)
+            return []
+        started = time.monotonic()
+        search = functools.partial(self._gateway.search, query, limit, self._container, retry=self._budget is None)
+        searching = _background.submit(
+            search, name=f"membase-recall[{self._ledger.store_name}]", kind="recall", lane=self
+        )
+        profile = self._read_profile()
         try:
-            return await wait_for_future(future, budget)
+            answer = await wait_for_future(searching, self._budget)
         except asyncio.TimeoutError:
-            self._counters.add("recall_timeouts")
-            if not future.cancel():  # it was sent; one still waiting for a free thread never will be
-                self._hold_guard(future, started)
-            # INFO, not WARNING: the manager logs the exception below as a warning, once is enough.
-            logger.info(
-                "store=<%s>, reason=<ran out of time after %.1f s> | recall ran out of time; "
-                "the turn goes on without memory and the request finishes in the background",
-                self._store_name,
-                budget,
+            if not searching.cancel():  # it was sent; one still waiting for a thread never will be
+                self._hold_guard(searching, started)
+            self._ledger.record(
+                None,
+                "recall_timeouts",
+                level=logging.INFO,  # not WARNING: the manager logs the exception below as one, once is enough
+                message="recall ran out of time; the turn goes on without memory and the request finishes in the "
+                "background",
+                budget=self._budget,
             )
             raise MembaseRecallTimeout(
-                f"Membase recall ran out of time after {budget:g} s; it goes on in the background"
+                f"Membase recall ran out of time after {self._budget:g} s; it goes on in the background"
             ) from None
         except asyncio.CancelledError:
-            self._counters.add("recall_cancelled")
-            if not future.cancel() and not future.done():
-                self._hold_guard(future, started)
-                logger.info(
-                    "store=<%s>, reason=<cancelled> | recall cancelled while its request was running; "
-                    "the request finishes in the background",
-                    self._store_name,
-                )
+            if not searching.cancel() and not searching.done():
+                self._hold_guard(searching, started)
+            self._ledger.record(None, "recall_cancelled", level=logging.INFO, message="recall cancelled")
             raise
+        standing = await self._standing(profile, started)
+        entry = profile_entry(standing, self._max_chars) if standing else None
+        budget = None if self._max_chars is None else self._max_chars - len(entry.content if entry else "")
+        # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
+        most = max(0, limit - len(answer.unsearched) - (entry is not None))
+        shown = arrange(answer, most, min_score=self._min_score, budget=budget)
+        entries = ([entry] if entry else []) + memory_entries(shown)
+        for counter, count in (
+            ("recall_passages_folded", shown.folded),
+            ("recall_passages_below_floor", shown.below_floor),
+        ):
+            if count:
+                self._ledger.record(None, counter, amount=count)
+        self._ledger.record(
+            "hit" if shown.passages else "empty",
+            "recall_hits" if shown.passages else "recall_empty",
+            passages=len(shown.passages),
+            chars_injected=sum(len(entry.content) for entry in entries),
+            unanswered=len(shown.unsearched),
+            folded=shown.folded or None,
+            below_floor=shown.below_floor or None,
+        )
+        return entries
+
+    def _skip(self) -> str | None:
+        now = time.monotonic()
+        if now < self._paused_until:
+            return "key refused (403)"
+        with LOCK:
+            if self._pid != os.getpid():  # a forked child: the parent's requests have no thread here
+                self._late, self._profile_reading, self._pid = {}, None, os.getpid()
+            waking = any(started > now - self._hold_limit for started in self._late.values())
+        return "memory waking" if waking else None
+
+    def _read_profile(self) -> Future[None] | None:
+        """The read of the standing facts to wait for, started if none is fresh or running; ``None``: use the cache."""
+        if self._profile_ttl is None:
+            return None
+        with LOCK:
+            if self._profile is not None and time.monotonic() - self._profile[0] < self._profile_ttl:
+                return None
+            if self._profile_reading is None or self._profile_reading.done():  # a failed read is tried again
+                name = f"membase-recall[{self._ledger.store_name}]"
+                self._profile_reading = _background.submit(self._read_standing, name=name, kind="recall", lane=self)
+            return self._profile_reading
+
+    def _read_standing(self) -> None:
+        facts = standing_facts(self._gateway.profile(None, retry=False))
+        with LOCK:
+            self._profile = (time.monotonic(), facts)
+
+    async def _standing(self, reading: Future[None] | None, started: float) -> list[str]:
+        """The standing facts to show, waiting for a read within what is left of the budget."""
+        if reading is not None:
+            left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
+            try:
+                await wait_for_future(reading, left)
+            except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
+                self._ledger.record(None, level=logging.DEBUG, message="profile not read for recall", error=error)
+        return self._profile[1] if self._profile is not None else []
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then report how it ended."""
         linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
-        with self._lock:
+        with LOCK:
             self._late[future] = started
         future.add_done_callback(functools.partial(self._release, started, linked))
 
     def _release(self, started: float, linked: Any, future: Future[Any]) -> None:
         """Let the guard go, then trace, log and count how the late request ended."""
-        with self._lock:
+        with LOCK:
             del self._late[future]
-        elapsed = self._clock() - started
-        error = future.exception()
-        name = self._store_name
-        _telemetry.late(_telemetry.RECALL_LATE, name, linked, "completed", error=error, elapsed_s=round(elapsed, 3))
-        if error is None:
-            logger.info("store=<%s>, elapsed=<%.1f s> | late recall finished; automatic recall resumes", name, elapsed)
-        else:
-            reason = self._redact(detail_of(error))
-            message = "store=<%s>, elapsed=<%.1f s>, reason=<%s> | late recall failed; automatic recall resumes"
-            logger.warning(message, name, elapsed, reason)
-        self._counters.add("recall_late_completions")  # last: whoever sees it finds the outcome logged and traced
+        error, elapsed = future.exception(), round(time.monotonic() - started, 1)
+        outcome = "late recall finished" if error is None else "late recall failed"
+        self._ledger.late(
+            _telemetry.RECALL_LATE,
+            linked,
+            "completed",
+            level=logging.INFO if error is None else logging.WARNING,
+            message=f"{outcome}; automatic recall resumes",
+            error=error,
+            elapsed_s=elapsed,
+        )
+        self._ledger.record(None, "recall_late_completions")  # last: whoever sees it finds the outcome logged

@@ -1,10 +1,11 @@
-"""OpenTelemetry spans and metrics of what the store did, through ``opentelemetry-api``'s global providers only.
+"""What a store did, recorded once: counted (its ``counters()``, and OpenTelemetry metrics over them), set on the
+current span, and logged where the words matter (:meth:`Ledger.record`).
 
-Spans are children of the current span (under Strands 1.46+, the manager's ``memory.*`` spans); a recall or write
-that ends after its caller stopped waiting gets a root span linked to its own. No attribute carries the key or an
-error's text (only its kind), nor the user's words unless named in the ``gen_ai_unredacted_attributes=`` token of
-``OTEL_SEMCONV_STABILITY_OPT_IN`` as Strands reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands,
-without the token no text is recorded. Metrics are observable counters over the ``counters()`` of live stores.
+Spans go through ``opentelemetry-api``'s global tracer provider only, as children of the current span (under
+Strands 1.46+, the manager's ``memory.*`` spans); a recall or write that ends after its caller stopped waiting gets
+a root span linked to its own. No span attribute carries the key or an error's text (only its kind), nor the user's
+words unless named in the ``gen_ai_unredacted_attributes=`` token of ``OTEL_SEMCONV_STABILITY_OPT_IN`` as Strands
+reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands, without the token no text is recorded.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import os
-import sys
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +26,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
-from . import _background
-from ._counters import STANDARD
-from ._failures import describe_failure
+from ._background import LOCK
+from ._failures import describe_failure, detail_of
+
+logger = logging.getLogger("membase_strands")
 
 RECALL = "membase.recall"
 WRITE = "membase.write"
@@ -40,8 +42,64 @@ QUERY_TEXT = "membase.query"
 PASSAGES_TEXT = "membase.passages.text"
 NOTE_TEXT = "membase.note.text"
 
+# Always in a snapshot; ``errors.<kind>`` (describe_failure's kinds) and ``tool_calls.<tool>`` once they happen.
+STANDARD = tuple(
+    """recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled recall_late_completions
+    recall_errors writes_saved writes_deduplicated writes_sent_again writes_lost write_timeouts write_cancellations
+    write_errors""".split()
+)
+
 # A proxy until a tracer provider is set, then the real thing: a provider set after import still counts.
 _tracer = trace.get_tracer(__name__)
+_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # live stores' ledgers, for the metrics
+
+
+class Ledger:
+    """One store's record of what it did; safe from any thread."""
+
+    def __init__(self, store_name: str, redact: Callable[[str], str] = str) -> None:
+        self.store_name = store_name
+        self._redact = redact
+        self._counts = Counter(dict.fromkeys(STANDARD, 0))
+        with LOCK:
+            _ledgers.add(self)
+
+    def record(
+        self,
+        outcome: str | None,
+        *counted: str,
+        amount: int = 1,
+        level: int | None = None,
+        message: str = "",
+        error: BaseException | None = None,
+        **attributes: Any,
+    ) -> None:
+        """Count ``amount`` more of each of ``counted``; set ``outcome`` and ``attributes`` (and the kind of
+        ``error``) on the current span; at ``level``, log ``message`` after the attributes and the error's text
+        (key masked), in the Strands style: ``store=<name>, reason=<...> | message``."""
+        kind = None if error is None else describe_failure(error).kind
+        if error is not None:
+            counted = (*counted, f"errors.{kind}")
+        if counted:
+            with LOCK:
+                for name in counted:
+                    self._counts[name] += amount
+        _current.get(_NOWHERE).outcome(outcome, error_kind=kind, **attributes)
+        if level is not None and logger.isEnabledFor(level):
+            fields = {"store": self.store_name, **attributes}
+            if error is not None:
+                fields["reason"] = self._redact(detail_of(error, self._redact))
+            logger.log(level, "%s | %s", ", ".join(f"{name}=<{value}>" for name, value in fields.items()), message)
+
+    def late(self, span: str, linked: SpanContext | None, outcome: str, *counted: str, **record: Any) -> None:
+        """:meth:`record` the late end of a recall or write on a root span linked to its turn's (which has ended)."""
+        with operation(span, self.store_name, [Link(linked)] if linked is not None else []):
+            self.record(outcome if record.get("error") is None else "error", *counted, **record)
+
+    def snapshot(self) -> dict[str, int]:
+        """A copy of the counts, the standard names first (even at zero)."""
+        with LOCK:
+            return dict(self._counts)
 
 
 def content_allowed(attribute: str) -> bool:
@@ -67,11 +125,6 @@ class Operation:
                 if value is not None:
                     self.span.set_attribute(f"membase.{name}", value)
 
-    def default_outcome(self, outcome: str, *, error_kind: str | None = None) -> None:
-        """Set the outcome, unless the code that ran inside this operation already did."""
-        if self.outcome_set is None:
-            self.outcome(outcome, error_kind=error_kind)
-
     def text(self, attribute: str, value: str | Sequence[str]) -> None:
         """Record the user's words under ``attribute``, only if they opted in to it."""
         if self.span.is_recording() and content_allowed(attribute):
@@ -87,8 +140,7 @@ _NOWHERE = Operation(trace.INVALID_SPAN)
 def operation(name: str, store_name: str, links: list[Link] | None = None, **attributes: Any) -> Iterator[Operation]:
     """A span ``name`` (with ``membase.<name>`` attributes) for the block: a child of the current span or, given the
     ``links`` of a late outcome, a root span. Left by an exception with no outcome set, its outcome is ``cancelled``,
-    ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text (a
-    server may echo what it was sent: the key, the user's words)."""
+    ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text."""
     span = _tracer.start_span(name, None if links is None else otel_context.Context(), links=links)
     traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
     ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
@@ -99,21 +151,18 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
         try:
             yield made
         except asyncio.CancelledError:
-            made.default_outcome("cancelled")
+            if made.outcome_set is None:
+                made.outcome("cancelled")
             raise
         except BaseException as error:
             kind = describe_failure(error).kind
-            made.default_outcome("timeout" if kind == "timeout" else "error", error_kind=kind)
+            if made.outcome_set is None:
+                made.outcome("timeout" if kind == "timeout" else "error", error_kind=kind)
             raise
         finally:
             _current.reset(token)
             if made.outcome_set in ("error", "timeout"):
                 span.set_status(Status(StatusCode.ERROR, made.outcome_set))
-
-
-def annotate(outcome: str | None = None, *, error_kind: str | None = None, **attributes: Any) -> None:
-    """Set attributes (and optionally the outcome) on the current operation, if any."""
-    _current.get(_NOWHERE).outcome(outcome, error_kind=error_kind, **attributes)
 
 
 def current_text(attribute: str, value: str | Sequence[str]) -> None:
@@ -127,41 +176,14 @@ def link_here() -> SpanContext | None:
     return span.get_span_context() if span.is_recording() else None
 
 
-def late(
-    name: str, store: str, linked: SpanContext | None, outcome: str, error: BaseException | None, **attributes: Any
-) -> None:
-    """Record the late end of a recall or write on a root span (its turn's span has ended) linked to ``linked``."""
-    with operation(name, store, [Link(linked)] if linked is not None else []) as made:
-        kind = None if error is None else describe_failure(error).kind
-        made.outcome(outcome if error is None else "error", error_kind=kind, **attributes)
-
-
-_stores: weakref.WeakSet[Any] = weakref.WeakSet()  # a WeakSet: a store that dies while it is copied is no error
-_lock = threading.Lock()
-
-
-def register_store(store: Any) -> None:
-    """Expose ``store.counters()`` as metrics. Cheap; holds the store weakly, so it never keeps it alive."""
-    with _lock:
-        _stores.add(store)
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # a metrics scrape may have held it at the fork
-
-
-_background.reset_after_fork(sys.modules[__name__])
-
-
 def _observe(name: str, by: str | None, options: metrics.CallbackOptions) -> list[metrics.Observation]:
     """Each live store's counter ``name`` or, ``by`` an attribute, its counters ``name.<value>``."""
-    with _lock:
-        stores = list(_stores)
+    with LOCK:
+        ledgers = list(_ledgers)
     return [
-        metrics.Observation(value, {"membase.store": store.name, **({by: key.partition(".")[2]} if by else {})})
-        for store in stores
-        for key, value in store.counters().items()
+        metrics.Observation(value, {"membase.store": ledger.store_name, **({by: key.partition(".")[2]} if by else {})})
+        for ledger in ledgers
+        for key, value in ledger.snapshot().items()
         if (key.startswith(f"{name}.") if by else key == name)
     ]
 

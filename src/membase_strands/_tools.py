@@ -1,6 +1,9 @@
-"""The model's Membase tools: ``membase_search``, ``membase_save`` and ``membase_profile`` (none deletes anything).
+"""The model's Membase tools: ``membase_search``, ``membase_save``, ``membase_profile`` and, opt-in,
+``membase_forget``.
 
 A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
+``membase_forget`` never forgets on the model's word: it asks Membase what would be forgotten, then raises a Strands
+interrupt for the application to ask the user, and forgets only when the answer to it is ``True``.
 """
 
 from __future__ import annotations
@@ -16,27 +19,26 @@ from typing import Any
 import membase
 from strands.tools.decorator import DecoratedFunctionTool, FunctionToolMetadata
 from strands.types.tools import AgentTool, ToolSpec
+from strands.types.tools import ToolContext as StrandsToolContext
 
 from . import _telemetry
 from ._containers import names_in_reach
-from ._counters import Counters
 from ._failures import describe_failure
 from ._formatting import arrange, memory_label, profile_text, search_text
 from ._gateway import MembaseGateway
 from ._options import passages_wanted, query_text
+from ._text import clip
 
-logger = logging.getLogger(__name__)
-
-_FAILED_LOG = "store=<%s>, tool=<%s>, reason=<%s> | Membase call failed; the model was told"
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
 _MAYBE_SAVED = (
     "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, after checking "
     "with membase_search that it is not already there."
 )
+_DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
 
 
 def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
-    """One store's tools, of ``"search"``, ``"save"`` and ``"profile"``, in the order named."""
+    """One store's tools, of ``"search"``, ``"save"``, ``"profile"`` and ``"forget"``, in the order named."""
     # Each spec is the store's own copy: nothing one agent's registry does to it can reach another store's tools.
     return [
         DecoratedFunctionTool(spec["name"], copy.deepcopy(spec), getattr(context, spec["name"]), metadata)
@@ -47,7 +49,8 @@ def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]
 @functools.cache
 def _template(name: str) -> tuple[ToolSpec, FunctionToolMetadata]:
     """A tool's spec and model, made once per process as ``strands.tool`` makes them (it leaves out ``self``)."""
-    metadata = FunctionToolMetadata(getattr(ToolContext, name))
+    context = "tool_context" if name == "membase_forget" else None
+    metadata = FunctionToolMetadata(getattr(ToolContext, name), context_param=context)
     spec = metadata.extract_metadata()
     spec["description"] = " ".join(spec["description"].split())  # the docstring's, on one line
     return spec, metadata
@@ -58,13 +61,15 @@ def _tool(method: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]
 
     @functools.wraps(method)  # keeps the signature and docstring Strands builds the tool's schema from
     def run(self: ToolContext, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self.counters.add(f"tool_calls.{method.__name__}")
-        with _telemetry.operation(_telemetry.TOOL, self.store_name, tool=method.__name__) as operation:
+        ledger = self.ledger
+        with _telemetry.operation(_telemetry.TOOL, ledger.store_name, tool=method.__name__) as operation:
+            ledger.record(None, f"tool_calls.{method.__name__}")
             if self.is_closed():
                 operation.outcome("error", error_kind="closed")
                 return _reply(CLOSED_SENTENCE, ok=False)
             result = method(self, *args, **kwargs)
-            operation.default_outcome("ok" if result["status"] == "success" else "error")
+            if operation.outcome_set is None:
+                operation.outcome("ok" if result["status"] == "success" else "error")
             return result
 
     return run
@@ -75,13 +80,13 @@ class ToolContext:
     """One store's tools, over what they need from it (they never reach into the store itself)."""
 
     gateway: MembaseGateway
-    counters: Counters
-    store_name: str
+    ledger: _telemetry.Ledger
     container: str | None
-    default_limit: int
+    default_limit: Callable[[], int]
     max_recall_chars: int | None
     min_score: float | None
     is_closed: Callable[[], bool]
+    ids: bool  # whether membase_search shows each passage's id (for membase_forget)
 
     @_tool
     def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
@@ -99,16 +104,16 @@ class ToolContext:
             return _reply("Nothing was searched: the query was empty.", ok=False)
         target, text = container or self.container, query_text(query)
         try:
-            count = passages_wanted(limit, "limit", self.default_limit)
+            count = passages_wanted(limit, "limit", self.default_limit())
             answer = self.gateway.search(text, count, target, retry=True)  # a cold start still gets an answer
         except ValueError as error:
             return _reply(f"Nothing was searched: {error}.", ok=False)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_search", error, container_named=target is not None)
         shown = arrange(answer, count, min_score=self.min_score, budget=self.max_recall_chars)
-        reply = search_text(text, shown)
+        reply = search_text(text, shown, ids=self.ids)
         outcome = "hit" if shown.passages else "empty"
-        _telemetry.annotate(
+        self.ledger.record(
             outcome, passages=len(shown.passages), unanswered=len(answer.unsearched), chars_returned=len(reply)
         )
         return _reply(reply, ok=not answer.none_answered)  # when no Memory could answer, nothing was searched
@@ -167,13 +172,49 @@ class ToolContext:
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_profile", error)
 
+    @_tool
+    def membase_forget(self, memory_id: str, tool_context: StrandsToolContext) -> dict[str, Any]:
+        """Forget one passage of the user's Membase memory, by the id membase_search shows for it: only when the user
+        asks to forget something, or to correct it (then save the corrected fact with membase_save). The user is
+        asked to approve first; nothing is forgotten without their yes.
+
+        Args:
+            memory_id: The passage's id, exactly as membase_search shows it.
+        """
+        wanted = memory_id.strip()
+        if not wanted:
+            return _reply("Nothing was forgotten: no id was given.", ok=False)
+        try:
+            preview = self.gateway.forget(wanted, confirm=False)  # what would be forgotten; nothing is yet
+        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+            return self._failed("membase_forget", error)
+        if preview.get("status") != "confirmation_required":
+            status = clip(str(preview.get("status")), 40)
+            return _reply(f"Nothing was forgotten: Membase answered '{status}' instead of asking to confirm.", ok=False)
+        content = clip(str(preview.get("content") or preview.get("title") or ""), 2000)
+        reason = {"memory_id": wanted, "content": content, "memory": self._memory_of(wanted)}
+        if tool_context.interrupt("membase_forget", reason=reason) is not True:  # the application asked the user
+            self.ledger.record("declined")
+            return _reply(_DECLINED)
+        try:
+            self.gateway.forget(wanted, confirm=True)
+        except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
+            return self._failed("membase_forget", error)
+        return _reply(f"Forgotten, with the user's approval: {clip(content, 200)}")
+
+    def _memory_of(self, passage_id: str) -> str:
+        """The name of the Memory a passage id names, or the id's own prefix when it cannot be looked up."""
+        container = "" if passage_id.startswith("document:") else passage_id.rpartition(":")[0]
+        with contextlib.suppress(Exception):  # only the reason's wording is at stake
+            return next(c.name for c in self.gateway.memories_in_reach() if c.id == container)
+        return container or "a document"
+
     def _failed(self, tool: str, error: BaseException, *, container_named: bool = False) -> dict[str, Any]:
         """Count and log a failed Membase call, and tell the model why."""
-        failure = describe_failure(error, container_named=container_named)
-        self.counters.add(f"errors.{failure.kind}")
-        _telemetry.annotate("error", error_kind=failure.kind)
-        logger.warning(_FAILED_LOG, self.store_name, tool, failure.kind)
-        return _reply(self.gateway.redact(failure.sentence), ok=False)
+        failure = describe_failure(error, container_named=container_named, redact=self.gateway.redact)
+        message = "Membase call failed; the model was told"
+        self.ledger.record("error", level=logging.WARNING, message=message, error=error, tool=tool)
+        return _reply(failure.sentence, ok=False)
 
 
 def _reply(text: str, *, ok: bool = True) -> dict[str, Any]:

@@ -1,19 +1,21 @@
 """Captured writes: time-boxed, never sent twice for the same thing, never lost without a word.
 
-The manager retries a write that raised, and a write past its budget may still succeed in the background, so the
-record keeps a store's writes by identity: a retry of a saved one sends nothing, of a running one waits for it, of a
-failed one sends it again. A batch that fails when no retry will come (its caller was cancelled, so Strands counts
-it as handled; or the store closed) is kept, and the store sends it again once.
+A write past its budget goes on in the background and may still succeed, and the manager retries a write that
+raised, so the record keeps a store's writes by identity: a retry of a saved part sends nothing, of a running one
+waits for it, of a failed one sends it again. A write whose caller stopped waiting (its budget ran out, or it was
+cancelled) and that then fails is kept, and the store sends it once more: with its next write, when it closes, or
+at interpreter exit. A manager retry of a kept part takes its place, so the part is still sent once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
+import os
 import sys
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
@@ -24,32 +26,22 @@ from typing import Any
 from strands.types.content import Message
 
 from . import _background, _options, _telemetry
-from ._background import wait_for_future
-from ._counters import Counters
-from ._failures import describe_failure, detail_of
+from ._background import LOCK, wait_for_future
 from .errors import MembaseWriteTimeout
 
-logger = logging.getLogger(__name__)
-
-RECORD_SIZE = 4096
-RECORD_SECONDS = 3600.0
+RECORD_SIZE = 4096  # saved parts remembered, at most
+RECORD_SECONDS = 3600.0  # and for at most this long
 RECORD_BYTES = 1024 * 1024  # the most message text (bytes of str objects) saved anchors and kept batches keep alive
-
-# Why nobody waits for a request any more (its late span's ``membase.reason``), in the words of its log line.
 _WHY = {
     "timeout": "that ran out of time",
     "cancelled": "whose caller was cancelled",
     "sent again": "the store sent again",
 }
-# When a failed batch the record keeps is sent again, by the record's phase.
-_KEPT = {
-    "open": "no retry will come from the manager; the store sends it again with its next write or when it closes",
-    "closing": "no retry will come from the manager (the store is closing); it is sent again before it closes",
-    "closed": "no retry will come from the manager (the store is closed); it is sent again at interpreter exit",
+_SENT_AGAIN = {  # when a failed batch the store keeps is sent again, by the record's phase
+    "open": "the store sends it again with its next write or when it closes",
+    "closing": "the store sends it again before it closes",
+    "closed": "the store sends it again at interpreter exit",
 }
-_DROPPED = "store=<%s>, parts=<%d> | a failed write kept for sending again was dropped to stay within %d bytes; %s"
-
-_keeping: set[WriteRecord] = set()  # records with kept batches: they must live to send them, store or not
 
 
 @dataclass(frozen=True)
@@ -90,18 +82,18 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
 
 
 class _Request:
-    """A request the record started: its thread marks it ``ended`` (record's lock held), reports it if ``abandoned``,
-    then settles ``future``."""
+    """A request the record started; its thread settles ``future`` once the outcome is on record and reported."""
 
-    def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
-        self.parts = parts
-        self.send = send
+    def __init__(self, parts: list[Part], send: Send, *, again: bool = False) -> None:
+        self.parts, self.send, self.again = parts, send, again  # again: a kept batch, sent a last time
         self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
         self.future: Future[None] = Future()
         self.ended = False
+        # Why no caller waits for its outcome any more, which its thread then reports (None: a caller waits).
+        self.abandoned: str | None = "sent again" if again else None  # a key of _WHY
         self.result: Any = None
         self.error: BaseException | None = None
-        self.abandoned = abandoned
+        self.pid = os.getpid()
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -119,62 +111,24 @@ class WriteRecord:
     """The writes one store started, by identity; safe to share between threads and event loops. ``budget``: the
     seconds a write may hold its caller (``None``: one whole request), and that closing waits for running writes."""
 
-    def __init__(
-        self,
-        store_name: str,
-        counters: Counters | None = None,
-        redact: Callable[[str], str] = str,
-        *,
-        budget: float | None = _options.DEFAULT_WRITE_TIMEOUT,
-        size: int = RECORD_SIZE,
-        seconds: float = RECORD_SECONDS,
-        max_bytes: int = RECORD_BYTES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._store_name = store_name
-        self._counters = counters or Counters()
-        self._redact = redact
+    def __init__(self, ledger: _telemetry.Ledger, budget: float | None) -> None:
+        self._ledger = ledger
         self._budget = budget
-        self._size, self._seconds, self._max_bytes = size, seconds, max_bytes  # the bounds of what it keeps
-        self._clock = clock
-        self._lock = threading.Lock()
         self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
         self._late_saves = itertools.count(1)
         self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
-        self._kept: list[_Request] = []  # failed with nobody left to retry them: sent again once
-        self._phase = "open"  # then "closing": no retry will come from the manager; then "closed"
-        _background.reset_after_fork(self)
+        self._kept: list[_Request] = []  # failed with nobody left to wait for them: sent again once
+        self._phase = "open"  # then "closing" (kept batches are sent again before it closes), then "closed"
         _background.finish_at_exit(self)
-
-    def _after_fork_in_child(self) -> None:
-        # The parent's requests have no thread here (a retry sends them); its kept batches are the parent's to send.
-        self._lock, self._unsettled, self._kept = threading.Lock(), set(), []
-        _keeping.discard(self)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._sending()) + len(self._saved)
-
-    @property
-    def retained_bytes(self) -> int:
-        """The bytes of text the byte bound counts: saved writes' anchors, and kept batches."""
-        with self._lock:
-            kept = sum(request.size for request in self._kept)
-            return kept + sum(saved.anchor_bytes for saved in self._saved.values())
-
-    @property
-    def _wait_budget(self) -> float:
-        return self._budget or _options.WAIT_WITHOUT_BUDGET
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
         """Send the parts not saved yet as one request, within the budget; what ``send`` returned, or ``None`` when
         every part was saved already. Raises ``MembaseWriteTimeout`` when the budget runs out (the request goes on
         in the background), or what ``send`` raised (those parts are forgotten, so a retry sends them)."""
-        self._send_kept(without={part.key for part in parts})
-        deadline = None if self._budget is None else self._clock() + self._budget
-        waited = False  # for an earlier call's request that saved some of them
+        self._send_kept(without={part.key for part in parts})  # a kept part written again is sent by this write
+        deadline = None if self._budget is None else time.monotonic() + self._budget
         while True:
-            with self._lock:
+            with LOCK:
                 self._evict()
                 sending = self._sending()
                 earlier = next((sending[part.key] for part in parts if part.key in sending), None)
@@ -187,190 +141,190 @@ class WriteRecord:
                     break
             # An earlier call is sending some of them: wait for it; what it fails to save is new on the next pass.
             try:
-                await self._wait(earlier, deadline, "an earlier write of the same content is still running")
-            except asyncio.CancelledError:  # no retry will come: what is not saved by then is sent with the next write
+                await self._wait(earlier, deadline, own=False)
+            except asyncio.CancelledError:  # what is not saved by then is sent with the next write
                 self._keep(_Request(list(parts), send))
                 raise
-            waited = waited or earlier.error is None
         decision = "send" if not saved else "partial" if todo else "already saved"
-        _telemetry.annotate(sent=len(todo), deduplicated=len(saved), waited_for_earlier=waited, decision=decision)
         if saved:
-            self._counters.add("writes_deduplicated", len(saved))
-            message = "store=<%s>, already_saved=<%d> | not sending again what this store saved"
-            logger.debug(message, self._store_name, len(saved))
+            message = "not sending again what this store saved"
+            self._ledger.record(None, "writes_deduplicated", amount=len(saved), level=logging.DEBUG, message=message)
+        self._ledger.record(None, sent=len(todo), deduplicated=len(saved), decision=decision)
         if request is not None:
             self._start(request)
-            what = "it goes on in the background and the manager keeps the batch"
-            await self._wait(request, deadline, what, own=True)
+            await self._wait(request, deadline, own=True)
             if request.error is not None:
                 raise request.error
-        with self._lock:
+        with LOCK:
             for key in self._saved.keys() & set(saved):  # a retry got success for them: none is expected any more
                 self._saved[key].late = 0
         return None if request is None else request.result
 
     def running(self) -> list[Future[None]]:
-        """The futures of the writes not settled yet: each settles once its outcome is on record, logged and counted."""
-        with self._lock:
-            return [request.future for request in self._unsettled]
+        """The futures of this process's writes not settled yet (each settles once its outcome is on record)."""
+        with LOCK:
+            return [request.future for request in self._unsettled if request.pid == os.getpid()]
+
+    def idle(self) -> bool:
+        """Whether no write of this process is running or kept: closing has nothing to wait for."""
+        with LOCK:
+            return not any(request.pid == os.getpid() for request in (*self._unsettled, *self._kept))
 
     def drain(self, until: float | None = None) -> None:
         """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
         to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
         self._phase = "closing"
-        waited = self._wait_running(until, set(), kept=len(self._kept))
-        self._phase = "closed"
-        self._wait_running(until, waited.union(self._send_kept()))  # announced above, as kept or as the write failing
+        self._wait_running(until)
+        self._phase = "closed"  # what fails from now on is sent again at interpreter exit
+        self._send_kept()
+        self._wait_running(until)
         if left := len(self.running()):
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
-            message = "store=<%s>, writes=<%d> | writes still running after %g s; %s"
-            logger.warning(message, self._store_name, left, self._wait_budget, then)
+            message = f"writes still running after {self._wait_budget:g} s; {then}"
+            self._ledger.record(None, level=logging.WARNING, message=message, writes=left)
 
-    def _wait_running(self, until: float | None, waited: set[Future[None]], kept: int = 0) -> set[Future[None]]:
-        """Wait while writes run, up to the budget (or ``until``), announcing those not ``waited`` for yet (and
-        ``kept``) as they appear: a daemon thread may start one during the exit wait. Returns every write waited for."""
+    def _finish_at_exit(self) -> None:
+        """At interpreter exit: :meth:`drain` within the budget."""
+        if self.running() or self._kept:
+            message = f"the interpreter is exiting; waiting up to {self._wait_budget:g} s for writes still running"
+            self._ledger.record(None, level=logging.INFO, message=message)
+            self.drain(until=time.monotonic() + self._wait_budget)
+
+    @property
+    def _wait_budget(self) -> float:
+        return self._budget or _options.WAIT_WITHOUT_BUDGET
+
+    def _wait_running(self, until: float | None) -> None:
+        """Wait while writes run, up to the budget (or ``until``): a daemon thread may start one meanwhile."""
         deadline = time.monotonic() + self._wait_budget if until is None else until
-        while True:
-            running = self.running()
-            new = [future for future in running if future not in waited]
-            if new or kept:
-                message = "store=<%s>, writes=<%d> | waiting for writes still running"
-                logger.info(message, self._store_name, len(new) + kept)
-                waited.update(new)
-                kept = 0
-            left = deadline - time.monotonic()
-            if not running or left <= 0:
-                return waited
+        announced: set[Future[None]] = set()
+        while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
+            if new := [future for future in running if future not in announced]:
+                message = "waiting for writes still running"
+                self._ledger.record(None, level=logging.INFO, message=message, writes=len(new))
+                announced.update(new)
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
-    def _finish_at_exit(self, started: float) -> None:
-        """At interpreter exit: :meth:`drain` within the budget counted from ``started``."""
-        if self.running() or self._kept:
-            message = "store=<%s> | the interpreter is exiting; waiting up to %g s for writes still running"
-            logger.info(message, self._store_name, self._wait_budget)
-            self.drain(until=started + self._wait_budget)
-
-    async def _wait(self, request: _Request, deadline: float | None, what: str, *, own: bool = False) -> None:
+    async def _wait(self, request: _Request, deadline: float | None, *, own: bool) -> None:
         """Wait for ``request`` until ``deadline``; if its ``own`` caller gives up, its thread reports the outcome."""
         try:
-            await wait_for_future(request.future, None if deadline is None else deadline - self._clock())
+            await wait_for_future(request.future, None if deadline is None else deadline - time.monotonic())
         except asyncio.TimeoutError:
-            if not own or self._abandon(request, "timeout"):
-                self._counters.add("write_timeouts")
-                message = "store=<%s>, reason=<write ran out of time> | Membase write ran out of time; %s"
-                logger.warning(message, self._store_name, what)
-                raise MembaseWriteTimeout(f"Membase write ran out of time; {what}") from None
-            # It ended as the budget ran out: the outcome is recorded, and it is this caller's to report.
+            if own and not self._let_go(request, "timeout"):
+                return  # it ended as the budget ran out: the outcome is recorded, and it is this caller's to report
+            what = "it goes on in the background" if own else "an earlier write of the same content is still running"
+            message = f"Membase write ran out of time; {what}"
+            self._ledger.record("timeout", "write_timeouts", level=logging.INFO, message=message)
+            raise MembaseWriteTimeout(message) from None
         except asyncio.CancelledError:
-            self._counters.add("write_cancellations")
-            message = "store=<%s>, reason=<cancelled> | the caller stopped waiting for a Membase write; %s"
-            logger.info(message, self._store_name, "it goes on in the background")
-            if own and not self._abandon(request, "cancelled") and request.error is not None:
-                self._report_late(request, "cancelled")  # it failed just before: nobody else reports it
+            message = "the caller stopped waiting for a Membase write; it goes on in the background"
+            self._ledger.record("cancelled", "write_cancellations", level=logging.INFO, message=message)
+            if own and not self._let_go(request, "cancelled") and request.error is not None:
+                request.abandoned = "cancelled"
+                self._report(request)  # it failed just before: nobody else reports it
             raise
 
-    def _abandon(self, request: _Request, why: str) -> bool:
+    def _let_go(self, request: _Request, why: str) -> bool:
         """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
-        with self._lock:
+        with LOCK:
             if not request.ended:
                 request.abandoned = why
             return not request.ended
 
     def _sending(self) -> dict[Hashable, _Request]:
-        """The running requests, by the keys of their parts (lock held)."""
-        return {part.key: request for request in self._unsettled if not request.ended for part in request.parts}
+        """This process's running requests, by the keys of their parts (lock held)."""
+        pid = os.getpid()
+        return {p.key: r for r in self._unsettled if not r.ended and r.pid == pid for p in r.parts}
 
     def _start(self, request: _Request) -> None:
-        try:
-            _background.submit(lambda: self._run(request), name=f"membase-write[{self._store_name}]", lane=self)
-        except BaseException as error:  # noqa: BLE001 - typically "can't start new thread": raised to whoever waits
-            if request.abandoned is None:  # a batch the store sends again gets no retry: it is reported lost
-                message = "store=<%s>, reason=<%s> | could not start the write; nothing was sent and a retry sends it"
-                logger.warning(message, self._store_name, self._redact(detail_of(error)))
-            request.error = error
-            self._finish(request)
+        name = f"membase-write[{self._ledger.store_name}]"
+        _background.submit(functools.partial(self._run, request), name=name, lane=self)
 
     def _run(self, request: _Request) -> None:
+        """Send ``request`` (on a library thread), put its outcome on record, report it if nobody waits for it."""
         try:
             request.result = request.send(list(request.parts))
         except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
             request.error = error
-        self._finish(request)
-
-    def _finish(self, request: _Request) -> None:
-        """Put the outcome on record, report it if nobody waits for it any more, then settle the future."""
         try:
-            with self._lock:
+            with LOCK:
                 request.ended = True
                 if request.error is None:
-                    late = next(self._late_saves) if request.abandoned else 0
+                    late = 0 if request.abandoned is None else next(self._late_saves)
                     for part in request.parts:
-                        self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, self._clock(), late)
+                        self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, time.monotonic(), late)
                     self._evict()
-                    self._counters.add("writes_saved", len(request.parts))
+            if request.error is None:
+                self._ledger.record(None, "writes_saved", amount=len(request.parts))
             if request.abandoned is not None:
-                self._report_late(request, request.abandoned)
+                self._report(request)
         finally:
-            with self._lock:
+            with LOCK:
                 self._unsettled.discard(request)
             request.future.set_result(None)
 
-    def _report_late(self, request: _Request, why: str) -> None:
-        """Log and count the outcome of a request nobody waits for; keep a failed batch no retry will bring back."""
-        error = request.error
-        _telemetry.late(_telemetry.WRITE_LATE, self._store_name, request.linked, "saved", error=error, reason=why)
+    def _report(self, request: _Request) -> None:
+        """Log, count and trace the outcome of a request nobody waits for; keep a failed one to send it again."""
+        why = request.abandoned or "timeout"
+        error, what = request.error, f"a write {_WHY[why]}"
         if error is None:
-            logger.info("store=<%s> | a write %s finished; it is saved", self._store_name, _WHY[why])
+            message = f"{what} finished; it is saved"
+            self._ledger.late(
+                _telemetry.WRITE_LATE, request.linked, "saved", level=logging.INFO, message=message, reason=why
+            )
             return
-        self._counters.add("write_errors")
-        self._counters.add(f"errors.{describe_failure(error).kind}")
-        if why == "timeout" and self._phase == "open" and not _background.exiting():
-            then = "the manager's retry sends it again"
-        elif why == "sent again" or _background.exiting() or request.size > self._max_bytes:
-            self._counters.add("writes_lost", len(request.parts))
-            then = "it is not saved, and nothing will send it again"
+        lost = request.again or _background.exiting() or request.size > RECORD_BYTES
+        if lost:
+            self._ledger.record(None, "writes_lost", amount=len(request.parts))
         else:
-            then = _KEPT[self._phase]
             self._keep(request)
-        detail = self._redact(detail_of(error))
-        logger.warning("store=<%s>, reason=<%s> | a write %s failed; %s", self._store_name, detail, _WHY[why], then)
+        then = "it is not saved, and nothing will send it again" if lost else _SENT_AGAIN[self._phase]
+        message = f"{what} failed; {then}"
+        self._ledger.late(
+            _telemetry.WRITE_LATE,
+            request.linked,
+            "saved",
+            "write_errors",
+            level=logging.WARNING,
+            message=message,
+            error=error,
+            reason=why,
+        )
 
     def _keep(self, request: _Request) -> None:
-        """Keep a batch no retry will bring back, to send it again; the oldest kept ones make room."""
-        with self._lock:
+        """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
+        with LOCK:
             self._kept.append(request)  # alone, it is within the bound
             dropped = []
-            while sum(kept.size for kept in self._kept) > self._max_bytes:
+            while sum(kept.size for kept in self._kept) > RECORD_BYTES:
                 dropped.append(self._kept.pop(0))
-            _keeping.add(self)
         for lost in dropped:
-            self._counters.add("writes_lost", len(lost.parts))
-            logger.warning(_DROPPED, self._store_name, len(lost.parts), self._max_bytes, "it is not saved")
+            message = f"a failed write kept for sending again was dropped to stay within {RECORD_BYTES} bytes"
+            self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> list[Future[None]]:
+    def _send_kept(self, without: Collection[Hashable] = ()) -> None:
         """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
-        with self._lock:
-            kept, self._kept = self._kept, []
-            _keeping.discard(self)
+        with LOCK:
+            kept = [request for request in self._kept if request.pid == os.getpid()]  # a parent sends its own
+            self._kept = []
             known = (without, self._saved, self._sending())
             requests = []
             for old in kept:
                 if parts := [part for part in old.parts if not any(part.key in keys for keys in known)]:
-                    requests.append(_Request(parts, old.send, "sent again"))
+                    requests.append(_Request(parts, old.send, again=True))
             self._unsettled.update(requests)
         for request in requests:
-            self._counters.add("writes_sent_again", len(request.parts))
+            self._ledger.record(None, "writes_sent_again", amount=len(request.parts))
             self._start(request)
-        return [request.future for request in requests]
 
     def _evict(self) -> None:
         """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late saves
         go last and the newest never: the manager's retry of a batch whose write ran out of time is the one to stop."""
-        cutoff = self._clock() - self._seconds
+        cutoff = time.monotonic() - RECORD_SECONDS
         for key in [key for key, saved in self._saved.items() if saved.at < cutoff]:
             del self._saved[key]
-        excess = len(self._saved) - self._size
-        excess_bytes = sum(saved.anchor_bytes for saved in self._saved.values()) - self._max_bytes
+        excess = len(self._saved) - RECORD_SIZE
+        excess_bytes = sum(saved.anchor_bytes for saved in self._saved.values()) - RECORD_BYTES
         if excess <= 0 and excess_bytes <= 0:
             return
         newest_late = max(saved.late for saved in self._saved.values()) or None

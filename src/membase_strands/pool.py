@@ -8,16 +8,19 @@ Until then the pool remembers it weakly: the same user coming back gets that sam
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
-import threading
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import wait
 from typing import Any
 
 from . import _background
-from .store import MembaseMemoryStore
+from ._background import LOCK
+from ._telemetry import Ledger
+from .store import MembaseMemoryStore, dropped_stores_closing
 
 logger = logging.getLogger(__name__)
 
@@ -45,28 +48,32 @@ class MembaseStorePool:
                 ``client``, ``api_key`` and ``local`` come from ``credential_for``.
 
         Raises:
-            ValueError: ``max_stores`` is not a positive whole number, or a per-user option was given.
+            ValueError: ``max_stores`` is not a positive whole number, a store option is unknown or invalid, or a
+                per-user option was given.
         """
         if isinstance(max_stores, bool) or not isinstance(max_stores, int) or max_stores < 1:
             raise ValueError(f"max_stores must be a whole number of at least 1, got {max_stores!r}")
+        if not callable(credential_for):
+            raise ValueError(f"credential_for must be a function of the user id, got {type(credential_for).__name__}")
         shared = [option for option in ("client", "api_key", "local") if option in store_options]
         if shared:
             raise ValueError(f"{', '.join(shared)}: comes from credential_for for each user, not shared by the pool")
+        known = inspect.signature(MembaseMemoryStore).parameters
+        if unknown := sorted(set(store_options) - set(known)):
+            raise ValueError(f"unknown store option(s) {unknown}; MembaseMemoryStore takes {', '.join(known)}")
+        # Every value checked now, by the store's own checks, rather than at every user's first turn.
+        MembaseMemoryStore(api_key="membase-pool-option-check", **store_options).close()
         self._credential_for = credential_for
         self._max_stores = max_stores
         self._store_options = store_options
-        self._lock = threading.Lock()
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
+        self._retired: Counter[str] = Counter()  # the counts of the stores it built that are gone
         self._closed = False
-        _background.reset_after_fork(self)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # a thread handing out a store may have held it at the fork
 
     def __len__(self) -> int:
-        with self._lock:  # the stores kept for reuse, at most max_stores
+        with LOCK:  # the stores kept for reuse, at most max_stores
             return len(self._stores)
 
     def __repr__(self) -> str:
@@ -84,7 +91,7 @@ class MembaseStorePool:
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
-        with self._lock:
+        with LOCK:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
             store = self._alive.get(user_id)  # kept, or let go of and still in use
@@ -92,7 +99,7 @@ class MembaseStorePool:
                 self._keep(user_id, store)
                 return store
         candidate = self._build(user_id)  # outside the lock: the app's credential function may be slow
-        with self._lock:
+        with LOCK:
             # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
             store = None if self._closed else self._alive.get(user_id, candidate)
             if store is not None:
@@ -103,23 +110,36 @@ class MembaseStorePool:
             raise RuntimeError("MembaseStorePool is closed")
         return store
 
+    def counters(self) -> dict[str, int]:
+        """The sum of the counters of every store the pool built (see :meth:`MembaseMemoryStore.counters`)."""
+        with LOCK:
+            total = Counter(self._retired)
+            stores = list(self._alive.values())
+        for store in stores:
+            total.update(store.counters())
+        return dict(total)
+
     def close(self) -> None:
-        """Close every store the pool handed out that is still alive, side by side; safe to call twice.
+        """Close every store the pool built that is still alive, side by side; safe to call twice.
 
         Each closes as :meth:`MembaseMemoryStore.close` does (up to ``write_timeout`` for its running writes, then
         up to ``write_timeout`` more for a failed batch sent again), so this returns within about two
         ``write_timeout`` however many stores there are. From async code, use :meth:`aclose` (or ``async with``).
         """
         closing = [
-            _background.submit(store.close, name=f"membase-close[{store.name}]", lane=store)
+            _background.submit(store.close, name=f"membase-close[{store.name}]", kind="close")
             for store in self._close_pool()
         ]
+        wait([*closing, *dropped_stores_closing()])
         _warn_failed(future.exception() for future in closing)
 
     async def aclose(self) -> None:
         """:meth:`close` for async code, without blocking the loop: each store's ``aclose()``, side by side."""
-        closing = (store.aclose() for store in self._close_pool())
-        _warn_failed(await asyncio.gather(*closing, return_exceptions=True))
+        closing = [store.aclose() for store in self._close_pool()]
+        outcomes = await asyncio.gather(*closing, return_exceptions=True)
+        for dropped in dropped_stores_closing():
+            await _background.wait_for_future(dropped, None)
+        _warn_failed(outcomes)
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -135,10 +155,11 @@ class MembaseStorePool:
 
     def _close_pool(self) -> list[MembaseMemoryStore]:
         """Refuse new stores; the stores handed out that are still alive, now the caller's to close."""
-        with self._lock:
+        with LOCK:
             self._closed = True
+            alive = list(self._alive.values())  # before letting go of the kept ones, which may be their only holder
             self._stores.clear()
-            return list(self._alive.values())
+            return alive
 
     def _keep(self, user_id: str, store: MembaseMemoryStore) -> None:
         """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held."""
@@ -154,14 +175,26 @@ class MembaseStorePool:
             credential = self._credential_for(user_id)
         except Exception as error:
             raise ValueError(f"no Membase credential for user {user_id!r}: the credential function failed") from error
+        if isinstance(credential, str) and os.path.exists(credential):
+            raise ValueError(
+                f"the credential for user {user_id!r} is a str naming a path; for local Membase, return a "
+                "pathlib.Path (a str is sent to the hosted API as a key)"
+            )
         if isinstance(credential, os.PathLike):
-            return MembaseMemoryStore(local=credential, **self._store_options)
-        if isinstance(credential, str) and credential.strip():
-            return MembaseMemoryStore(api_key=credential, **self._store_options)
-        raise ValueError(
-            f"no Membase credential for user {user_id!r}: the credential function returned "
-            f"{type(credential).__name__}, not an API key or a local directory"
-        )
+            store = MembaseMemoryStore(local=credential, **self._store_options)
+        elif isinstance(credential, str) and credential.strip():
+            store = MembaseMemoryStore(api_key=credential, **self._store_options)
+        else:
+            raise ValueError(
+                f"no Membase credential for user {user_id!r}: the credential function returned "
+                f"{type(credential).__name__}, not an API key or a local directory"
+            )
+        weakref.finalize(store, self._retire, store._ledger)  # its counts stay in counters() when it is gone
+        return store
+
+    def _retire(self, ledger: Ledger) -> None:
+        with LOCK:
+            self._retired.update(ledger.snapshot())
 
 
 def _warn_failed(outcomes: Iterable[object]) -> None:

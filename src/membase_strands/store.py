@@ -11,24 +11,23 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import httpx
 import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
 from . import _background, _options, _telemetry
-from ._background import wait_for_future
+from ._background import LOCK, wait_for_future
 from ._containers import SetupCheck
-from ._counters import Counters
-from ._failures import ACCESS_SENTENCE, describe_failure
-from ._formatting import arrange, memory_entries
+from ._failures import ACCESS_SENTENCE
 from ._gateway import MembaseGateway
-from ._recall import RecallSkipped, TimeBoxedRecall
+from ._recall import Recall
+from ._telemetry import Ledger
 from ._tools import ToolContext, build_tools
 from ._writes import Part, WriteRecord, fingerprint, message_parts
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
@@ -37,13 +36,10 @@ if TYPE_CHECKING:
     from strands.memory import ExtractionConfig, MemoryStore
     from strands.types.tools import AgentTool
 
-logger = logging.getLogger(__name__)
-
 _RETRYING_CLIENT = (
-    "store=<%s>, reason=<client retries> | the client passed in retries (max_retries=%d), so a captured write that "
-    "timed out may be saved twice; build it with max_retries=0, or pass api_key= instead"
+    "the client passed in retries (max_retries={}), so a captured write that timed out may be saved twice; build it "
+    "with max_retries=0, or pass api_key= instead"
 )
-_REFUSED = "store=<%s>, reason=<403> | %s refused: this Membase key was narrowed or revoked by its owner%s"
 
 
 class MembaseMemoryStore:
@@ -60,6 +56,7 @@ class MembaseMemoryStore:
         api_key: str | None = None,
         base_url: str | None = None,
         local: str | os.PathLike[str] | None = None,
+        transport: httpx.BaseTransport | None = None,
         container: str | None = None,
         name: str = "membase",
         description: str | None = None,
@@ -68,11 +65,15 @@ class MembaseMemoryStore:
         min_score: float | None = None,
         recall_timeout: float | None = 8.0,
         write_timeout: float | None = _options.DEFAULT_WRITE_TIMEOUT,
+        request_timeout: float = _options.DEFAULT_REQUEST_TIMEOUT,
+        max_response_bytes: int = _options.DEFAULT_RESPONSE_BYTES,
         access_cooldown: float | None = 60.0,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
         capture_roles: Iterable[str] | str = ("user",),
         tools: Iterable[str] = _options.TOOL_NAMES,
+        recall_profile: bool = False,
+        profile_ttl: float = _options.DEFAULT_PROFILE_TTL,
     ) -> None:
         """Create a store; building it makes no network call.
 
@@ -80,63 +81,94 @@ class MembaseMemoryStore:
             client: A ready ``membase.Membase``, used as it is (its retries too) and never closed.
             api_key: The key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
             base_url: The Membase host (default: ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``).
-            local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``).
+            local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``); one process each.
+            transport: An ``httpx`` transport to send through instead of httpx's own (the testing kit's, say).
             container: The one Memory (name in any case, or id) to search and write to; ``None``: all in reach.
             name: The store's name in the ``MemoryManager``.
             description: What the manager tells the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
-            min_score: Leave out passages scored below this (``python -m membase_strands check`` shows scores).
-            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: the SDK's).
+            min_score: Leave out passages scored below this (``membase-strands check`` shows scores).
+            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: one
+                request's ``request_timeout``).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
+            request_timeout: Seconds one attempt of a Membase request may take, headers and body (the tools try
+                up to three times).
+            max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
-            tools: Which of ``"search"``, ``"save"`` and ``"profile"`` to give the model.
+            tools: Which of ``"search"``, ``"save"``, ``"profile"`` and ``"forget"`` to give the model.
+            recall_profile: Recall also puts the profile's standing facts first in the memory block.
+            profile_ttl: Seconds the standing facts read for recall are used before they are read again.
 
         Raises:
             ValueError: An option is invalid; the message names it.
+            RuntimeError: ``local`` is a directory another process holds.
         """
         self.name = _options.check_name(name)
         self._container = _options.check_container(container)
         # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
         self.description: str | None = description if description is not None else _options.describe(container)
         self.max_search_results: int | None = _options.passages_wanted(max_search_results, "max_search_results")
-        self._max_recall_chars = _options.check_recall_chars(max_recall_chars)
-        self._min_score = _options.check_min_score(min_score)
+        max_recall_chars = _options.check_recall_chars(max_recall_chars)
+        min_score = _options.check_min_score(min_score)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
         self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
+        request_timeout = _options.check_timeout("request_timeout", request_timeout, none=False) or 0.0
+        max_response_bytes = _options.check_bytes("max_response_bytes", max_response_bytes)
         self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
         self.writable: bool = _options.check_capture(capture, extraction)
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
+        recall_profile = _options.check_flag("recall_profile", recall_profile)
+        profile_ttl = _options.check_timeout("profile_ttl", profile_ttl, none=False) or 0.0
 
-        self._gateway = MembaseGateway(
-            client=client, api_key=api_key, base_url=base_url, local=local, store_name=self.name
+        self._gateway = gateway = MembaseGateway(
+            client=client,
+            api_key=api_key,
+            base_url=base_url,
+            local=local,
+            transport=transport,
+            request_timeout=request_timeout,
+            max_response_bytes=max_response_bytes,
+            store_name=self.name,
         )
+        self._ledger = Ledger(self.name, gateway.redact)
         if capture and client is not None and client.max_retries > 0:
-            logger.warning(_RETRYING_CLIENT, self.name, client.max_retries)
-        self._counters = Counters()
-        _telemetry.register_store(self)  # its counters as OpenTelemetry metrics, if a meter provider is set
-        redact = self._gateway.redact
-        self._recall = TimeBoxedRecall(self.name, self._counters, redact)
-        self._writes = WriteRecord(self.name, self._counters, redact, budget=self._write_timeout)
-        self._lock = threading.Lock()  # for the tools and closing
+            self._ledger.record(None, level=logging.WARNING, message=_RETRYING_CLIENT.format(client.max_retries))
+        self._recall = Recall(
+            gateway,
+            self._ledger,
+            container=self._container,
+            budget=self._recall_timeout,
+            hold_limit=request_timeout,
+            min_score=min_score,
+            max_chars=max_recall_chars,
+            profile_ttl=profile_ttl if recall_profile else None,
+        )
+        self._writes = WriteRecord(self._ledger, self._write_timeout)
+        self._tool_context = ToolContext(
+            gateway=gateway,
+            ledger=self._ledger,
+            container=self._container,
+            default_limit=lambda: self._default_limit,
+            max_recall_chars=max_recall_chars,
+            min_score=min_score,
+            is_closed=lambda: self._closed,
+            ids=("forget" in self._tool_names),
+        )
+        self._tools: list[AgentTool] | None = None
         self._closed = False
         self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
-        check = functools.partial(self._gateway.check_setup, self._container)
-        self._setup = SetupCheck(check, self._gateway.redact, self.name, lane=self._gateway)
-        self._tools: list[AgentTool] | None = None
-        _background.reset_after_fork(self)
-        # Dropped unclosed (a pool let go of it), it closes its local engine; at exit not, as a daemon write may run.
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        if self._gateway.owns_engine:
-            close_engine = functools.partial(self._gateway.close, after=self._writes.running)
-            name = f"membase-close[{self.name}]"
-            self._finalizer = weakref.finalize(self, _background.submit, close_engine, name=name)
-            self._finalizer.atexit = False
+        self._setup = SetupCheck(
+            functools.partial(gateway.check_setup, self._container), gateway.redact, self.name, lane=self
+        )
+        # Dropped unclosed (a pool let go of it), it still finishes its writes and lets go of its local engine.
+        self._finalizer = weakref.finalize(self, _close_dropped, self._writes, gateway, self.name)
+        self._finalizer.atexit = False  # at exit, the exit wait does it
 
     def __repr__(self) -> str:
         return (
@@ -160,8 +192,9 @@ class MembaseMemoryStore:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
 
         Returns:
-            ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer; ``[]``
-            for a blank query, or while recall is skipped (an earlier recall still runs late, or after a 403).
+            ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer (with
+            ``recall_profile``, the standing facts first); ``[]`` for a blank query, or while recall is skipped (an
+            earlier recall still runs late, or after a 403).
 
         Raises:
             MembaseRecallTimeout: The budget ran out; the request goes on in the background.
@@ -171,50 +204,21 @@ class MembaseMemoryStore:
             asyncio.CancelledError: The task was cancelled; the request goes on, and recalls skip while it runs.
         """
         with _telemetry.operation(_telemetry.RECALL, self.name) as operation:
-            entries = await self._search(query, options)
+            self._check_open()
+            if not isinstance(query, str) or not query.strip():
+                self._ledger.record("skipped", reason="blank query")
+                return []
+            _telemetry.current_text(_telemetry.QUERY_TEXT, query)
+            wanted = options.get("max_search_results") if options else None
+            limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
+            self._ledger.record(None, "recalls")
+            try:
+                entries = await self._recall.run(_options.query_text(query), limit)
+            except MembaseRecallTimeout:
+                raise
+            except Exception as error:
+                self._fail("recall", error)
             operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-        return entries
-
-    async def _search(self, query: str, options: SearchOptions | None) -> list[MemoryEntry]:
-        self._check_open()
-        if not isinstance(query, str) or not query.strip():
-            _telemetry.annotate("skipped", reason="blank query")
-            return []
-        _telemetry.current_text(_telemetry.QUERY_TEXT, query)
-        wanted = options.get("max_search_results") if options else None
-        limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
-        self._counters.add("recalls")
-        # With a budget, one attempt: a late request must hold the in-flight guard for one attempt, not three.
-        search = functools.partial(
-            self._gateway.search, _options.query_text(query), limit, self._container, retry=self._recall_timeout is None
-        )
-        start = functools.partial(_background.submit, search, name=f"membase-recall[{self.name}]", lane=self._gateway)
-        try:
-            answer = await self._recall.run(start, self._recall_timeout)
-        except RecallSkipped as skipped:
-            _telemetry.annotate("skipped", reason=str(skipped))
-            return []  # counted and logged at DEBUG by the guard
-        except MembaseRecallTimeout:
-            raise
-        except Exception as error:
-            self._fail("recall", error)
-        # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
-        most = max(0, limit - len(answer.unsearched))
-        answer = arrange(answer, most, min_score=self._min_score, budget=self._max_recall_chars)
-        left_out = {"recall_passages_folded": answer.folded, "recall_passages_below_floor": answer.below_floor}
-        for counter, count in left_out.items():
-            if count:
-                self._counters.add(counter, count)
-        if answer.folded or answer.below_floor:
-            message = "store=<%s>, folded=<%d>, below_floor=<%d> | passages left out of recall"
-            logger.debug(message, self.name, answer.folded, answer.below_floor)
-        self._counters.add("recall_hits" if answer.passages else "recall_empty")
-        entries = memory_entries(answer)
-        chars = sum(len(entry.content) for entry in entries)
-        outcome = "hit" if answer.passages else "empty"
-        _telemetry.annotate(
-            outcome, passages=len(answer.passages), chars_injected=chars, unanswered=len(answer.unsearched)
-        )
         return entries
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
@@ -261,23 +265,13 @@ class MembaseMemoryStore:
         The standard counters (``recalls``, ``writes_saved``, ...) are always present, the others (``errors.<kind>``,
         ``tool_calls.<tool>``, ...) once they happen: docs/observability.md says what each one counts.
         """
-        return self._counters.snapshot()
+        return self._ledger.snapshot()
 
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``, built once per store."""
-        with self._lock:  # agents built at the same moment all get the same tools
+        with LOCK:  # agents built at the same moment all get the same tools
             if self._tools is None:
-                context = ToolContext(
-                    gateway=self._gateway,
-                    counters=self._counters,
-                    store_name=self.name,
-                    container=self._container,
-                    default_limit=self._default_limit,
-                    max_recall_chars=self._max_recall_chars,
-                    min_score=self._min_score,
-                    is_closed=lambda: self._closed,
-                )
-                self._tools = build_tools(context, self._tool_names)
+                self._tools = build_tools(self._tool_context, self._tool_names)
             return list(self._tools)
 
     def close(self) -> None:
@@ -296,17 +290,20 @@ class MembaseMemoryStore:
         if not self._begin_close():
             with contextlib.suppress(asyncio.TimeoutError):
                 await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-            return
-        await wait_for_future(_background.submit(self._finish_closing, name=f"membase-close[{self.name}]"), None)
+        elif self._writes.idle() and self._gateway.local is None:
+            self._finish_closing()  # nothing to wait for
+        else:
+            closing = _background.submit(self._finish_closing, name=f"membase-close[{self.name}]", kind="close")
+            await wait_for_future(closing, None)
 
     def _finish_closing(self) -> None:
         """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine, if any (blocking)."""
+        self._finalizer.detach()
         try:
             self._writes.drain()
         finally:
             self._close_done.set_result(None)
-            if self._release():
-                self._gateway.close()
+            _release(self._writes, self._gateway, self.name)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -322,25 +319,13 @@ class MembaseMemoryStore:
 
     def _begin_close(self) -> bool:
         """Mark the store closed; whether this caller is the first (and so closes it)."""
-        with self._lock:
+        with LOCK:
             first, self._closed = not self._closed, True
             return first
-
-    def _release(self) -> bool:
-        """Let go of the local engine this store started, if any; whether the caller is to close it now."""
-        if self._finalizer is None:
-            return False
-        if self._writes.running():
-            self._finalizer()  # on a thread, once they end
-            return False
-        return self._finalizer.detach() is not None
 
     @property
     def _default_limit(self) -> int:
         return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS  # a plain attribute: a user may set None
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # the guard, the write record, the set-up check and the gateway reset themselves
 
     def _check_open(self) -> None:
         if self._closed:
@@ -372,20 +357,62 @@ class MembaseMemoryStore:
     def _fail(self, action: str, error: Exception) -> NoReturn:
         """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
         automatic recall), anything else as it came (or as a masked copy if a server echoed the API key in it)."""
-        self._counters.add(f"{action}_errors")
-        self._counters.add(f"errors.{describe_failure(error).kind}")
         clean = self._gateway.without_secret(error)
-        if isinstance(error, membase.PermissionDeniedError):
-            pause = ""
-            if action == "recall" and self._access_cooldown is not None:
-                self._recall.pause(self._access_cooldown)
-                pause = f"; automatic recall paused for {self._access_cooldown:g} s"
+        if not isinstance(error, membase.PermissionDeniedError):
+            self._ledger.record(None, f"{action}_errors", error=error)
+            raise error if clean is error else clean
+        pause = ""
+        if action == "recall" and self._access_cooldown is not None:
+            self._recall.pause(self._access_cooldown)
+            pause = f"; automatic recall paused for {self._access_cooldown:g} s"
+        self._ledger.record(
+            None,
+            f"{action}_errors",
             # The manager logs a failed recall as a warning: the store's own line would be a second one.
-            logger.log(logging.INFO if action == "recall" else logging.WARNING, _REFUSED, self.name, action, pause)
-            raise MembaseAccessError(ACCESS_SENTENCE) from clean
-        if clean is error:
-            raise error
-        raise clean from None
+            level=logging.INFO if action == "recall" else logging.WARNING,
+            message=f"{action} refused: this Membase key was narrowed or revoked by its owner{pause}",
+            error=error,
+        )
+        raise MembaseAccessError(ACCESS_SENTENCE) from clean
+
+
+def _release(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
+    """Let go of the local engine, once the writes still running end (on a thread, if some do)."""
+    if gateway.local is None:
+        return
+    running = writes.running()
+    if not running:
+        gateway.close()
+        return
+
+    def close_after_writes() -> None:
+        wait(running)
+        gateway.close()
+
+    _background.submit(close_after_writes, name=f"membase-close[{name}]", kind="close")
+
+
+def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
+    """A store collected unclosed: finish its writes and let go of its engine, in the background."""
+    if not writes.idle() or gateway.local is not None:
+
+        def finish() -> None:
+            writes.drain()
+            _release(writes, gateway, name)
+
+        closing = _background.submit(finish, name=f"membase-close[{name}]", kind="close")
+        with LOCK:
+            _closing_dropped.add(closing)
+        closing.add_done_callback(_closing_dropped.discard)
+
+
+_closing_dropped: set[Future[Any]] = set()
+
+
+def dropped_stores_closing() -> list[Future[Any]]:
+    """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
+    with LOCK:
+        return list(_closing_dropped)
 
 
 if TYPE_CHECKING:

@@ -1,17 +1,19 @@
 """An in-memory Membase for tests: notes searched by shared words, every request recorded, faults per route."""
 
+from __future__ import annotations
+
 import itertools
 import json
 import re
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import membase
 
-from .. import _http
+from ..pool import MembaseStorePool
 from ..store import MembaseMemoryStore
 
 API_KEY = "mb_test_key_5ecr3t_do_not_log"
@@ -23,41 +25,86 @@ _NUMBERS = itertools.count(1)
 
 @dataclass
 class Recorded:
-    """One request that reached the fake."""
+    """One request that reached the fake, and the key it carried."""
 
     method: str
     path: str
     body: Any
     params: dict[str, str]
+    key: str = ""
 
 
 @dataclass
 class Note:
-    """One note saved to a Memory."""
+    """One note saved to a Memory; ``id`` is what ``forget`` takes (``<Memory id>:<n>``)."""
 
     content: str
     container: str
     title: str = ""
     seeded: bool = False  # put there by InMemoryMembase.remember(), not saved through the API
+    id: str = ""
 
 
-@dataclass
+class _Server:
+    """What the accounts of one fake host share: its address, its transport, the request log and the accounts."""
+
+    def __init__(self) -> None:
+        self.base_url = f"https://membase-{next(_NUMBERS)}.test"
+        self.requests: list[Recorded] = []
+        self.accounts: dict[str, InMemoryMembase] = {}
+        self.lock = threading.Lock()
+        self.transport = httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        with self.lock:
+            account = self.accounts.get(key)
+        if account is None:
+            account = InMemoryMembase(key=key, _server=self)
+        return account._serve(request)
+
+
 class InMemoryMembase:
-    """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline."""
+    """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline.
 
-    # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
-    containers: list[dict[str, Any]] = field(default_factory=lambda: [{"id": "ctr_main", "name": "Main"}])
-    notes: list[Note] = field(default_factory=list)  # every note saved, seeded ones too
-    standing: list[str] = field(default_factory=list)  # the profile's standing facts
-    unsearchable: dict[str, str] = field(default_factory=dict)  # Memory id -> why it cannot answer a search
-    requests: list[Recorded] = field(default_factory=list)
-    # A host of its own, routed to its httpx.MockTransport while it lives.
-    base_url: str = field(init=False, default_factory=lambda: f"https://membase-{next(_NUMBERS)}.test")
-    _faults: dict[tuple[str, str], Iterator[Responder]] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    It is the account of one key (:data:`API_KEY` unless named); :meth:`account` is another key's account on the same
+    host, and a request is answered from the account of the key it carries, as Membase keeps one memory per key.
+    """
 
-    def __post_init__(self) -> None:
-        self._routed = _http.route(self.base_url, httpx.MockTransport(self.handle))  # the route lasts while this does
+    def __init__(self, *, key: str = API_KEY, _server: _Server | None = None) -> None:
+        self.key = key
+        # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
+        self.containers: list[dict[str, Any]] = [{"id": "ctr_main", "name": "Main"}]
+        self.notes: list[Note] = []  # the notes in its Memories, seeded ones too
+        self.forgotten: list[Note] = []  # the notes forgotten through the API
+        self.standing: list[str] = []  # the profile's standing facts
+        self.unsearchable: dict[str, str] = {}  # Memory id -> why it cannot answer a search
+        self._server = _server or _Server()
+        self._faults: dict[tuple[str, str], Iterator[Responder]] = {}
+        self._numbers = itertools.count(1)
+        with self._server.lock:
+            self._server.accounts.setdefault(key, self)
+
+    @property
+    def base_url(self) -> str:
+        """The fake's own host (no request leaves the process)."""
+        return self._server.base_url
+
+    @property
+    def transport(self) -> httpx.MockTransport:
+        """The ``httpx`` transport that reaches this host: a store's ``transport=``."""
+        return self._server.transport
+
+    @property
+    def requests(self) -> list[Recorded]:
+        """Every request that reached this host, whichever key it carried."""
+        return self._server.requests
+
+    def account(self, key: str) -> InMemoryMembase:
+        """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
+        with self._server.lock:
+            found = self._server.accounts.get(key)
+        return found if found is not None else InMemoryMembase(key=key, _server=self._server)
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
@@ -65,34 +112,39 @@ class InMemoryMembase:
         self.containers.append({"id": new_id, "name": name})
         return new_id
 
-    def remember(self, content: str, container: str = "ctr_main") -> None:
-        """Seed a note, as if saved earlier, in the Memory with this id or name."""
-        self.notes.append(Note(content=content, container=self._id_of(container), seeded=True))
+    def remember(self, content: str, container: str = "ctr_main") -> str:
+        """Seed a note, as if saved earlier, in the Memory with this id or name; returns its id."""
+        return self._keep(Note(content=content, container=self._id_of(container), seeded=True)).id
 
     def cannot_answer(self, container: str, reason: str = "the memory is not available") -> None:
         """Make one Memory (by id or name) report that it could not answer searches."""
         self.unsearchable[self._id_of(container)] = reason
 
     def saved(self, container: str | None = None) -> list[str]:
-        """The text of the notes saved through the API (not seeded ones), optionally in one Memory."""
+        """The text of the notes saved through the API (not seeded or forgotten ones), optionally in one Memory."""
         wanted = None if container is None else self._id_of(container)
         return [n.content for n in self.notes if not n.seeded and wanted in (None, n.container)]
 
     def store(self, **options: Any) -> MembaseMemoryStore:
-        """A :class:`~membase_strands.MembaseMemoryStore` built from a key, as in production, on this Membase."""
-        return MembaseMemoryStore(api_key=API_KEY, base_url=self.base_url, **options)
+        """A :class:`~membase_strands.MembaseMemoryStore` built from this account's key, as in production."""
+        return MembaseMemoryStore(api_key=self.key, base_url=self.base_url, transport=self.transport, **options)
+
+    def pool(self, credential_for: Callable[[str], str], **options: Any) -> MembaseStorePool:
+        """A :class:`~membase_strands.MembaseStorePool` whose users' keys (``credential_for``) reach this host."""
+        return MembaseStorePool(credential_for, base_url=self.base_url, transport=self.transport, **options)
 
     def client(self, **kwargs: Any) -> membase.Membase:
-        """A real ``membase.Membase`` client whose transport is this fake."""
-        http = httpx.Client(base_url=self.base_url, transport=httpx.MockTransport(self.handle))
-        return membase.Membase(api_key=API_KEY, base_url=self.base_url, http_client=http, **kwargs)
+        """A real ``membase.Membase`` client for this account, whose transport is this fake."""
+        http = httpx.Client(base_url=self.base_url, transport=self.transport)
+        return membase.Membase(api_key=self.key, base_url=self.base_url, http_client=http, **kwargs)
 
     def on(self, method: str, path: str, *responders: Responder) -> None:
-        """Answer the next requests to ``method path`` with ``responders``, one each, in order."""
+        """Answer the next requests of this key to ``method path`` with ``responders``, one each, in order (a path
+        that ends in an id is named ``/v1/memories/{id}``)."""
         self._faults[(method, path)] = itertools.chain(self._faults.get((method, path), ()), responders)
 
     def always(self, method: str, path: str, responder: Responder) -> None:
-        """Answer every request to ``method path`` with ``responder``."""
+        """Answer every request of this key to ``method path`` with ``responder``."""
         self._faults[(method, path)] = itertools.repeat(responder)
 
     def heal(self) -> None:
@@ -100,17 +152,23 @@ class InMemoryMembase:
         self._faults.clear()
 
     def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
-        """The recorded requests, optionally only those to one route."""
-        return [r for r in self.requests if method in (None, r.method) and path in (None, r.path)]
+        """The requests this account's key sent, optionally only those to one route."""
+        return [r for r in self.requests if r.key == self.key and method in (None, r.method) and path in (None, r.path)]
 
     def _id_of(self, container: str) -> str:
         return next((str(c["id"]) for c in self.containers if container in (c["id"], c["name"])), container)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        """Record ``request``, then answer it with the route's next injected fault, if any, else as Membase would."""
-        with self._lock:
-            self.requests.append(Recorded(request.method, request.url.path, _body(request), dict(request.url.params)))
-            responder = next(self._faults.get((request.method, request.url.path), iter(())), None)
+        """Record ``request``, then answer it from the account of the key it carries: with the route's next injected
+        fault, if any, else as Membase would."""
+        return self._server.handle(request)
+
+    def _serve(self, request: httpx.Request) -> httpx.Response:
+        recorded = Recorded(request.method, request.url.path, _body(request), dict(request.url.params), self.key)
+        with self._server.lock:
+            self.requests.append(recorded)
+            route = (request.method, re.sub(r"^(/v1/(?:memories|documents))/.+$", r"\1/{id}", request.url.path))
+            responder = next(self._faults.get(route, iter(())), None)
         return (responder or self.answer)(request)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
@@ -150,9 +208,28 @@ class InMemoryMembase:
                 container = self.containers[0]["id"]
             elif container not in {c["id"] for c in self.containers}:
                 return error(403, "unauthorized", f"container {container!r} is not in reach")
-            self.notes.append(Note(content=content, container=container, title=body.get("title") or ""))
-            return httpx.Response(200, json={"memory_id": f"{container}:{len(self.notes)}", "container": container})
+            note = self._keep(Note(content=content, container=container, title=body.get("title") or ""))
+            return httpx.Response(200, json={"memory_id": note.id, "memory_ids": [note.id], "container": container})
+        if request.method == "DELETE" and request.url.path.startswith("/v1/memories/"):
+            return self._forget(request.url.path.removeprefix("/v1/memories/"), request.url.params.get("confirm"))
         return error(404, "not_found", f"no route {request.method} {request.url.path}")
+
+    def _keep(self, note: Note) -> Note:
+        note.id = f"{note.container}:{next(self._numbers)}"
+        self.notes.append(note)
+        return note
+
+    def _forget(self, memory_id: str, confirm: str | None) -> httpx.Response:
+        """Forget a note as Membase does: only with ``confirm=true``, else say what would be forgotten."""
+        note = next((n for n in self.notes if n.id == memory_id), None)
+        if note is None:
+            return error(404, "not_found", "memory not found")
+        if confirm != "true":
+            body = {"status": "confirmation_required", "memory_id": note.id, "content": note.content}
+            return httpx.Response(200, json={**body, "how": "Pass confirm=true to remove it."})
+        self.notes.remove(note)
+        self.forgotten.append(note)
+        return httpx.Response(200, json={"status": "forgotten", "memory_id": note.id})
 
     def _hits(self, query: str, container: str | None, limit: int) -> list[dict[str, Any]]:
         """The notes that share the most words with ``query``, best first, as Membase lists passages."""
@@ -161,7 +238,7 @@ class InMemoryMembase:
         notes = [n for n in self.notes if container in (None, n.container) and n.container not in self.unsearchable]
         scored = sorted(((len(wanted & _words(n.content)), n) for n in notes), key=lambda pair: -pair[0])
         return [
-            {"content": n.content, "container": n.container, "title": n.title, "source": "episode"}
+            {"content": n.content, "container": n.container, "title": n.title, "source": f"episode:{n.id}"}
             | {"container_name": names.get(n.container, n.container), "score": float(overlap)}
             for overlap, n in scored[:limit]
             if overlap

@@ -1,0 +1,126 @@
+"""Local Membase: one engine per directory in a process, and one process per directory.
+
+The engine keeps its search index in memory and writes it back to the directory: two engines on one directory, in
+two processes or in one, overwrite each other's index, and notes they saved stop being found. So a process opens a
+directory once for all its stores, and holds an exclusive lock on it (the file :data:`LOCK_NAME` in it) while any
+store uses it. The operating system lets go of the lock when the process ends, so a crash leaves none behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+from typing import IO
+
+import membase
+
+from ._background import LOCK
+
+LOCK_NAME = ".membase-strands.lock"
+
+_open: dict[tuple[int, Path], tuple[Future[tuple[membase.Membase, IO[str]]], list[int]]] = {}
+
+
+def directory_of(local: str | os.PathLike[str] | bool) -> Path:
+    """The directory ``local`` names (``True``: the engine's default), checked; ``ValueError`` if it is not one."""
+    path = Path("~/.membase" if local is True else os.fspath(local)).expanduser().resolve()  # type: ignore[arg-type]
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"local: {os.fspath(local)!r} is a file; pass the directory local Membase keeps its memory in "  # type: ignore[arg-type]
+            "(a missing one is created)"
+        )
+    return path
+
+
+def open_engine(directory: Path) -> membase.Membase:
+    """This process's engine for ``directory``, opened (and the directory locked) by its first user.
+
+    Raises:
+        RuntimeError: Another process holds the directory.
+        membase.MissingDependencyError: The engine cannot run here.
+    """
+    key = (os.getpid(), directory)
+    with LOCK:
+        first = key not in _open
+        opened, users = _open.setdefault(key, (Future(), [0]))
+        users[0] += 1
+    if first:
+        try:
+            opened.set_result(_start(directory))
+        except BaseException as error:
+            opened.set_exception(error)
+    try:
+        return opened.result()[0]
+    except BaseException:
+        close_engine(directory)
+        raise
+
+
+def close_engine(directory: Path) -> None:
+    """One user less of ``directory``'s engine; the last closes it and lets go of the directory."""
+    key = (os.getpid(), directory)
+    with LOCK:
+        opened, users = _open[key]
+        users[0] -= 1
+        if users[0]:
+            return
+        del _open[key]
+    if opened.exception() is None:
+        engine, lock_file = opened.result()
+        try:
+            engine.close()
+        finally:
+            lock_file.close()  # lets go of the lock
+
+
+def _start(directory: Path) -> tuple[membase.Membase, IO[str]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    lock_file = (directory / LOCK_NAME).open("a+")
+    try:
+        _lock(lock_file)
+    except OSError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "unknown"
+        lock_file.close()
+        raise RuntimeError(
+            f"local Membase in {os.fspath(directory)!r} is in use by another process (pid {holder}); its engine serves "
+            "one process per directory. For several processes or workers, use hosted Membase (an API key), or route "
+            "each user to one worker."
+        ) from None
+    lock_file.seek(0)
+    lock_file.truncate()
+    lock_file.write(str(os.getpid()))
+    lock_file.flush()
+    try:
+        return membase.Membase(local=directory), lock_file
+    except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
+        lock_file.close()
+        raise membase.MissingDependencyError(unavailable()) from error
+    except BaseException:
+        lock_file.close()
+        raise
+
+
+def _lock(lock_file: IO[str]) -> None:
+    """Lock ``lock_file`` for this process or raise ``OSError`` at once."""
+    if sys.platform == "win32":
+        import msvcrt
+
+        msvcrt.locking(lock_file.fileno(), msvcrt.LK_NBLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def unavailable() -> str:
+    """What to do when local Membase cannot start here."""
+    major, minor = sys.version_info[:2]
+    if (major, minor) < (3, 12):
+        return (
+            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
+            "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
+        )
+    return 'local Membase needs its engine: pip install "membase-strands[local]"'
