@@ -108,21 +108,25 @@ def alternate(raw: Any, store: Any, calls: int) -> dict[str, Any]:
     return out
 
 
-def recall(url: str, candidate: str, calls: int) -> dict[str, Any]:
-    """The floor (the raw SDK call) and the candidate's recall over the loopback server."""
+def recall(url: str, candidate: str, calls: int, mock: bool = True) -> dict[str, Any]:
+    """The floor (the raw SDK call) and the candidate's recall over the loopback server; then, with ``mock``, the
+    same over the testing kit's ``httpx.MockTransport`` instead of sockets (its figures prefixed ``mock_``)."""
     import membase
 
     raw = membase.Membase(api_key="user-raw", base_url=url)
     store = store_of(candidate, "user-store", url)
     try:
-        return alternate(raw, store, calls)
+        out = alternate(raw, store, calls)
     finally:
         store.close()
         raw.close()
+    if mock:
+        out.update({f"mock_{key}": value for key, value in mock_recall(candidate, calls).items()})
+    return out
 
 
-def mock_recall(url: str, candidate: str, calls: int) -> dict[str, Any]:
-    """As :func:`recall`, over the testing kit's ``httpx.MockTransport`` instead of sockets (``url`` unused)."""
+def mock_recall(candidate: str, calls: int) -> dict[str, Any]:
+    """:func:`alternate` over an ``InMemoryMembase`` that answers every search with the loopback server's body."""
     import httpx
     from _server import SEARCH_ANSWER
     from common import kit_client
@@ -330,7 +334,6 @@ def rss(url: str, candidate: str, count: int) -> dict[str, Any]:
 
 MODES: dict[str, Callable[..., dict[str, Any]]] = {
     "recall": recall,
-    "mock_recall": mock_recall,
     "pattern": pattern,
     "burst": burst,
     "sockets": sockets,

@@ -44,7 +44,8 @@ def recall_overhead(plan: Plan) -> Section:
         "loopback server answering a three-passage body at once, keep-alive; then over the testing kit's "
         "`httpx.MockTransport` (the library's store from `InMemoryMembase().store()`, the reference given a client "
         f"on the same transport). Each probe makes {plan.recall_calls} raw calls and recalls, one of each in turn "
-        "after a warm-up; 'adds' is the probe's median recall minus its median raw call. "
+        "after a warm-up, over loopback and then over the kit in the same process; 'adds' is the probe's median "
+        "recall minus its median raw call. "
         f"{plan.rounds} round(s), each a fresh process per candidate, the order alternating; medians. Then, over "
         f"loopback, one probe per candidate beside two busy processes ({plan.busy_calls} calls each): the share of "
         "calls over 2 ms.",
@@ -58,22 +59,22 @@ def recall_overhead(plan: Plan) -> Section:
         ],
     )
     with ServerProcess(0) as server:
-        quiet = interleaved(plan.rounds, "recall", server.url, calls=plan.recall_calls)
+        runs = interleaved(plan.rounds, "recall", server.url, calls=plan.recall_calls)
         busy: dict[str, list[dict[str, Any]]] = {candidate: [] for candidate in CANDIDATES}
         if plan.busy_calls:
             with busy_processes(2):
-                busy = interleaved(1, "recall", server.url, calls=plan.busy_calls)
-    mock = interleaved(plan.rounds, "mock_recall", "", calls=plan.recall_calls)
+                busy = interleaved(1, "recall", server.url, calls=plan.busy_calls, mock=False)
     added: dict[str, dict[str, list[float]]] = {}
-    for transport, runs in (("loopback", quiet), ("MockTransport", mock)):
-        added[transport] = {label: [r["store_us"] - r["raw_us"] for r in results] for label, results in runs.items()}
+    for transport, prefix in (("loopback", ""), ("MockTransport", "mock_")):
+        added[transport] = {}
         for label, results in runs.items():
             slow = ""
             if transport == "loopback":
                 slow = " / ".join(f"{r[key] * 100:.1f} %" for r in busy[label] for key in ("raw_slow", "store_slow"))
-            adds = added[transport][label]
-            raw, store = median(of(results, "raw_us")), median(of(results, "store_us"))
-            section.row(f"{label}, {transport}", fmt(raw), fmt(store), f"**{fmt(median(adds))}**", spread(adds), slow)
+            raw_us, store_us = of(results, f"{prefix}raw_us"), of(results, f"{prefix}store_us")
+            adds = added[transport][label] = [store - raw for raw, store in zip(raw_us, store_us, strict=True)]
+            row = (fmt(median(raw_us)), fmt(median(store_us)), f"**{fmt(median(adds))}**", spread(adds), slow)
+            section.row(f"{label}, {transport}", *row)
     for transport in ("loopback", "MockTransport"):
         now, reference = median(added[transport][NOW]), median(added[transport][REFERENCE])
         section.target(
@@ -81,7 +82,7 @@ def recall_overhead(plan: Plan) -> Section:
             now <= ADDED_RATIO_TARGET * reference,
             f"{ratio(now, reference)}: {fmt(now)} µs against {fmt(reference)} µs (medians of {plan.rounds} round(s))",
         )
-    missing = sum(r["calls"] - r["hits"] for runs in (quiet, mock) for rs in runs.values() for r in rs)
+    missing = sum(2 * r["calls"] - r["hits"] - r["mock_hits"] for results in runs.values() for r in results)
     section.target("every recall measured returned memory", missing == 0, f"{missing} returned none")
     return section
 
