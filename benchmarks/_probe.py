@@ -134,8 +134,8 @@ def mock_recall(candidate: str, calls: int) -> dict[str, Any]:
     from membase_strands.testing import InMemoryMembase
 
     fake = InMemoryMembase()
-    body = {"content-type": "application/json"}
-    fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=SEARCH_ANSWER, headers=body))
+    json_type = {"content-type": "application/json"}
+    fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=SEARCH_ANSWER, headers=json_type))
     raw = kit_client(fake)
     if candidate == NOW:
         store: Any = fake.store()  # built from the kit's key, as in production
