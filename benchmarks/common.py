@@ -299,4 +299,4 @@ def of(results: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def ratio(now: float, reference: float) -> str:
-    return f"x{now / reference:.2f}" if reference else "n/a"
+    return f"x{fmt(now / reference)}" if reference else "n/a"  # three significant digits: x1.94, x0.00109
