@@ -279,10 +279,10 @@ class MembaseMemoryStore:
         left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
         batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
         counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
-        if not self._begin_close():
+        if self._begin_close():
+            self._finish_closing()
+        else:
             wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-            return
-        self._finish_closing()
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
@@ -297,13 +297,11 @@ class MembaseMemoryStore:
             await wait_for_future(closing, None)
 
     def _finish_closing(self) -> None:
-        """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine, if any (blocking)."""
         self._finalizer.detach()
         try:
-            self._writes.drain()
+            _close(self._writes, self._gateway)
         finally:
             self._close_done.set_result(None)
-            _release(self._writes, self._gateway, self.name)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -376,31 +374,27 @@ class MembaseMemoryStore:
         raise MembaseAccessError(ACCESS_SENTENCE) from clean
 
 
-def _release(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
-    """Let go of the local engine, once the writes still running end (on a thread, if some do)."""
-    if gateway.local is None:
-        return
+def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
+    """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine once none runs (blocking)."""
+    writes.drain()
     running = writes.running()
-    if not running:
-        gateway.close()
-        return
+    if gateway.local is not None and running:  # a write still uses the engine: close it after, in the background
 
-    def close_after_writes() -> None:
-        wait(running)
-        gateway.close()
+        def close_after_writes() -> None:
+            wait(running)
+            gateway.close()
 
-    _background.submit(close_after_writes, name=f"membase-close[{name}]", kind="close")
+        _background.submit(close_after_writes, name="membase-close", kind="close")
+    else:
+        gateway.close()
 
 
 def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
     """A store collected unclosed: finish its writes and let go of its engine, in the background."""
     if not writes.idle() or gateway.local is not None:
-
-        def finish() -> None:
-            writes.drain()
-            _release(writes, gateway, name)
-
-        closing = _background.submit(finish, name=f"membase-close[{name}]", kind="close")
+        closing = _background.submit(
+            functools.partial(_close, writes, gateway), name=f"membase-close[{name}]", kind="close"
+        )
         with LOCK:
             _closing_dropped.add(closing)
         closing.add_done_callback(_closing_dropped.discard)
