@@ -204,10 +204,12 @@ class ToolContext:
 
     def _memory_of(self, passage_id: str) -> str:
         """The name of the Memory a passage id names, or the id's own prefix when it cannot be looked up."""
-        container = "" if passage_id.startswith("document:") else passage_id.rpartition(":")[0]
+        if passage_id.startswith("document:"):
+            return "a document"
+        container = passage_id.rpartition(":")[0]
         with contextlib.suppress(Exception):  # only the reason's wording is at stake
             return next(c.name for c in self.gateway.memories_in_reach() if c.id == container)
-        return container or "a document"
+        return container or "Membase"
 
     def _failed(self, tool: str, error: BaseException, *, container_named: bool = False) -> dict[str, Any]:
         """Count and log a failed Membase call, and tell the model why."""
