@@ -318,11 +318,16 @@ def reference_entries(
 
 
 def random_text(rnd: random.Random, size: int, words: list[str] = WORDS, noise: float = 0.15) -> str:
+    """Words and separators, a ``noise`` share of the separators control characters or lone surrogates."""
     parts: list[str] = []
     length = 0
     while length < size:
-        parts += [rnd.choice(words), rnd.choice(NOISE) if rnd.random() < noise else rnd.choice(SPACES)]
-        length += len(parts[-2]) + len(parts[-1])
+        n = 64  # a fixed batch: a longer text starts as the shorter one of the same generator does
+        noisy = rnd.choices([True, False], weights=[noise, 1 - noise], k=n)
+        gaps = [rnd.choice(NOISE) if bad else space for bad, space in zip(noisy, rnd.choices(SPACES, k=n), strict=True)]
+        for word, gap in zip(rnd.choices(words, k=n), gaps, strict=True):
+            parts += [word, gap]
+            length += len(word) + len(gap)
     return "".join(parts)[:size]
 
 
