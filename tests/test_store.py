@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
+import sys
 from typing import Any
 
 import httpx
@@ -352,7 +352,10 @@ async def test_a_closed_store_refuses_recalls_and_writes_plainly(fake):
 
 
 @pytest.mark.skipif(local_unavailable() is not None, reason=f"local Membase cannot run here: {local_unavailable()}")
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
 def test_closing_a_local_store_lets_go_of_its_directory(tmp_path, clean_env):
+    import fcntl
+
     clean_env.delenv("OPENAI_API_KEY", raising=False)  # starting the engine needs no LLM
 
     def held() -> bool:
