@@ -1,5 +1,5 @@
-"""Automatic recall (``_recall``): time-boxed and fail-open, guarded while a late request runs, and what it shows
-(order, copies, the relevance floor, ``max_recall_chars``).
+"""Automatic recall (``_recall``): time-boxed and fail-open, guarded while a late request runs, what it shows (order,
+copies, the relevance floor, ``max_recall_chars``) and, with ``recall_profile``, the user's standing facts first.
 
 Everything goes through a real Agent or ``store.search``; the guard is seen in the requests that reach Membase and
 in the counters, never in the store's state.
@@ -23,7 +23,7 @@ from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, check
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, hang, refuse_connection, status
-from tests.support.agents import logged, recall_turn
+from tests.support.agents import entries, logged, recall_turn
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
     FACT,
@@ -544,6 +544,83 @@ def test_a_memory_that_could_not_answer_is_still_reported(fake, make_store, hits
 
     assert len(shown) == passages + 1
     assert shown[-1].startswith("[Membase notice] The Memory (Work) could not be searched: the memory is asleep")
+
+
+# --- The profile's standing facts, with recall_profile=True ---------------------------------------------
+
+
+def profile_reads(fake: InMemoryMembase) -> int:
+    return len(fake.sent("GET", "/v1/profile"))
+
+
+def test_the_standing_facts_come_first_and_two_turns_read_the_profile_once(fake, make_store):
+    fake.standing = ["The user is vegetarian.", "Lives in\nLisbon."]
+    fake.remember(FACT)
+    for n in range(3):
+        fake.remember(f"Ledger note {n}: Postgres for the ledger.")
+    agent, model = make_agent(make_store(recall_profile=True), ["ok", "ok"], injection={"max_entries": 3})
+
+    agent(QUESTION)
+    agent(QUESTION)
+
+    for call in (0, 1):
+        shown = entries(model.memory_block(call))
+        assert (
+            shown[0]
+            == "[Membase profile] Standing facts about the user:\n- The user is vegetarian.\n- Lives in\n  Lisbon."
+        )
+        assert len(shown) == 3 and shown[1].startswith("[Main] ")  # the profile takes one of the entries asked for
+    assert profile_reads(fake) == 1 and searches(fake) == 2
+    assert fake.sent("GET", "/v1/profile")[0].params == {}
+
+
+def test_no_profile_is_read_unless_asked_and_a_blank_query_reads_nothing(fake, make_store):
+    fake.standing = ["The user is vegetarian."]
+    fake.remember(FACT)
+    agent, model = make_agent(make_store(), ["ok"])
+    agent(QUESTION)
+    assert profile_reads(fake) == 0 and "vegetarian" not in (model.memory_block() or "")
+
+    assert asyncio.run(make_store(recall_profile=True).search("  ")) == []
+    assert fake.sent() == fake.sent("POST", "/v1/search")
+
+
+@pytest.mark.parametrize("failure", ["500", "unreadable", "hang"])
+def test_a_profile_that_fails_or_is_late_costs_no_passage_and_a_failed_one_is_read_again(
+    fake, make_store, gates, failure
+):
+    fake.standing = ["The user is vegetarian."]
+    fake.remember(FACT)
+    held = gates.new()
+    fault = {
+        "500": status(500),
+        "unreadable": lambda request: httpx.Response(200, json=["x"]),
+        "hang": hang(held, then=fake.answer),
+    }
+    fake.on("GET", "/v1/profile", fault[failure])
+    agent, model = make_agent(make_store(recall_profile=True, recall_timeout=BUDGET), ["ok", "ok"])
+
+    agent(QUESTION)  # a late profile is waited for within the recall's budget, no longer
+    assert entries(model.memory_block()) == [f"[Main] {FACT}"]
+    if failure == "hang":  # still being read: not read again
+        agent(QUESTION)
+        assert profile_reads(fake) == 1 and entries(model.memory_block()) == [f"[Main] {FACT}"]
+        held.set()
+    # A failed read is tried again at once; a late one is used once it has ended.
+    assert wait_until(lambda: agent(QUESTION) and "[Membase profile]" in model.memory_block(), timeout=LONG)
+
+    assert profile_reads(fake) == (1 if failure == "hang" else 2)
+    assert entries(model.memory_block())[0].startswith("[Membase profile] Standing facts about the user:\n- The user")
+
+
+def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):
+    fake.standing = ["The user is vegetarian."]
+    store = make_store(recall_profile=True, profile_ttl=0.05)
+    assert asyncio.run(store.search(QUESTION))
+
+    fake.standing = ["The user is vegan."]
+    assert wait_until(lambda: "vegan" in asyncio.run(store.search(QUESTION))[0].content, timeout=LONG)
+    assert 2 <= profile_reads(fake) <= searches(fake)
 
 
 # --- The set-up check shows the scores to choose min_score from -----------------------------------------
