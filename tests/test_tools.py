@@ -1,5 +1,6 @@
 """The model's Membase tools (``_tools``), driven through a real ``strands.Agent`` by a scripted model: what the
-model read, and which requests reached the fake Membase."""
+model read, and which requests reached the fake Membase. ``membase_forget`` asks the user through a Strands
+interrupt, resumed as an application does."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import httpx
 import membase.client
 import pytest
 
+from membase_strands import MembaseMemoryStore
 from membase_strands._tools import CLOSED_SENTENCE
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
-from tests.support.agents import ALL_TOOLS, tool_texts, tool_turn
+from tests.support.agents import ALL_TOOLS, entries, resume, tool_texts, tool_turn
 from tests.support.store_helpers import make_agent, result_text
 
 OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
@@ -443,3 +445,106 @@ def test_the_tools_work_for_every_agent_built_on_the_store_until_it_closes(fake,
     store.close()  # an agent built before the close keeps the same tools, which say so
     assert result_text({t.tool_name: t for t in store.get_tools()}["membase_search"](query="ledger")) == CLOSED_SENTENCE
     assert len(fake.sent("POST", "/v1/search")) == 2
+
+
+# --- membase_forget: only with the user's approval ---------------------------------------------------------
+
+
+def confirmed(fake: InMemoryMembase) -> list[str]:
+    """The paths of the forget requests sent with confirm=true."""
+    return [r.path for r in fake.sent("DELETE") if r.params.get("confirm") == "true"]
+
+
+def asked_to_forget(fake: InMemoryMembase, store: MembaseMemoryStore, memory_id: str, **extra: Any) -> Any:
+    """An agent whose model calls membase_forget, stopped by its interrupt; (agent, model, result)."""
+    agent, model = make_agent(store, [ToolCall("membase_forget", {"memory_id": memory_id, **extra}), "done"])
+    return agent, model, agent("Please forget when the launch is.")
+
+
+def test_search_shows_the_id_forget_takes_only_when_forget_is_a_tool(fake, make_store):
+    note = fake.remember("The launch is in May.")
+
+    assert tool_texts(tool_turn(make_store(), search(query="launch")))[0][1].endswith("The launch is in May.")
+    [(_, text)] = tool_texts(tool_turn(make_store(tools=ALL_TOOLS), search(query="launch")))
+    assert text.endswith(f"1. [Main] The launch is in May. (id: {note})") and note == "ctr_main:1"
+
+
+def test_the_user_is_asked_before_anything_is_forgotten_and_yes_forgets_once(fake, make_store):
+    fake.add_memory("Work", "ctr_work")
+    note = fake.remember("The launch is in May.", container="Work")
+    store = make_store(tools=ALL_TOOLS)
+    # The model cannot confirm: an argument it adds is not the user's approval.
+    agent, model, result = asked_to_forget(fake, store, note, confirm=True)
+
+    assert result.stop_reason == "interrupt"
+    [interrupt] = result.interrupts
+    assert interrupt.name == "membase_forget"
+    assert interrupt.reason == {"memory_id": "ctr_work:1", "content": "The launch is in May.", "memory": "Work"}
+    assert [r.params for r in fake.sent("DELETE")] == [{"confirm": "false"}]  # asked what would be forgotten
+    assert confirmed(fake) == [] and fake.forgotten == [] and len(model.calls) == 1
+
+    result = resume(agent, result, True)
+
+    assert result.stop_reason == "end_turn" and str(result).strip() == "done"
+    assert confirmed(fake) == ["/v1/memories/ctr_work:1"] and [n.content for n in fake.forgotten] == [
+        "The launch is in May."
+    ]
+    assert tool_texts(model) == [("success", "Forgotten, with the user's approval: The launch is in May.")]
+    assert store.counters()["tool_calls.membase_forget"] == 2  # asked, then resumed
+
+
+@pytest.mark.parametrize("response", [False, "yes", {"approved": True}, "no", None])
+def test_any_answer_but_true_forgets_nothing_and_tells_the_model(fake, make_store, response):
+    note = fake.remember("The launch is in May.")
+    agent, model, result = asked_to_forget(fake, make_store(tools=ALL_TOOLS), note)
+
+    result = resume(agent, result, response)
+    if response is None:  # Strands treats None as no answer yet: the agent stops with the same interrupt again
+        assert result.stop_reason == "interrupt" and result.interrupts[0].name == "membase_forget"
+        assert confirmed(fake) == [] and len(model.calls) == 1
+        result = resume(agent, result, False)
+
+    assert result.stop_reason == "end_turn"
+    assert tool_texts(model) == [("success", "The user did not approve forgetting it, so nothing was forgotten.")]
+    assert confirmed(fake) == [] and fake.forgotten == [] and len(fake.notes) == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        (status(403, "this key may not forget"), "this Membase key was narrowed or revoked"),
+        (None, "Membase could not find what was asked for (404: memory not found)."),  # an unknown id
+        (status(503, "down"), "Membase had an internal error (503: down); try again in a minute."),
+    ],
+    ids=["403", "unknown-id", "down"],
+)
+def test_a_forget_membase_refuses_is_a_sentence_without_an_interrupt(fake, make_store, fault, said):
+    note = fake.remember("The launch is in May.")
+    if fault is not None:
+        fake.always("DELETE", "/v1/memories/{id}", fault)
+    agent, model, result = asked_to_forget(fake, make_store(tools=ALL_TOOLS), note if fault else "ctr_main:99")
+
+    assert result.stop_reason == "end_turn" and not result.interrupts
+    [(status_, text)] = tool_texts(model)
+    assert status_ == "error" and said in text
+    assert len(fake.sent("DELETE")) == 1 and confirmed(fake) == [] and len(fake.notes) == 1
+
+
+def test_a_fact_is_corrected_end_to_end_search_forget_with_approval_then_save(fake, make_store):
+    fake.remember("The launch is in May.")
+    fake.remember("The launch party needs a venue.")
+    found = r"in May\. \(id: ([^)]+)\)"  # the model forgets the passage with May, by the id the search showed
+    forget = lambda sent: ToolCall("membase_forget", {"memory_id": re.search(found, model.tool_result_text())[1]})  # noqa: E731
+    script = [search(query="launch May"), forget, ToolCall("membase_save", {"content": "The launch is in June."})]
+    agent, model = make_agent(make_store(tools=ALL_TOOLS), [*script, "Noted: June.", "In June."])
+
+    result = agent("We moved the launch to June; forget May.")
+    while result.stop_reason == "interrupt":  # the application shows the user what would be forgotten
+        assert all(i.reason["content"] == "The launch is in May." for i in result.interrupts)
+        result = resume(agent, result, True)
+    assert str(result).strip() == "Noted: June."
+    agent("When is the launch?")
+
+    shown = entries(model.memory_block())
+    assert "[Main] The launch is in June." in shown and not any("May" in entry for entry in shown)
+    assert confirmed(fake) == ["/v1/memories/ctr_main:1"] and fake.saved() == ["The launch is in June."]
