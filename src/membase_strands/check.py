@@ -183,7 +183,7 @@ def _steps(
     try:
         containers = gateway.memories_in_reach()
     except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-        yield Step("reach", False, _fix_for(error))
+        yield Step("reach", False, _fix_for(error, gateway.redact))
         return
     yield Step("reach", True, f"Membase answered in {clock() - started:.2f} s")
     report.memories = [c.name for c in containers]
@@ -202,7 +202,7 @@ def _steps(
         try:
             answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
-            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error)}")
+            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error, gateway.redact)}")
             return
         timings.append(clock() - started)
     report.first_search_seconds, report.second_search_seconds = timings
@@ -220,7 +220,7 @@ def _steps(
     except membase.PermissionDeniedError:
         yield Step("profile", False, "the key may not read the profile (403): its owner did not allow it")
     except Exception as error:  # noqa: BLE001
-        yield Step("profile", False, _fix_for(error))
+        yield Step("profile", False, _fix_for(error, gateway.redact))
     else:
         yield Step("profile", True, "the profile can be read")
     if not gateway.hosted:
@@ -234,14 +234,14 @@ def _steps(
         if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
             yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
         else:
-            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error)}")
+            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error, gateway.redact)}")
     else:
         yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
 
 
-def _fix_for(error: BaseException) -> str:
-    """What went wrong, and what to do about it."""
-    failure = describe_failure(error)
+def _fix_for(error: BaseException, redact: Callable[[str], str] = str) -> str:
+    """What went wrong, and what to do about it (``redact``-ed before anything is cut)."""
+    failure = describe_failure(error, redact=redact)
     if failure.kind == "connection":
         return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
     return {"access": _KEY_REFUSED, "unauthenticated": _NO_KEY}.get(failure.kind, failure.sentence)

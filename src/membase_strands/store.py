@@ -163,9 +163,7 @@ class MembaseMemoryStore:
         self._tools: list[AgentTool] | None = None
         self._closed = False
         self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
-        self._setup = SetupCheck(
-            functools.partial(gateway.check_setup, self._container), gateway.redact, self.name, lane=self
-        )
+        self._setup = SetupCheck(functools.partial(gateway.check_setup, self._container), self._ledger, lane=self)
         # Dropped unclosed (a pool let go of it), it still finishes its writes and lets go of its local engine.
         self._finalizer = weakref.finalize(self, _close_dropped, self._writes, gateway, self.name)
         self._finalizer.atexit = False  # at exit, the exit wait does it
