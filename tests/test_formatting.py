@@ -97,7 +97,7 @@ def test_parse_search_keeps_the_hit_fields_and_finds_a_name_for_every_passage() 
 
 
 def test_parse_search_reports_memories_that_could_not_answer() -> None:
-    reason = "\x00 " * 5000 + "the memory\nis " + "very " * 100_000 + "asleep"
+    reason = "\x00 " * 1000 + "the memory\nis " + "very " * 100_000 + "asleep"
     answer = parse_search(
         {
             "results": [],
@@ -117,8 +117,10 @@ def test_parse_search_reports_memories_that_could_not_answer() -> None:
         ("ctr_y", "no model configured"),
     ]
     assert answer.unsearched[2].memory == "Code" and "503" in answer.unsearched[2].reason
-    # Only the start of a long reason is read, and it is clipped as the whole would be.
+    # Only the start of a long reason is read (4096 characters), and it is clipped as the whole would be.
     assert answer.unsearched[3].reason == clip(cleaned_first(reason), 200)
+    late = parse_search({"results": [], "containers": [{"id": "x", "error": "\x00" * 4096 + "late"}]}, 5)
+    assert late.unsearched[0].reason == "no reason given"
     assert len(answer.unsearched) == 4 and not answer.none_answered
 
 
