@@ -78,14 +78,16 @@ def test_passages_name_their_memory_and_entries_name_the_store(fake, make_store)
 async def test_entries_carry_the_hits_fields_and_a_notice_follows_the_passages(fake, make_store):
     fake.add_memory("Docs", "ctr_docs")
     fake.remember(FACT)
-    fake.cannot_answer("ctr_docs", "no model configured")
+    fake.cannot_answer("ctr_docs", f"no model configured for {API_KEY}")  # a server may echo the key
 
     [passage, notice] = await make_store().search(QUESTION)
 
     assert passage.content == f"[Main] {FACT}"
     assert passage.metadata["container"] == "ctr_main" and passage.metadata["source"] == "episode:ctr_main:1"
     assert "score" in passage.metadata
-    assert notice.content.startswith("[Membase notice] The Memory (Docs) could not be searched: no model configured")
+    assert notice.content.startswith(
+        "[Membase notice] The Memory (Docs) could not be searched: no model configured for [redacted]."
+    )
     assert notice.metadata["unsearched"] is True
 
 
