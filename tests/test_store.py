@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from typing import Any
@@ -115,14 +116,22 @@ async def test_a_long_query_is_stripped_then_cut_to_2000_characters(fake, make_s
     assert model.memory_block() is not None
 
 
-async def test_odd_text_in_a_query_is_sent_intact_and_a_lone_surrogate_is_replaced(fake, make_store):
-    fake.remember("We chose Postgres for the ledger.")
+async def test_odd_text_is_sent_intact_and_a_passage_reaches_the_model_without_controls_or_lone_surrogates(
+    fake, make_store
+):
+    emoji = "ledger 🚀👩🏽‍💻 دفتر الحسابات שלום"
+    odd = f"the ledger \x00nul \x1b[31mred\x1b[0m \x9b2J csi \x07bell {LONE} lone \udfff end"
+    hits = [{"content": text, "container": "ctr_main", "container_name": "Main"} for text in (emoji, odd)]
+    body = json.dumps({"results": hits}).encode("ascii")  # escaped, as a server may send lone surrogates
     store = make_store()
-    for query in ("ledger 🚀👩🏽‍💻 دفتر الحسابات שלום", "ledger\x00db \u202edlrow"):
+    for query in (emoji, "ledger\x00db \u202edlrow"):
         await store.search(query)
         assert searches(fake)[-1] == {"q": query, "limit": 5}  # JSON escapes a NUL; Membase decides
-    assert await store.search(f"ledger {LONE} database")
+    fake.on("POST", "/v1/search", lambda request: httpx.Response(200, content=body))
+    shown = [entry.content for entry in await store.search(f"ledger {LONE} database")]
+
     assert LONE not in searches(fake)[-1]["q"] and "ledger" in searches(fake)[-1]["q"]
+    assert shown == [f"[Main] {emoji}", "[Main] the ledger nul [31mred[0m 2J csi bell ? lone ? end"]
 
 
 async def test_the_number_of_passages_is_checked_and_past_50_asks_for_50(fake, make_store):
