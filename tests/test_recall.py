@@ -1,24 +1,29 @@
-"""Time-boxed, fail-open recall: through a real Agent, directly on the store, and TimeBoxedRecall itself."""
+"""Automatic recall (``_recall``): time-boxed and fail-open, guarded while a late request runs, what it shows (order,
+copies, the relevance floor, ``max_recall_chars``) and, with ``recall_profile``, the user's standing facts first.
+
+Everything goes through a real Agent or ``store.search``; the guard is seen in the requests that reach Membase and
+in the counters, never in the store's state.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import json
 import logging
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import httpx
 import pytest
 from strands import Agent
 from strands.memory import MemoryManager
 
-from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
-from membase_strands._background import submit
-from membase_strands._recall import RecallSkipped, TimeBoxedRecall
-from membase_strands.testing import API_KEY, ScriptedModel, hang, status
+from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, check
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, hang, refuse_connection, status
+from tests.support.agents import entries, logged, recall_turn
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
     FACT,
@@ -28,367 +33,179 @@ from tests.support.store_helpers import (
     make_agent,
     membase_threads,
     routed,
-    set_recall_budget,
     until,
     wait_until,
 )
 
-BUDGET = 0.3  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
+BUDGET = 0.5  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
 LONG = 30.0  # every other budget and wait: a loaded machine cannot run out of it
 
 
-def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= level]
+def searches(fake: InMemoryMembase) -> int:
+    return len(fake.sent("POST", "/v1/search"))
 
 
-# --- Through a real Agent -----------------------------------------------------------------------
+def counted(store: MembaseMemoryStore, *names: str) -> tuple[int, ...]:
+    counters = store.counters()
+    return tuple(counters.get(name, 0) for name in names)
 
 
-def test_a_stalled_recall_never_holds_a_synchronous_turn(fake, make_store, gates, caplog, no_key_in_logs):
+# --- The time box and the guard -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("late", ["finished", "failed"])
+def test_a_stalled_recall_costs_one_turn_its_budget_and_recalls_skip_until_it_ends(
+    fake, make_store, gates, caplog, no_key_in_logs, late
+):
     fake.remember(FACT)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(name="stalled-turns", recall_timeout=BUDGET)
+    held = gates.new()
+    # Answered, or failed with a 503 echoing the key after the budget: the SDK would retry it; the store must not.
+    fake.on(
+        "POST", "/v1/search", hang(held, then=routed(fake) if late == "finished" else status(503, f"warming {API_KEY}"))
+    )
+    store = make_store(name=f"stalled-{late}", recall_timeout=BUDGET)
     agent, model = make_agent(store, ["Without memory.", "Still without.", "Again without.", "With memory."])
 
-    # The first turn runs out of its budget and goes on without memory, while the gate still holds the request.
-    assert "Without memory." in str(agent(QUESTION))
-    assert not stall.is_set()
-    assert model.memory_block() is None
-    assert any("ran out of time" in m for m in messages(caplog, logging.WARNING))
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-    # While the late request still runs, the next turns skip recall, with no new request and no wait.
-    for _ in range(2):
+    # The first recall runs out of its budget while the gate still holds the request: a turn goes on without memory,
+    # and store.search raises (to the manager, which skips the store).
+    if late == "finished":
+        assert "Without memory." in str(agent(QUESTION)) and model.memory_block() is None
+        assert any("ran out of time" in m for m in logged(caplog, store.name, logging.WARNING))
+    else:
+        with pytest.raises(MembaseRecallTimeout, match="ran out of time") as raised:
+            asyncio.run(store.search(QUESTION))
+        assert isinstance(raised.value, TimeoutError) and API_KEY not in str(raised.value)
+        agent(QUESTION)
+    assert not held.is_set()
+    for _ in range(2):  # while the late request runs, recalls skip: no request, no wait, not a failure
         agent(QUESTION)
         assert model.memory_block() is None
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    counters = store.counters()
-    assert (counters["recall_timeouts"], counters["recall_skipped"]) == (1, 2)
+    assert asyncio.run(store.search("another question about the ledger")) == []
+    assert searches(fake) == 1
+    skipped = 3 if late == "finished" else 4
+    assert counted(store, "recall_timeouts", "recall_skipped", "recall_errors") == (1, skipped, 0)
     assert len(membase_threads(f"{RECALL_THREAD}{store.name}]")) == 1
 
-    # The late request ends: its outcome is logged and recall resumes.
-    stall.set()
-    assert wait_until(lambda: any("late recall finished" in m for m in messages(caplog)), timeout=LONG)
-    assert wait_until(lambda: not store._recall.waking, timeout=LONG)
-    set_recall_budget(store, LONG)  # the rest is not about the budget
+    # The late request ends: its outcome is logged (before it is counted) and recall resumes.
+    held.set()
+    assert wait_until(lambda: counted(store, "recall_late_completions") == (1,), timeout=LONG)
+    level = logging.WARNING if late == "failed" else logging.INFO
+    [outcome] = [m for m in logged(caplog, store.name, level) if f"late recall {late}; automatic recall resumes" in m]
+    assert "reason=<warming [redacted]>" in outcome if late == "failed" else "reason" not in outcome
     agent(QUESTION)
-    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert searches(fake) == 2  # one attempt for the late one: not retried while it held the guard
     assert f"[Main] {FACT}" in (model.memory_block() or "")
 
 
-def test_a_late_recall_that_fails_is_logged_and_recall_resumes(fake, make_store, gates, caplog):
-    fake.remember(FACT)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall))  # then: a read timeout, as from a host that never answered
-    store = make_store(recall_timeout=BUDGET)
-    agent, model = make_agent(store, ["Without memory.", "With memory."])
+async def test_a_late_request_holds_the_guard_for_one_request_timeout_at_most(fake, make_store, gates):
+    held = gates.new()
+    fake.always("POST", "/v1/search", hang(held))
+    store = make_store(recall_timeout=0.1, request_timeout=0.5)
 
-    agent(QUESTION)
-    stall.set()
+    with pytest.raises(MembaseRecallTimeout):
+        await store.search(QUESTION)
+    assert await store.search(QUESTION) == [] and searches(fake) == 1  # skipped while the guard holds
 
-    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog, logging.WARNING)), timeout=LONG)
-    assert wait_until(lambda: not store._recall.waking, timeout=LONG)
-    # One SDK attempt: the late recall was not retried while it held the guard.
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    set_recall_budget(store, LONG)  # the rest is not about the budget
-    agent(QUESTION)
-    assert len(fake.sent("POST", "/v1/search")) == 2
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
+    async def until_sent_again() -> None:
+        while searches(fake) == 1:
+            with contextlib.suppress(MembaseRecallTimeout):
+                assert await store.search(QUESTION) == []
+            await asyncio.sleep(0.02)
 
-
-def test_a_late_recall_holds_the_guard_for_one_attempt_only(fake, make_store, gates):
-    stall = gates.new()
-    # A host that fails with 503 after the budget: the SDK would retry it twice; the store must not.
-    fake.always("POST", "/v1/search", hang(stall, then=status(503)))
-    store = make_store(recall_timeout=BUDGET)
-    agent, _ = make_agent(store, ["ok"])
-
-    agent(QUESTION)
-    stall.set()
-
-    # Counted once the request has ended, its last attempt included.
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
-    assert not store._recall.waking
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-
-def test_repeated_stalled_turns_leave_at_most_one_recall_thread(fake, make_store, gates):
-    stall = gates.new()
-    fake.always("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(name="repeated-stalls", recall_timeout=BUDGET)
-    agent, _ = make_agent(store)
-
-    for _ in range(4):
-        agent(QUESTION)
-
-    assert len([t for t in membase_threads(RECALL_THREAD) if store.name in t.name]) == 1
-    assert len(fake.sent("POST", "/v1/search")) == 1
+    # Once one attempt's time has passed the guard lets recalls through, though the first request is still held.
+    await asyncio.wait_for(until_sent_again(), LONG)
+    assert not held.is_set() and searches(fake) == 2
 
 
 async def test_two_healthy_recalls_at_once_on_one_store_both_run(fake, make_store):
-    fake.remember("We chose Postgres for the ledger.")
+    fake.remember(FACT)
     fake.remember("Deploys happen on Tuesdays.")
     barrier = threading.Barrier(2, timeout=LONG)
-    broke: list[bool] = []
-
-    def together(request):
-        try:
-            barrier.wait()
-        except threading.BrokenBarrierError:
-            broke.append(True)
-        return fake.answer(request)
-
-    fake.always("POST", "/v1/search", together)
-    store = make_store(recall_timeout=LONG)
+    fake.always("POST", "/v1/search", lambda request: (barrier.wait(), fake.answer(request))[1])
+    store = make_store()
     first, first_model = make_agent(store, ["Postgres."])
     second, second_model = make_agent(store, ["Tuesdays."])
 
-    await asyncio.gather(
-        first.invoke_async("Which database did we choose for the ledger?"),
-        second.invoke_async("When do deploys happen?"),
-    )
+    await asyncio.gather(first.invoke_async(QUESTION), second.invoke_async("When do deploys happen?"))
 
-    assert not broke, "the two recalls did not run at the same time"
-    assert "[Main] We chose Postgres for the ledger." in (first_model.memory_block() or "")
+    assert f"[Main] {FACT}" in (first_model.memory_block() or "")
     assert "[Main] Deploys happen on Tuesdays." in (second_model.memory_block() or "")
-    assert len(fake.sent("POST", "/v1/search")) == 2
-    assert not store._recall.waking
+    assert searches(fake) == 2 and counted(store, "recall_skipped", "recall_timeouts") == (0, 0)
 
 
-def test_without_a_budget_recall_waits_for_the_sdk(fake, make_store, caplog):
+def test_without_a_budget_recall_waits_for_the_sdk_and_its_retries(fake, make_store, caplog):
     fake.remember(FACT)
-    fake.on("POST", "/v1/search", delayed(fake, 0.3))
+    fake.on("POST", "/v1/search", status(503), delayed(fake, 0.2))
     agent, model = make_agent(make_store(recall_timeout=None), ["Postgres."])
 
     agent(QUESTION)
 
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
-    assert not any("ran out of time" in m for m in messages(caplog))
+    assert searches(fake) == 2 and f"[Main] {FACT}" in (model.memory_block() or "")
+    assert not any("ran out of time" in r.getMessage() for r in caplog.records)
 
 
-def test_without_a_budget_recall_uses_the_sdks_retries(fake, make_store):
-    fake.remember(FACT)
-    fake.on("POST", "/v1/search", status(503))
-    agent, model = make_agent(make_store(recall_timeout=None), ["Postgres."])
+def test_a_failing_recall_costs_the_turn_its_memory_only_and_never_logs_the_key(fake, no_key_in_logs):
+    faults = [status(code, f"bad {API_KEY}") for code in (400, 401, 422, 500)] + [refuse_connection]
+    for fault in faults:
+        fake.always("POST", "/v1/search", fault)
+        store = fake.store(recall_timeout=LONG)
+        agent, model = make_agent(store, ["Without memory."])
 
-    agent(QUESTION)
+        assert "Without memory." in str(agent(QUESTION))
+        fake.heal()
+        agent(QUESTION)  # a failure holds no guard: the next recall is sent
 
-    assert len(fake.sent("POST", "/v1/search")) == 2
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
-
-
-async def test_search_past_its_budget_raises_then_returns_nothing_without_a_request(fake, make_store, gates):
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(recall_timeout=BUDGET)
-
-    with pytest.raises(MembaseRecallTimeout) as raised:
-        await store.search(QUESTION)
-    assert not stall.is_set()  # it gave up on the request, which the gate still holds
-    assert isinstance(raised.value, TimeoutError)
-    assert API_KEY not in str(raised.value)
-
-    # Skipped while the late request runs: no memory this turn, and not a failure.
-    assert await store.search("another question about the ledger") == []
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    counters = store.counters()
-    assert (counters["recall_timeouts"], counters["recall_skipped"], counters["recall_errors"]) == (1, 1, 0)
+        assert model.memory_block(0) is None and counted(store, "recall_errors", "recall_timeouts") == (1, 0)
+        assert API_KEY not in str(model.calls)
+        store.close()
 
 
-async def test_a_healthy_search_within_budget_leaves_no_guard(fake, make_store):
-    fake.remember(FACT)
-    store = make_store(recall_timeout=LONG)
-
-    for _ in range(3):
-        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
-
-    assert not store._recall.waking
-    assert len(fake.sent("POST", "/v1/search")) == 3
-
-
-def test_a_late_failure_that_echoes_the_key_does_not_log_it(fake, make_store, gates, caplog):
+def test_a_hundred_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_store, gates, caplog):
     caplog.set_level(logging.DEBUG)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall, then=status(403, f"unknown key {API_KEY}")))
-    store = make_store(recall_timeout=BUDGET)
-    agent, _ = make_agent(store)
+    outage = gates.new()
+    for fault in ("stall", "403"):
+        if fault == "stall":
+            fake.always("POST", "/v1/search", hang(outage))  # then a read timeout: the late recall fails
+            store = make_store(name=fault, recall_timeout=0.2)
+        else:
+            fake.always("POST", "/v1/search", status(403, "key revoked"))
+            store = make_store(name=fault, access_cooldown=600.0)
+        agent, model = make_agent(store, ["ok"] * 100)
 
-    agent(QUESTION)
-    stall.set()
+        for turn in range(100):
+            agent(f"{QUESTION} ({turn})")
+        outage.set()
+        if fault == "stall":
+            assert wait_until(lambda: counted(store, "recall_late_completions") == (1,), timeout=LONG)  # noqa: B023
 
-    assert wait_until(lambda: any("late recall failed" in m for m in messages(caplog)), timeout=LONG)
-    assert not any(API_KEY in m for m in messages(caplog))
-
-
-def test_a_recall_error_that_echoes_the_key_does_not_log_it(fake, make_store, caplog):
-    caplog.set_level(logging.DEBUG)
-    fake.on("POST", "/v1/search", status(401, f"bad bearer {API_KEY}"))
-    agent, model = make_agent(make_store())
-
-    agent(QUESTION)
-
-    assert model.memory_block() is None
-    assert not any(API_KEY in m for m in messages(caplog))
-
-
-T = TypeVar("T")
-
-# --- TimeBoxedRecall ----------------------------------------------------------------------------
-
-
-def on_thread(request: Callable[[], T]) -> Callable[[], Future[T]]:
-    """What the store hands the time box: the call, started on a thread of ``_background``."""
-    return lambda: submit(request, name="membase-recall[unit]")
-
-
-class Counter:
-    """A request that counts its calls and, with a gate, waits for it before it answers."""
-
-    def __init__(self, gate: threading.Event | None = None, result: object = "answer") -> None:
-        self.calls = 0
-        self.finished = 0
-        self.gate = gate
-        self.result = result
-        self._lock = threading.Lock()
-
-    def __call__(self) -> object:
-        with self._lock:
-            self.calls += 1
-        if self.gate is not None:
-            self.gate.wait(LONG)
-        with self._lock:
-            self.finished += 1
-        if isinstance(self.result, BaseException):
-            raise self.result
-        return self.result
+        # Every WARNING or worse from any logger (caplog's handler sits on the root logger); details at DEBUG.
+        warned = logged(caplog, store.name, logging.WARNING)
+        assert len(warned) <= 3, warned
+        if fault == "stall":
+            assert sum("ran out of time" in w for w in warned) == 1  # the manager's line, from the exception's text
+            assert sum("late recall failed" in w for w in warned) == 1
+        else:
+            assert sum("narrowed or revoked" in w for w in warned) == 1
+            paused = [m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]
+            assert len(paused) == 1
+        assert sum(f"store=<{store.name}>" in m and "recall skipped" in m for m in logged(caplog, store.name)) == 99
+        # The model saw what it saw before: no memory, the same tools.
+        assert all(model.memory_block(turn) is None for turn in range(100))
+        assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
+        failed = "recall_timeouts" if fault == "stall" else "recall_errors"
+        assert counted(store, "recalls", failed, "recall_skipped") == (100, 1, 99)
+        assert len(fake.sent("POST", "/v1/search")) == 1
+        fake.requests.clear()
+        caplog.clear()
 
 
-async def test_a_recall_within_budget_returns_its_answer_and_holds_no_guard():
-    recall = TimeBoxedRecall("unit")
-    request = Counter()
-
-    assert await recall.run(on_thread(request), LONG) == "answer"
-    assert await recall.run(on_thread(request), LONG) == "answer"
-    assert request.calls == 2
-    assert not recall.waking
-
-
-async def test_an_error_within_budget_is_raised_and_holds_no_guard():
-    recall = TimeBoxedRecall("unit")
-
-    with pytest.raises(ValueError, match="boom"):
-        await recall.run(on_thread(Counter(result=ValueError("boom"))), 5.0)
-
-    assert not recall.waking
-    assert await recall.run(on_thread(Counter()), LONG) == "answer"
-
-
-async def test_the_guard_holds_only_after_a_timeout_and_until_the_late_one_ends(gates, caplog):
-    caplog.set_level(logging.INFO)
-    recall = TimeBoxedRecall("unit")
-    stall = gates.new()
-    late = Counter(stall)
-
-    with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
-        await recall.run(on_thread(late), BUDGET)
-    assert recall.waking
-    # INFO: the manager logs the raised timeout as its warning.
-    assert any("ran out of time" in m for m in messages(caplog, logging.INFO))
-    assert not messages(caplog, logging.WARNING)
-
-    skipped = Counter()
-    with pytest.raises(RecallSkipped, match="memory waking"):
-        await recall.run(on_thread(skipped), BUDGET)
-    assert skipped.calls == 0
-
-    stall.set()
-    assert await until(lambda: not recall.waking, LONG)
-    assert any("late recall finished" in m for m in messages(caplog, logging.INFO))
-    assert await recall.run(on_thread(skipped), LONG) == "answer"
-    assert skipped.calls == 1
-
-
-async def test_concurrent_healthy_runs_both_execute():
-    recall = TimeBoxedRecall("unit")
-    barrier = threading.Barrier(2, timeout=LONG)
-
-    def request() -> str:
-        barrier.wait()
-        return threading.current_thread().name
-
-    names = await asyncio.gather(recall.run(on_thread(request), LONG), recall.run(on_thread(request), LONG))
-
-    assert names == ["membase-recall[unit]", "membase-recall[unit]"]
-    assert not recall.waking
-
-
-async def test_a_late_failure_is_logged_at_warning(gates, caplog):
-    caplog.set_level(logging.DEBUG)
-    recall = TimeBoxedRecall("unit")
-    stall = gates.new()
-
-    with pytest.raises(MembaseRecallTimeout):
-        await recall.run(on_thread(Counter(stall, result=ConnectionError("host went away"))), BUDGET)
-    stall.set()
-
-    assert await until(lambda: not recall.waking, LONG)
-    failed = [r for r in caplog.records if "late recall failed" in r.getMessage()]
-    assert len(failed) == 1
-    assert failed[0].levelno == logging.WARNING
-    assert "host went away" in failed[0].getMessage()
-
-
-async def test_no_budget_waits_as_long_as_the_request_takes():
-    recall = TimeBoxedRecall("unit")
-
-    def slow() -> str:
-        time.sleep(0.2)
-        return "late but welcome"
-
-    assert await recall.run(on_thread(slow), None) == "late but welcome"
-    assert not recall.waking
-
-
-def test_a_timed_out_run_does_not_hold_asyncio_run(gates):
-    recall = TimeBoxedRecall("unit")
-    stall = gates.new()
-    late = Counter(stall)
-
-    with pytest.raises(MembaseRecallTimeout):
-        asyncio.run(recall.run(on_thread(late), BUDGET))
-    # asyncio.run returned while the request still waits for its gate.
-    assert (late.calls, late.finished) == (1, 0)
-    assert recall.waking
-    # The loop is gone; the late request finishes later without anyone waiting for it.
-    stall.set()
-    assert wait_until(lambda: not recall.waking, timeout=LONG)
-    assert late.finished == 1
-    assert asyncio.run(recall.run(on_thread(Counter()), LONG)) == "answer"
-
-
-def test_a_late_request_holds_the_guard_for_at_most_one_sdk_attempt():
-    now = [0.0]
-    box = TimeBoxedRecall("membase", hold_limit=90.0, clock=lambda: now[0])
-    gate = threading.Event()
-    try:
-        with pytest.raises(MembaseRecallTimeout):
-            asyncio.run(box.run(on_thread(lambda: gate.wait(LONG)), 0.05))
-        assert box.waking
-        now[0] = 89.0
-        assert box.waking
-        now[0] = 91.0  # one SDK attempt later the guard lets recalls through again
-        assert not box.waking
-        assert asyncio.run(box.run(on_thread(lambda: "answer"), LONG)) == "answer"
-    finally:
-        gate.set()
-
-
-# --- The faults a web server brings -------------------------------------------------------------
+# --- Cancelled turns and closes, over real sockets ----------------------------------------------------
 
 TURNS = 10
-PASSAGE = {"content": FACT, "container": "ctr_main", "container_name": "Main", "score": 1.0}
-SEARCH_ANSWER = {"results": [PASSAGE], "containers": [{"id": "ctr_main", "name": "Main"}]}
+SEARCH_ANSWER = {
+    "results": [{"content": FACT, "container": "ctr_main", "container_name": "Main", "score": 1.0}],
+    "containers": [{"id": "ctr_main", "name": "Main"}],
+}
 
 
 @pytest.fixture
@@ -398,27 +215,12 @@ def loopback() -> Iterator[LoopbackMembase]:
         yield server
 
 
-def logged(caplog: pytest.LogCaptureFixture, store: str, level: int = logging.DEBUG) -> list[str]:
-    """Messages at ``level`` or above from every logger, except what other tests' stores log from the library's
-    background threads (a late request of an earlier test may end during this one)."""
-    return [
-        f"{r.name}: {r.getMessage()}"
-        for r in caplog.records
-        if r.levelno >= level
-        and (
-            not r.threadName.startswith("membase-")
-            or f"[{store}]" in r.threadName
-            or f"store=<{store}>" in r.getMessage()
-        )
-    ]
-
-
 class WaitingModel(ScriptedModel):
     """A model that records what it was sent, then takes its time, like a real one mid-answer."""
 
     async def stream(
         self, messages: Any, tool_specs: Any = None, system_prompt: Any = None, **kwargs: Any
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[Any]:
         self.calls.append({"messages": copy.deepcopy(messages), "tool_names": [], "system_prompt": system_prompt})
         await asyncio.sleep(30)  # the turn is cancelled long before
         yield {"messageStart": {"role": "assistant"}}
@@ -430,176 +232,40 @@ async def test_cancelled_turns_on_a_stalled_membase_leave_one_request_and_one_th
     release = threading.Event()
     loopback.on("POST", "/v1/search", *[stall(release, then=ok_json(SEARCH_ANSWER)) for _ in range(TURNS)])
     store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="cancelled-turns", recall_timeout=LONG)
-    threads = lambda: membase_threads(f"{RECALL_THREAD}{store.name}]")  # noqa: E731
-    searches = lambda: loopback.fake.sent("POST", "/v1/search")  # noqa: E731
+    sent = lambda: len(loopback.fake.sent("POST", "/v1/search"))  # noqa: E731
     try:
-        for turn in range(TURNS):
-            # One agent per request, as a web app builds them.
-            model = WaitingModel()
-            agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
-            task = asyncio.create_task(agent.invoke_async(QUESTION))
-            # The client goes away while this turn waits: on Membase, or (recall skipped) on the model.
-            assert await until(lambda: len(searches()) > turn or bool(model.calls) or task.done(), LONG)  # noqa: B023
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        assert len(searches()) == 1, "each cancelled turn left its own request running"
-        assert len(threads()) == 1
-        counters = store.counters()
-        assert (counters["recalls"], counters["recall_cancelled"], counters["recall_skipped"]) == (TURNS, 1, TURNS - 1)
-        assert counters["recall_errors"] == counters["recall_timeouts"] == 0
-
-        # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
-        release.set()
-        assert await until(lambda: store.counters()["recall_late_completions"] == 1, LONG)
-        assert await until(lambda: not store._recall.waking and not threads(), LONG)
-        assert any("late recall finished" in m for m in logged(caplog, store.name, logging.INFO))
-        agent, model = make_agent(store, ["Postgres."])
-        await agent.invoke_async(QUESTION)
-        assert len(searches()) == 2
-        assert f"[Main] {FACT}" in (model.memory_block() or "")
-    finally:
-        release.set()
-        store.close()
-
-
-async def test_a_cancelled_search_propagates_and_holds_the_guard_while_its_request_runs(loopback, caplog):
-    caplog.set_level(logging.DEBUG)
-    release = threading.Event()
-    loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
-    store = MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, name="cancelled-search", recall_timeout=None)
-    try:
-        task = asyncio.create_task(store.search(QUESTION))
-        assert await until(lambda: len(loopback.fake.sent("POST", "/v1/search")) == 1, LONG)
+        task = asyncio.create_task(store.search(QUESTION))  # cancelled directly: the cancellation propagates
+        assert await until(lambda: sent() == 1, LONG)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        for _ in range(TURNS):  # one agent per request, as a web app builds them
+            model = WaitingModel()
+            agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
+            turn = asyncio.create_task(agent.invoke_async(QUESTION))
+            assert await until(lambda: bool(model.calls) or turn.done(), LONG)  # noqa: B023 - recall skipped
+            turn.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await turn
 
-        assert store._recall.waking
-        assert await store.search("another question about the ledger") == []
-        assert len(loopback.fake.sent("POST", "/v1/search")) == 1
+        assert sent() == 1, "a cancelled turn left its own request running"
+        assert len(membase_threads(f"{RECALL_THREAD}{store.name}]")) == 1
+        assert counted(store, "recalls", "recall_cancelled", "recall_skipped") == (TURNS + 1, 1, TURNS)
+        assert counted(store, "recall_errors", "recall_timeouts") == (0, 0)
         assert any("recall cancelled" in m for m in logged(caplog, store.name, logging.INFO))
         assert logged(caplog, store.name, logging.WARNING) == []
 
+        # The cancelled recall's request ends: logged and counted like a timed-out one, and recall resumes.
         release.set()
-        assert await until(lambda: not store._recall.waking, LONG)
-        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"]
+        assert await until(lambda: counted(store, "recall_late_completions") == (1,), LONG)
+        assert any("late recall finished" in m for m in logged(caplog, store.name, logging.INFO))
+        assert [e.content for e in await store.search(QUESTION)] == [f"[Main] {FACT}"] and sent() == 2
     finally:
         release.set()
         store.close()
 
 
-# --- Agents built during an outage ---------------------------------------------------------------
-
-
-def test_agents_built_during_an_outage_wait_for_the_set_up_check_once(fake, make_store, gates, caplog):
-    caplog.set_level(logging.DEBUG)
-    fake.remember(FACT)
-    outage = gates.new()
-    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(name="outage", container="Main", recall_timeout=BUDGET)
-
-    # The first agent waits the budget for the check, then is built without it.
-    make_agent(store)
-    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
-
-    # While that check is still late, more agents are built: none waits for it again, each says so at DEBUG.
-    for _ in range(5):
-        make_agent(store)
-    assert len([m for m in messages(caplog) if "set-up check is still running" in m]) == 5
-    assert len([m for m in messages(caplog, logging.WARNING) if "could not list the Memories" in m]) == 1
-    assert len(fake.sent("GET", "/v1/containers")) == 1
-    assert not outage.is_set()
-
-    # The check ends: the next agent uses its answer, with no request of its own, and so does first use.
-    outage.set()
-    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"), timeout=LONG)
-    set_recall_budget(store, LONG)  # the rest is not about the budget
-    agent, model = make_agent(store, ["Postgres."])
-    agent(QUESTION)
-    assert len(fake.sent("GET", "/v1/containers")) == 1
-    assert [r.body["container"] for r in fake.sent("POST", "/v1/search")] == ["ctr_main"]
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
-
-
-def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(fake, make_store, gates):
-    outage = gates.new()
-    fake.on("GET", "/v1/containers", hang(outage, then=routed(fake)))
-    store = make_store(name="late-check", container="Projects", recall_timeout=BUDGET)
-    make_agent(store)  # built without the check: Membase did not answer in time
-
-    outage.set()
-    assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"), timeout=LONG)
-    with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
-        make_agent(store)
-    assert len(fake.sent("GET", "/v1/containers")) == 1
-
-
-# --- A long stall or 403 pause: one warning, details at DEBUG ----------------------------------
-
-
-def test_a_hundred_turns_of_one_stall_warn_at_most_three_times(fake, make_store, gates, caplog):
-    caplog.set_level(logging.DEBUG)
-    fake.remember(FACT)
-    outage = gates.new()
-    fake.always("POST", "/v1/search", hang(outage))  # then a read timeout: the late recall fails
-    store = make_store(name="stalled", recall_timeout=0.2)
-    agent, model = make_agent(store, ["ok"] * 100)
-
-    for turn in range(100):
-        agent(f"{QUESTION} ({turn})")
-    outage.set()
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
-
-    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
-    warned = logged(caplog, store.name, logging.WARNING)
-    assert len(warned) <= 3, warned
-    assert sum("ran out of time" in w for w in warned) == 1  # the manager's line, from the exception's text
-    assert sum("late recall failed" in w for w in warned) == 1
-    # The details are at DEBUG, and the model saw what it saw before: no memory, the same tools.
-    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
-    assert all(model.memory_block(turn) is None for turn in range(100))
-    assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
-    assert "membase_search" in model.calls[0]["tool_names"]
-    counters = store.counters()
-    assert (counters["recalls"], counters["recall_timeouts"], counters["recall_skipped"]) == (100, 1, 99)
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-
-def test_a_hundred_turns_of_one_403_pause_warn_at_most_three_times(fake, make_store, caplog):
-    caplog.set_level(logging.DEBUG)
-    fake.always("POST", "/v1/search", status(403, "key revoked"))
-    store = make_store(name="refused", access_cooldown=600.0)
-    agent, model = make_agent(store, ["ok"] * 100)
-
-    for turn in range(100):
-        agent(f"{QUESTION} ({turn})")
-
-    # Every WARNING or worse from any logger: caplog's handler sits on the root logger.
-    warned = logged(caplog, store.name, logging.WARNING)
-    assert len(warned) <= 3, warned
-    assert sum("narrowed or revoked" in w for w in warned) == 1
-    assert len([m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]) == 1
-    assert len([m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]) == 99
-    assert all(model.memory_block(turn) is None for turn in range(100))
-    assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
-    counters = store.counters()
-    assert (counters["recalls"], counters["recall_errors"], counters["recall_skipped"]) == (100, 1, 99)
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-
-# --- close() while a recall is running -----------------------------------------------------------
-
-
-def own_lines(caplog: pytest.LogCaptureFixture, store: str) -> list[str]:
-    """What this library and Strands logged for ``store`` (not the HTTP stack's own DEBUG traces)."""
-    return [line for line in logged(caplog, store) if line.startswith(("membase_strands", "strands"))]
-
-
-async def test_closing_the_store_during_a_recall_lets_the_recall_finish_with_its_memory(loopback, caplog):
-    # A store built from a key has nothing of its own to close: its sockets belong to the shared pool, so
-    # closing it does not pull the connection from under a recall that is running (it used to end it).
+async def test_closing_the_store_during_a_recall_lets_it_finish_with_its_memory(loopback, caplog):
     caplog.set_level(logging.DEBUG)
     release = threading.Event()
     loopback.on("POST", "/v1/search", stall(release, then=ok_json(SEARCH_ANSWER)))
@@ -616,10 +282,7 @@ async def test_closing_the_store_during_a_recall_lets_the_recall_finish_with_its
         store.close()
 
     assert f"[Main] {FACT}" in (model.memory_block() or "")
-    counters = store.counters()
-    assert (counters["recalls"], counters["recall_hits"], counters["recall_errors"]) == (1, 1, 0)
-    assert "errors.connection" not in counters and "errors.closed" not in counters
-    assert not any("Bad file descriptor" in line for line in own_lines(caplog, store.name))
+    assert counted(store, "recalls", "recall_hits", "recall_errors", "errors.connection") == (1, 1, 0, 0)
     assert logged(caplog, store.name, logging.WARNING) == []
     with pytest.raises(RuntimeError, match="is closed"):
         await store.search(QUESTION)  # and the next one is refused
@@ -635,12 +298,356 @@ def test_closing_the_store_under_a_late_recall_lets_it_finish_and_logs_that(loop
         agent(QUESTION)  # runs out of time; the request goes on
         store.close()
         release.set()
-        assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
+        assert wait_until(lambda: counted(store, "recall_late_completions") == (1,), timeout=LONG)
     finally:
         release.set()
         store.close()
 
-    lines = own_lines(caplog, store.name)
+    lines = [line for line in logged(caplog, store.name) if line.startswith(("membase_strands", "strands"))]
     assert any("late recall finished" in line for line in lines)
     assert not any("Bad file descriptor" in line or "late recall failed" in line for line in lines)
     assert "errors.connection" not in store.counters()
+
+
+# --- What recall shows: best first, each text once, a relevance floor, within max_recall_chars ----------------
+
+NAMES = {"ctr_main": "Main", "ctr_work": "Work", "ctr_home": "Home", "ctr_garden": "Garden"}
+LEDGER = "The billing ledger runs on Postgres 16 in Frankfurt."
+BACKUPS = "Ledger backups run nightly at 02:00."
+CELLO = "My daughter plays the cello on Tuesdays."
+PARTY = "The garden party is on Sunday."
+CUT = "[... cut: this passage is longer than the recall budget]"
+
+
+def hit(content: str, memory: str = "Main", score: Any = None) -> dict[str, Any]:
+    container = f"ctr_{memory.lower()}"
+    return {"content": content, "container": container, "container_name": memory} | (
+        {} if score is None else {"score": score}
+    )
+
+
+def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: dict[str, str] | None = None) -> None:
+    """Answer every search with ``hits``, in this order, as Membase would send them (a NaN score too)."""
+    fake.containers = [{"id": cid, "name": name} for cid, name in NAMES.items()]
+    rows = [
+        {"id": cid, "name": name} | ({"error": unsearched[name]} if name in (unsearched or {}) else {})
+        for cid, name in NAMES.items()
+    ]
+    body = json.dumps({"results": hits, "containers": rows})
+    fake.always(
+        "POST",
+        "/v1/search",
+        lambda request: httpx.Response(200, content=body, headers={"content-type": "application/json"}),
+    )
+
+
+def sized(head: str, size: int) -> str:
+    """A passage of exactly ``size`` characters that starts with ``head``."""
+    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
+
+
+INTERLEAVED = [
+    hit(PARTY, "Garden", 0.016),
+    hit(LEDGER, "Work", 0.033),
+    hit(CELLO, "Home", 0.017),
+    hit(BACKUPS, "Work", 0.030),
+]
+BEST_FIRST = [f"[Work] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}", f"[Garden] {PARTY}"]
+MEMBASE_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
+CAP = 300
+# Scored by rank: 157 with its label (fits), 207 more (skipped), 47 more (fits after the skip), 157 more (skipped).
+BUDGETED = [hit(sized("best", 150), score=4), hit(sized("second", 200), score=3), hit(sized("third", 40), score=2)]
+BUDGETED.append(hit(sized("fourth", 150), score=1))
+LONG_LEDGER = LEDGER + " It was chosen in March after the load tests."
+LONG_BACKUPS = BACKUPS + " They are kept for thirty days, offsite in Oslo."
+FOLDED_FIT = [f"[Work] [Home] {LONG_LEDGER}", f"[Work] {LONG_BACKUPS}"]
+HISTORY = "The billing ledger history, in detail: " + "one more line of history. " * 20
+
+
+def cut_alone(start: str, cap: int) -> Any:
+    return lambda shown: (
+        len(shown) == 1 and shown[0].startswith(start) and shown[0].endswith(CUT) and len(shown[0]) <= cap
+    )
+
+
+RECALLS = {
+    "best first across memories": (INTERLEAVED, {}, {}, BEST_FIRST),
+    "the best survive the entry limit": (
+        [*INTERLEAVED, hit("weak", "Garden", 0.001)],
+        {},
+        {"max_entries": 3},
+        BEST_FIRST[:3],
+    ),
+    "the best survive the budget": (
+        [
+            hit("A long and weak passage about gardening. " * 6, "Garden", 0.01),
+            hit(LEDGER, "Work", 0.03),
+            hit(CELLO, "Home", 0.02),
+        ],
+        {"max_recall_chars": 200},
+        {},
+        [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
+    ),
+    "ties keep Membase's order": (
+        [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)],
+        {},
+        {},
+        MEMBASE_ORDER,
+    ),
+    **{
+        f"a score {name} leaves Membase's order": (
+            [hit(PARTY, "Garden", 0.1), hit(LEDGER, "Work") | score, hit(CELLO, "Home", 0.9)],
+            {},
+            {},
+            MEMBASE_ORDER,
+        )
+        for name, score in [
+            ("absent", {}),
+            ("as text", {"score": "high"}),
+            ("NaN", {"score": float("nan")}),
+            ("bool", {"score": True}),
+        ]
+    },
+    "a passage in two memories is shown once naming both": (
+        [
+            hit(LEDGER, "Work", 0.03),
+            hit("  The billing ledger runs on\nPostgres 16   in Frankfurt. ", "Home", 0.02),
+            hit(CELLO, "Home", 0.01),
+        ],
+        {},
+        {},
+        [f"[Work] [Home] {LEDGER}", f"[Home] {CELLO}"],
+    ),
+    "a passage twice in one memory is shown once": (
+        [hit(LEDGER, "Work", 0.03), hit(LEDGER, "Work", 0.02), hit(CELLO, "Home", 0.01)],
+        {},
+        {},
+        [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
+    ),
+    "a copy counts once against the entry limit": (
+        [hit(LEDGER, "Work", 0.04), hit(LEDGER, "Home", 0.035), hit(BACKUPS, "Work", 0.03), hit(CELLO, "Home", 0.02)],
+        {},
+        {"max_entries": 3},
+        [f"[Work] [Home] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}"],
+    ),
+    # Counted twice, the ledger passage would leave no room for the backups passage.
+    "a copy counts once against the budget": (
+        [hit(LONG_LEDGER, "Work", 0.04), hit(LONG_LEDGER, "Home", 0.035), hit(LONG_BACKUPS, "Work", 0.03)],
+        {"max_recall_chars": sum(map(len, FOLDED_FIT))},
+        {},
+        FOLDED_FIT,
+    ),
+    "a copy longer than the budget is cut with both labels": (
+        [hit(HISTORY, "Work", 0.04), hit(HISTORY, "Home", 0.03)],
+        {"max_recall_chars": 200},
+        {},
+        cut_alone("[Work] [Home] The billing ledger history", 200),
+    ),
+    "the floor keeps weak passages out": (INTERLEAVED, {"min_score": 0.025}, {}, BEST_FIRST[:2]),
+    "a passage at the floor is kept": (INTERLEAVED, {"min_score": 0.030}, {}, BEST_FIRST[:2]),
+    "a passage without a score is not held against the floor": (
+        [hit(LEDGER, "Work"), hit(PARTY, "Garden", 0.001)],
+        {"min_score": 0.5},
+        {},
+        [f"[Work] {LEDGER}"],
+    ),
+    "below the floor nothing is injected": (INTERLEAVED, {"min_score": 0.9}, {}, []),
+    "whole passages best first and a smaller later one still fits": (
+        BUDGETED,
+        {"max_recall_chars": CAP},
+        {},
+        [f"[Main] {BUDGETED[0]['content']}", f"[Main] {BUDGETED[2]['content']}"],
+    ),
+    "without a cap every passage is whole": (
+        BUDGETED,
+        {"max_recall_chars": None},
+        {},
+        [f"[Main] {h['content']}" for h in BUDGETED],
+    ),
+    "the cap counts the label and a passage that fits exactly is whole": (
+        [hit(sized("exact", CAP - 7))],
+        {"max_recall_chars": CAP},
+        {},
+        [f"[Main] {sized('exact', CAP - 7)}"],
+    ),
+    "one character over the cap is cut": (
+        [hit(sized("over", CAP - 6))],
+        {"max_recall_chars": CAP},
+        {},
+        cut_alone("[Main] over", CAP),
+    ),
+    "a best passage over the cap is cut, alone": (
+        [hit(sized("huge", 1000), score=2), hit("small", score=1)],
+        {"max_recall_chars": CAP},
+        {},
+        cut_alone("[Main] huge lorem", CAP),
+    ),
+    "the default cap keeps 10 MB from the prompt": (
+        [hit("flood " + "z" * 10_000_000)],
+        {},
+        {},
+        cut_alone("[Main] flood", 20_000),
+    ),
+    "the default cap keeps a 19,000-character passage whole": (
+        [hit(sized("long", 19_000))],
+        {},
+        {},
+        [f"[Main] {sized('long', 19_000)}"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("hits", "options", "injection", "expected"), list(RECALLS.values()), ids=list(RECALLS))
+def test_what_recall_shows(fake, make_store, hits, options, injection, expected):
+    answer_with(fake, hits)
+
+    shown, model = recall_turn(make_store(**options), QUESTION, injection=injection)
+
+    assert expected(shown) if callable(expected) else shown == expected
+    assert len(model.sent_text()) < 21_000
+
+
+def test_recall_counts_and_describes_what_it_left_out(fake, make_store):
+    answer_with(fake, [hit(LEDGER, "Work", 0.04), hit(LEDGER, "Home", 0.03), hit(PARTY, "Garden", 0.01)])
+    store = make_store(min_score=0.02)
+
+    [entry] = asyncio.run(store.search(QUESTION))
+
+    assert entry.content == f"[Work] [Home] {LEDGER}"  # the Memory where it scored best comes first
+    assert entry.metadata["memory"] == "Work" and entry.metadata["memories"] == ["Work", "Home"]
+    assert entry.metadata["score"] == 0.04 and entry.metadata["container"] == "ctr_work"
+    counters = ("recall_hits", "recall_empty", "recall_passages_folded", "recall_passages_below_floor")
+    assert counted(store, *counters) == (1, 0, 1, 1)
+    answer_with(fake, INTERLEAVED)
+    floored = make_store(min_score=0.9)
+    assert asyncio.run(floored.search(QUESTION)) == []
+    assert counted(floored, *counters) == (0, 1, 0, 4)
+
+
+@pytest.mark.parametrize(
+    ("hits", "options", "passages"),
+    [
+        ([hit(sized("fills the budget", 1000))], {"max_recall_chars": CAP}, 1),  # the budget is full
+        (
+            [hit(f"short note {n}", score=1 - n / 10) for n in range(6)],
+            {},
+            4,
+        ),  # the page is full: the weakest gives way
+        ([hit(PARTY, "Garden", 0.001)], {"min_score": 0.5}, 0),  # everything is below the floor
+    ],
+    ids=["budget", "page", "floor"],
+)
+def test_a_memory_that_could_not_answer_is_still_reported(fake, make_store, hits, options, passages):
+    answer_with(fake, hits, unsearched={"Work": "the memory is asleep"})
+
+    shown, _ = recall_turn(make_store(**options), QUESTION)
+
+    assert len(shown) == passages + 1
+    assert shown[-1].startswith("[Membase notice] The Memory (Work) could not be searched: the memory is asleep")
+
+
+# --- The profile's standing facts, with recall_profile=True ---------------------------------------------
+
+
+def profile_reads(fake: InMemoryMembase) -> int:
+    return len(fake.sent("GET", "/v1/profile"))
+
+
+def test_the_standing_facts_come_first_and_two_turns_read_the_profile_once(fake, make_store):
+    fake.standing = ["The user is vegetarian.", "Lives in\nLisbon."]
+    fake.remember(FACT)
+    for n in range(3):
+        fake.remember(f"Ledger note {n}: Postgres for the ledger.")
+    agent, model = make_agent(make_store(recall_profile=True), ["ok", "ok"], injection={"max_entries": 3})
+
+    agent(QUESTION)
+    agent(QUESTION)
+
+    for call in (0, 1):
+        shown = entries(model.memory_block(call))
+        assert (
+            shown[0]
+            == "[Membase profile] Standing facts about the user:\n- The user is vegetarian.\n- Lives in\n  Lisbon."
+        )
+        assert len(shown) == 3 and shown[1].startswith("[Main] ")  # the profile takes one of the entries asked for
+    assert profile_reads(fake) == 1 and searches(fake) == 2
+    assert fake.sent("GET", "/v1/profile")[0].params == {}
+
+
+def test_no_profile_is_read_unless_asked_and_a_blank_query_reads_nothing(fake, make_store):
+    fake.standing = ["The user is vegetarian."]
+    fake.remember(FACT)
+    agent, model = make_agent(make_store(), ["ok"])
+    agent(QUESTION)
+    assert profile_reads(fake) == 0 and "vegetarian" not in (model.memory_block() or "")
+
+    assert asyncio.run(make_store(recall_profile=True).search("  ")) == []
+    assert fake.sent() == fake.sent("POST", "/v1/search")
+
+
+@pytest.mark.parametrize("failure", ["500", "unreadable", "hang"])
+def test_a_profile_that_fails_or_is_late_costs_no_passage_and_a_failed_one_is_read_again(
+    fake, make_store, gates, failure
+):
+    fake.standing = ["The user is vegetarian."]
+    fake.remember(FACT)
+    held = gates.new()
+    fault = {
+        "500": status(500),
+        "unreadable": lambda request: httpx.Response(200, json=["x"]),
+        "hang": hang(held, then=fake.answer),
+    }
+    fake.on("GET", "/v1/profile", fault[failure])
+    agent, model = make_agent(make_store(recall_profile=True, recall_timeout=BUDGET), ["ok", "ok"])
+
+    agent(QUESTION)  # a late profile is waited for within the recall's budget, no longer
+    assert entries(model.memory_block()) == [f"[Main] {FACT}"]
+    if failure == "hang":  # still being read: not read again
+        agent(QUESTION)
+        assert profile_reads(fake) == 1 and entries(model.memory_block()) == [f"[Main] {FACT}"]
+        held.set()
+    # A failed read is tried again at once; a late one is used once it has ended.
+    assert wait_until(lambda: agent(QUESTION) and "[Membase profile]" in model.memory_block(), timeout=LONG)
+
+    assert profile_reads(fake) == (1 if failure == "hang" else 2)
+    assert entries(model.memory_block())[0].startswith("[Membase profile] Standing facts about the user:\n- The user")
+
+
+def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):
+    fake.standing = ["The user is vegetarian."]
+    store = make_store(recall_profile=True, profile_ttl=0.05)
+    assert asyncio.run(store.search(QUESTION))
+
+    fake.standing = ["The user is vegan."]
+    assert wait_until(lambda: "vegan" in asyncio.run(store.search(QUESTION))[0].content, timeout=LONG)
+    assert 2 <= profile_reads(fake) <= searches(fake)
+
+
+# --- The set-up check shows the scores to choose min_score from -----------------------------------------
+
+
+def test_the_check_reports_the_score_range_of_its_probe_searches(fake):
+    empty = check.run_check(client=fake.client())  # an empty memory: nothing matched, so no score to show
+    assert empty.score_range is None and 'scores for "membase-strands setup check": none' in empty.to_text()
+    assert "--query" in empty.to_text()
+    answer_with(fake, INTERLEAVED)
+
+    report = check.run_check(client=fake.client())
+
+    assert report.ok and report.scores == [0.033, 0.030, 0.017, 0.016] and report.score_range == (0.016, 0.033)
+    assert 'passage scores for "membase-strands setup check": 0.016 to 0.033 (4 passages)' in report.to_text()
+    assert "min_score" in report.to_text() and report.to_dict()["score_range"] == (0.016, 0.033)
+    assert {request.body["limit"] for request in fake.sent("POST", "/v1/search")} == {check.PROBE_LIMIT}
+
+
+def test_the_check_cli_asks_the_query_given_and_prints_its_scores(loopback, monkeypatch, capsys):
+    monkeypatch.delenv("MEMBASE_LOCAL", raising=False)
+    monkeypatch.setenv("MEMBASE_API_KEY", API_KEY)
+    monkeypatch.setenv("MEMBASE_BASE_URL", loopback.url)
+    assert check.main(["check", "--query", "billing ledger Postgres", "--json"]) == 0
+
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert [r.body["q"] for r in loopback.fake.sent("POST", "/v1/search")] == ["billing ledger Postgres"] * 2
+    assert data["probe_query"] == "billing ledger Postgres" and data["score_range"] == [2.0, 2.0]
+    assert API_KEY not in out

@@ -1,277 +1,265 @@
-"""MembaseMemoryStore: injection through a real Agent, 403 handling, options, lifecycle and protocol."""
+"""MembaseMemoryStore: recall through a real Agent, 403 handling, options, host and key, writes' input, lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
+from typing import Any
 
+import httpx
 import pytest
 from membase.requirements import local_unavailable
-from strands.memory import MemoryManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
-from membase_strands.testing import API_KEY, ToolCall, status
-from tests.support.loopback import LoopbackMembase
-from tests.support.store_helpers import FACT, QUESTION, client_of, make_agent
+from membase_strands._local import LOCK_NAME
+from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, status
+from tests.support.agents import entries, tool_turn
+from tests.support.store_helpers import FACT, QUESTION, make_agent
 
 DEFAULT_HOST = "https://api.app.membase.com"
+BLANKS = ["", " ", "\n\t  \r\n", "\u00a0\u2003\u3000"]
+LONE = "\ud800"
 
 
-def text_of(message: dict) -> str:
-    return "\n".join(block["text"] for block in message["content"] if "text" in block)
+def searches(fake: InMemoryMembase) -> list[dict[str, Any]]:
+    return [r.body for r in fake.sent("POST", "/v1/search")]
 
 
-# --- Injection ----------------------------------------------------------------------------------
+def saves(fake: InMemoryMembase) -> list[dict[str, Any]]:
+    return [r.body for r in fake.sent("POST", "/v1/memories")]
 
 
-def test_a_user_turn_recalls_once_with_the_users_words_and_limit_5(fake, make_store):
-    fake.remember(FACT)
-    agent, model = make_agent(make_store(), ["Postgres."])
-
-    agent(QUESTION)
-
-    searches = fake.sent("POST", "/v1/search")
-    assert len(searches) == 1
-    assert searches[0].body["q"] == QUESTION
-    assert searches[0].body["limit"] == 5
-    assert "container" not in searches[0].body  # no Memory pinned: every Memory in reach
-    block = model.memory_block()
-    assert block is not None
-    assert f'<entry source="membase">[Main] {FACT}</entry>' in block
-    assert QUESTION in model.sent_text()
+# --- Recall through a real Agent ------------------------------------------------------------------
 
 
-def test_history_keeps_only_what_the_user_said(fake, make_store):
-    fake.remember(FACT)
-    agent, model = make_agent(make_store(), ["Postgres."])
-
-    agent(QUESTION)
-
-    assert model.memory_block() is not None
-    user_turns = [m for m in agent.messages if m["role"] == "user"]
-    assert [text_of(m) for m in user_turns] == [QUESTION]
-    assert all("<memory>" not in text_of(m) and FACT not in text_of(m) for m in agent.messages)
-
-
-def test_nothing_is_injected_when_nothing_matches(fake, make_store):
-    fake.remember(FACT)
-    agent, model = make_agent(make_store(), ["Hello."])
-
-    agent("Good morning!")
-
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    assert model.memory_block() is None
-
-
-def test_each_synchronous_call_recalls_on_its_own_event_loop(fake, make_store):
+def test_each_user_turn_recalls_once_with_the_users_words_and_the_history_keeps_only_them(fake, make_store):
     fake.remember(FACT)
     agent, model = make_agent(make_store(), ["One.", "Two.", "Three."])
 
-    for _ in range(3):
+    for _ in range(3):  # each synchronous call recalls on an event loop of its own
         agent(QUESTION)
 
-    assert len(fake.sent("POST", "/v1/search")) == 3
+    assert searches(fake) == [{"q": QUESTION, "limit": 5}] * 3  # no Memory pinned: every Memory in reach
     for call in range(3):
-        assert f"[Main] {FACT}" in (model.memory_block(call) or "")
+        assert f'<entry source="membase">[Main] {FACT}</entry>' in (model.memory_block(call) or "")
+    user_turns = [[b["text"] for b in m["content"] if "text" in b] for m in agent.messages if m["role"] == "user"]
+    assert user_turns == [[QUESTION]] * 3
+    assert "<memory>" not in str(agent.messages) and FACT not in str(agent.messages)
 
 
-def test_passages_name_their_memory_and_keep_the_hits_other_fields(fake, make_store):
-    fake.containers = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_dec", "name": "Project decisions"}]
-    fake.remember(FACT, container="ctr_dec")
-    agent, model = make_agent(make_store(), ["Postgres."])
-
-    agent(QUESTION)
-
-    assert f"[Project decisions] {FACT}" in model.memory_block()
-
-
-async def test_entry_metadata_carries_the_hit_fields(fake, make_store):
+def test_nothing_is_injected_when_nothing_matches_and_a_blank_prompt_is_not_searched(fake, make_store):
     fake.remember(FACT)
-    entries = await make_store().search(QUESTION)
+    agent, model = make_agent(make_store(), ["Hello.", "Hm?"])
 
-    assert [e.content for e in entries] == [f"[Main] {FACT}"]
-    metadata = entries[0].metadata
-    assert metadata["container"] == "ctr_main"
-    assert metadata["source"] == "episode"
-    assert "score" in metadata
-
-
-def test_a_memory_that_could_not_answer_is_a_framed_notice(fake, make_store):
-    fake.remember(FACT)
-    fake.unsearchable = {"ctr_main": "Embeddings need OPENAI_API_KEY"}
-    agent, model = make_agent(make_store(), ["I could not look that up."])
-
-    agent(QUESTION)
-
-    block = model.memory_block()
-    assert block is not None, "a Memory that could not answer must not be silence"
-    assert "Main" in block
-    assert "could not be searched: Embeddings need OPENAI_API_KEY" in block
-    # Framed as a notice, never as a remembered passage of that Memory.
-    assert "[Main] Embeddings need" not in block
-    assert "[Membase notice]" in block
-
-
-async def test_the_notice_follows_the_passages_of_memories_that_answered(fake, make_store):
-    fake.containers = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_docs", "name": "Docs"}]
-    fake.remember(FACT)
-    fake.unsearchable = {"ctr_docs": "no model configured"}
-
-    entries = await make_store().search(QUESTION)
-
-    assert entries[0].content == f"[Main] {FACT}"
-    assert "(Docs) could not be searched: no model configured" in entries[1].content
-    assert entries[1].metadata["unsearched"] is True
+    agent("Good morning!")
+    assert len(searches(fake)) == 1 and model.memory_block() is None
+    agent("   \n ")
+    assert len(searches(fake)) == 1 and model.memory_block() is None
 
 
 async def test_a_blank_query_returns_nothing_without_a_request(fake, make_store):
     store = make_store()
-    assert await store.search("") == []
-    assert await store.search("   \n") == []
+    for query in BLANKS:
+        assert await store.search(query) == []
     assert fake.sent() == []
 
 
-def test_the_managers_injection_size_is_sent_as_the_limit(fake, make_store):
-    agent, _ = make_agent(make_store(max_search_results=20), ["ok"], injection={"max_entries": 2})
+def test_passages_name_their_memory_and_entries_name_the_store(fake, make_store):
+    fake.add_memory("Project decisions", "ctr_dec")
+    fake.remember(FACT, container="ctr_dec")
+    agent, model = make_agent(make_store(name="work"), ["Postgres."])
 
     agent(QUESTION)
 
-    assert [r.body["limit"] for r in fake.sent("POST", "/v1/search")] == [2]
+    assert f'<entry source="work">[Project decisions] {FACT}</entry>' in model.memory_block()
 
 
-async def test_a_very_long_query_is_cut_before_it_is_sent(fake, make_store):
-    await make_store().search("ledger " * 1000)
-
-    (sent,) = fake.sent("POST", "/v1/search")
-    assert 0 < len(sent.body["q"]) <= 2000
-
-
-def test_the_search_memory_tool_uses_the_stores_own_limit(fake, make_store):
+async def test_entries_carry_the_hits_fields_and_a_notice_follows_the_passages(fake, make_store):
+    fake.add_memory("Docs", "ctr_docs")
     fake.remember(FACT)
-    store = make_store(max_search_results=12)
-    agent, _ = make_agent(store, [ToolCall("search_memory", {"query": "ledger database"}), "Done."], injection=False)
+    fake.cannot_answer("ctr_docs", f"no model configured for {API_KEY}")  # a server may echo the key
 
-    agent("Look it up.")
+    [passage, notice] = await make_store().search(QUESTION)
 
-    assert [r.body["limit"] for r in fake.sent("POST", "/v1/search")] == [12]
+    assert passage.content == f"[Main] {FACT}"
+    assert passage.metadata["container"] == "ctr_main" and passage.metadata["source"] == "episode:ctr_main:1"
+    assert "score" in passage.metadata
+    assert notice.content.startswith(
+        "[Membase notice] The Memory (Docs) could not be searched: no model configured for [redacted]."
+    )
+    assert notice.metadata["unsearched"] is True
 
 
-def test_a_tool_limit_above_50_is_capped_at_50(fake, make_store):
+def test_a_memory_that_could_not_answer_is_a_framed_notice_never_a_passage(fake, make_store):
+    fake.remember(FACT)
+    fake.cannot_answer("ctr_main", "Embeddings need OPENAI_API_KEY")
+    agent, model = make_agent(make_store(), ["I could not look that up."])
+
+    agent(QUESTION)
+
+    [notice] = entries(model.memory_block())  # a Memory that could not answer must not be silence
+    assert notice.startswith("[Membase notice] The Memory (Main) could not be searched: Embeddings need OPENAI")
+
+
+async def test_a_long_query_is_stripped_then_cut_to_2000_characters(fake, make_store):
+    fake.remember("We chose Postgres for the ledger.")
+    long = ("ledger postgres decision " * 4000)[:100_000]
+    agent, model = make_agent(make_store(), ["ok"])
+
+    await agent.invoke_async(long)
+    await make_store().search("   \n" + long)
+
+    assert [len(body["q"]) for body in searches(fake)] == [2000, 2000]
+    assert searches(fake)[1]["q"].startswith("ledger")
+    assert model.memory_block() is not None
+
+
+async def test_odd_text_is_sent_intact_and_a_passage_reaches_the_model_without_controls_or_lone_surrogates(
+    fake, make_store
+):
+    emoji = "ledger 🚀👩🏽‍💻 دفتر الحسابات שלום"
+    odd = f"the ledger \x00nul \x1b[31mred\x1b[0m \x9b2J csi \x07bell {LONE} lone \udfff end"
+    hits = [{"content": text, "container": "ctr_main", "container_name": "Main"} for text in (emoji, odd)]
+    body = json.dumps({"results": hits}).encode("ascii")  # escaped, as a server may send lone surrogates
     store = make_store()
-    call = ToolCall("search_memory", {"query": "ledger database", "max_search_results": 80})
-    agent, _ = make_agent(store, [call, "Done."], injection=False)
+    for query in (emoji, "ledger\x00db \u202edlrow"):
+        await store.search(query)
+        assert searches(fake)[-1] == {"q": query, "limit": 5}  # JSON escapes a NUL; Membase decides
+    fake.on("POST", "/v1/search", lambda request: httpx.Response(200, content=body))
+    shown = [entry.content for entry in await store.search(f"ledger {LONE} database")]
 
-    agent("Look it up.")
+    assert LONE not in searches(fake)[-1]["q"] and "ledger" in searches(fake)[-1]["q"]
+    assert shown == [f"[Main] {emoji}", "[Main] the ledger nul [31mred[0m 2J csi bell ? lone ? end"]
 
-    assert [r.body["limit"] for r in fake.sent("POST", "/v1/search")] == [50]
 
-
-@pytest.mark.parametrize("limit", [0, -3, 2.5, True, "5"])
-async def test_a_bad_search_limit_is_an_error_not_a_silent_default(fake, make_store, limit):
-    with pytest.raises(ValueError, match="max_search_results"):
-        await make_store().search(QUESTION, {"max_search_results": limit})
+async def test_the_number_of_passages_is_checked_and_past_50_asks_for_50(fake, make_store):
+    store = make_store(max_search_results=7)
+    for bad in (0, -1, 2.5, "5", True):
+        with pytest.raises(ValueError, match="max_search_results"):
+            await store.search(QUESTION, {"max_search_results": bad})
     assert fake.sent() == []
+    await store.search("ledger")
+    await store.search("ledger", {"max_search_results": 999})
+    assert [body["limit"] for body in searches(fake)] == [7, 50]
 
 
-# --- 403 on recall ------------------------------------------------------------------------------
-
-
-def test_a_403_on_recall_skips_memory_warns_and_is_not_retried(fake, make_store, caplog, no_key_in_logs):
+def test_the_managers_search_tool_uses_the_stores_number_skips_a_bad_one_and_caps_a_big_one(fake, make_store, caplog):
     fake.remember(FACT)
-    fake.always("POST", "/v1/search", status(403, "key revoked"))
-    agent, model = make_agent(make_store(), ["I can't recall that, sorry."])
+    calls = [ToolCall("search_memory", {"query": "ledger database", "max_search_results": n}) for n in (0, -3, 80)]
+    model = tool_turn(make_store(max_search_results=12), ToolCall("search_memory", {"query": "ledger"}), *calls)
 
-    result = agent(QUESTION)
-
-    assert "sorry" in str(result)
-    assert model.memory_block() is None
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("narrowed or revoked" in w for w in warnings)
-
-
-def test_a_403_with_the_sdk_timeout_is_not_retried_either(fake, make_store, caplog, no_key_in_logs):
-    fake.always("POST", "/v1/search", status(403))
-    agent, model = make_agent(make_store(recall_timeout=None), ["ok"])
-
-    agent(QUESTION)
-
-    assert model.memory_block() is None
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    assert any("narrowed or revoked" in r.getMessage() for r in caplog.records)
+    assert [body["limit"] for body in searches(fake)] == [12, 50]
+    assert FACT in str(model.tool_results()[0]) and [r["content"][0]["text"] for r in model.tool_results()[1:3]] == [
+        "[]",
+        "[]",
+    ]
+    failed = [r.getMessage() for r in caplog.records if "store search failed" in r.getMessage()]
+    assert len(failed) == 2 and all("max_search_results must be a whole number from 1 to 50" in m for m in failed)
 
 
-async def test_a_403_raises_membase_access_error(fake, make_store):
-    fake.on("POST", "/v1/search", status(403))
+# --- A 403 on recall --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recall_timeout", [30.0, None], ids=["budget", "sdk-timeout"])
+def test_a_403_on_recall_skips_memory_logs_why_and_is_not_retried(
+    fake, make_store, caplog, no_key_in_logs, recall_timeout
+):
+    fake.remember(FACT)
+    fake.always("POST", "/v1/search", status(403, f"key {API_KEY} revoked"))
+    agent, model = make_agent(make_store(recall_timeout=recall_timeout), ["I can't recall that, sorry."])
+
+    assert "sorry" in str(agent(QUESTION))
+
+    assert model.memory_block() is None and len(searches(fake)) == 1
+    assert any("narrowed or revoked" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+async def test_a_403_raises_membase_access_error_without_the_key(fake, make_store):
+    fake.on("POST", "/v1/search", status(403, f"key {API_KEY} revoked"))
 
     with pytest.raises(MembaseAccessError, match="narrowed or revoked") as raised:
         await make_store().search(QUESTION)
 
-    assert isinstance(raised.value, PermissionError)
-    assert API_KEY not in str(raised.value)
-    assert len(fake.sent("POST", "/v1/search")) == 1
+    assert isinstance(raised.value, PermissionError) and API_KEY not in str(raised.value)
+    assert len(searches(fake)) == 1
 
 
-# --- Options ------------------------------------------------------------------------------------
+# --- Options ------------------------------------------------------------------------------------------
+
+BAD_OPTIONS: dict[str, list[Any]] = {
+    "max_search_results": [0, -1, 2.5, True, False, "5", [5], float("nan")],
+    "recall_timeout": [0, -1, float("nan"), float("inf"), True, "8"],
+    "write_timeout": [0, -2.5, "5"],
+    "request_timeout": [0, -1, None, float("inf"), "90"],
+    "access_cooldown": [0, -1, "60"],
+    "max_recall_chars": [0, 199, -1, True, False, "x", "300", 250.0, 1.5],
+    "min_score": [True, False, "0.5", float("nan"), float("inf"), float("-inf"), [0.5], {}],
+    "max_response_bytes": [1023, 0, 2048.0, True, "16MiB", None],
+    "recall_profile": [1, "yes", None],
+    "profile_ttl": [0, -5, None, "300"],
+    "capture_roles": [("robot",), ("user", "robot"), ()],
+    "tools": [("delete",), ("search", "erase"), ("Search",), "search"],
+    "capture": ["yes", 1, None],
+    "container": ["", "   ", 7],
+    "name": ["", "  ", None],
+    "base_url": ["api.app.membase.com", "ftp://membase.example", "https://", 7],
+}
+GOOD_OPTIONS: dict[str, list[Any]] = {
+    "max_search_results": [1, 50],
+    "recall_timeout": [0.1, None],
+    "max_recall_chars": [200, 20_000, 10**9, None],
+    "min_score": [0, -1, 0.5, 3, -0.25],
+    "max_response_bytes": [1024, 16 * 1024 * 1024],
+    "recall_profile": [True, False],
+    "profile_ttl": [0.01, 3600],
+    "request_timeout": [0.5, 90],
+    "tools": [(), ("search", "forget"), ("search", "search")],
+    "base_url": ["http://127.0.0.1:9", "https://membase.example/"],
+}
 
 
-@pytest.mark.parametrize("value", [0, -1, 2.5, True, "5"])
-def test_max_search_results_must_be_a_whole_number_of_at_least_1(fake, value):
-    with pytest.raises(ValueError, match="max_search_results"):
-        MembaseMemoryStore(client=fake.client(), max_search_results=value)
-
-
-@pytest.mark.parametrize("value", [1, 50])
-def test_max_search_results_bounds_are_accepted(fake, value):
-    assert MembaseMemoryStore(client=fake.client(), max_search_results=value).max_search_results == value
-
-
-@pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), True, "8"])
-def test_recall_timeout_must_be_a_positive_number(fake, value):
-    with pytest.raises(ValueError, match="recall_timeout"):
-        MembaseMemoryStore(client=fake.client(), recall_timeout=value)
-
-
-@pytest.mark.parametrize("roles", [("robot",), ("user", "robot"), ()])
-def test_capture_roles_must_be_user_or_assistant(fake, roles):
-    with pytest.raises(ValueError, match="capture_roles"):
-        MembaseMemoryStore(client=fake.client(), capture=True, capture_roles=roles)
-
-
-@pytest.mark.parametrize("tools", [("delete",), ("search", "forget"), "search"])
-def test_tools_must_be_a_list_of_known_tool_names(fake, tools):
-    with pytest.raises(ValueError, match="tools"):
-        MembaseMemoryStore(client=fake.client(), tools=tools)
-
-
-@pytest.mark.parametrize("capture", ["yes", 1, None])
-def test_capture_must_be_a_bool(fake, capture):
-    with pytest.raises(ValueError, match="capture"):
-        MembaseMemoryStore(client=fake.client(), capture=capture)
-
-
-def test_a_client_and_an_api_key_together_are_an_error(fake):
-    with pytest.raises(ValueError, match="client"):
-        MembaseMemoryStore(client=fake.client(), api_key="another-key")
-
-
-def test_an_error_about_options_never_shows_the_key(fake):
-    with pytest.raises(ValueError) as raised:
-        MembaseMemoryStore(client=fake.client(), api_key=API_KEY)
-    assert API_KEY not in str(raised.value)
-
-
-def test_options_are_keyword_only(fake):
+def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake):
+    for option, values in BAD_OPTIONS.items():
+        for value in values:
+            extra = {"capture": True} if option == "capture_roles" else {}
+            with pytest.raises(ValueError, match=option) as raised:
+                MembaseMemoryStore(api_key=API_KEY, transport=fake.transport, **extra, **{option: value})
+            assert API_KEY not in str(raised.value), (option, value)
+    for options in (
+        {"client": fake.client(), "api_key": API_KEY},
+        {"client": fake.client(), "transport": fake.transport},
+    ):
+        with pytest.raises(ValueError, match="client") as raised:
+            MembaseMemoryStore(**options)
+        assert API_KEY not in str(raised.value)
+    with pytest.raises(ValueError, match="extraction needs capture=True"):
+        MembaseMemoryStore(client=fake.client(), extraction=True)
     with pytest.raises(TypeError):
-        MembaseMemoryStore(fake.client())  # type: ignore[misc]
+        MembaseMemoryStore(fake.client())  # type: ignore[misc]  # options are keyword only
 
 
-def test_building_a_store_makes_no_request(fake):
+def test_good_options_are_accepted_and_building_a_store_makes_no_request(fake):
+    for option, values in GOOD_OPTIONS.items():
+        for value in values:
+            MembaseMemoryStore(api_key=API_KEY, transport=fake.transport, **{option: value}).close()
     MembaseMemoryStore(client=fake.client(), container="Main", capture=True, extraction=True)
+    store = MembaseMemoryStore(client=fake.client())
+    assert (store.name, store.max_search_results, store.writable, store.extraction) == ("membase", 5, False, None)
+    assert isinstance(store.description, str) and store.description.strip()
+    # One rule for every number of passages: above Membase's maximum it asks for 50.
+    assert MembaseMemoryStore(client=fake.client(), max_search_results=10**9).max_search_results == 50
     assert fake.sent() == []
 
 
-# --- Host and key -------------------------------------------------------------------------------
+def test_local_must_be_a_directory(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ValueError, match="local"):
+        MembaseMemoryStore(local=tmp_path / "a-file")
+
+
+# --- Host and key -------------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -281,168 +269,116 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def test_the_default_host_is_api_app_membase_com(clean_env):
-    with MembaseMemoryStore(api_key=API_KEY) as store:
-        assert client_of(store).base_url == DEFAULT_HOST
+async def test_the_host_and_key_come_from_the_options_else_the_environment_else_the_defaults(fake, clean_env):
+    seen: list[tuple[str, str]] = []
 
+    def recording(request: httpx.Request) -> httpx.Response:
+        seen.append((f"{request.url.scheme}://{request.url.host}", request.headers["authorization"]))
+        return fake.handle(request)
 
-def test_membase_base_url_overrides_the_default_host(clean_env):
-    clean_env.setenv("MEMBASE_BASE_URL", "https://membase.example")
-    with MembaseMemoryStore(api_key=API_KEY) as store:
-        assert client_of(store).base_url == "https://membase.example"
-
-
-def test_base_url_overrides_the_environment(clean_env):
-    clean_env.setenv("MEMBASE_BASE_URL", "https://membase.example")
-    with MembaseMemoryStore(api_key=API_KEY, base_url="https://other.example") as store:
-        assert client_of(store).base_url == "https://other.example"
-
-
-def test_the_key_comes_from_membase_api_key(clean_env):
-    clean_env.setenv("MEMBASE_API_KEY", API_KEY)
-    with MembaseMemoryStore() as store:
-        assert client_of(store).api_key == API_KEY
-        assert client_of(store).base_url == DEFAULT_HOST
-
-
-def test_no_key_anywhere_is_an_error_naming_membase_api_key(clean_env):
+    transport = httpx.MockTransport(recording)
     with pytest.raises(ValueError, match="MEMBASE_API_KEY"):
-        MembaseMemoryStore()
-
-
-# --- Lifecycle ----------------------------------------------------------------------------------
-
-
-def test_close_leaves_a_client_that_was_passed_in_open(fake):
-    client = fake.client()
-    store = MembaseMemoryStore(client=client)
-    store.close()
-
-    client.search("ledger")  # the client still sends: the request reaches Membase
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-
-def test_a_store_built_from_a_key_shares_the_pool_and_closing_it_leaves_the_pool_open():
-    # Its connections belong to the process's one pool for the base URL: nothing of the store's own to close.
-    with LoopbackMembase() as server:
-        server.fake.remember(FACT)
-        first, second = (MembaseMemoryStore(api_key=API_KEY, base_url=server.url, recall_timeout=30.0) for _ in "ab")
-        first_agent, first_model = make_agent(first, ["ok"])
-        second_agent, second_model = make_agent(second, ["ok"])
-
-        first_agent(QUESTION)
-        first.close()
-        first.close()  # twice is harmless
-        second_agent(QUESTION)
-        second.close()
-
-        assert f"[Main] {FACT}" in first_model.memory_block()
-        assert f"[Main] {FACT}" in second_model.memory_block()
-        assert len(server.fake.sent("POST", "/v1/search")) == 2
-        # The second store's recall went over the connection the first one opened, still open after its close.
-        assert server.connections == 1
-
-
-def test_the_context_manager_closes_the_store(fake):
-    fake.remember(FACT)
-    with fake.store() as store:
-        assert asyncio.run(store.search(QUESTION))
-
-    with pytest.raises(RuntimeError, match="closed"):
-        asyncio.run(store.search(QUESTION))
-    assert len(fake.sent("POST", "/v1/search")) == 1
-
-
-@pytest.mark.skipif(local_unavailable() is not None, reason=f"local Membase cannot run here: {local_unavailable()}")
-def test_close_closes_a_local_engine_the_store_started(tmp_path, clean_env):
-    clean_env.delenv("OPENAI_API_KEY", raising=False)  # starting the engine needs no LLM
-    store = MembaseMemoryStore(local=tmp_path)
-    engine = client_of(store)
-
-    store.close()
-
-    with pytest.raises(RuntimeError, match="closed"):
-        engine.containers.list()
-
-
-async def test_a_closed_store_raises_a_clear_runtime_error(fake, make_store):
-    store = make_store(capture=True)
-    store.close()
-
-    with pytest.raises(RuntimeError, match="closed"):
+        MembaseMemoryStore(transport=transport)
+    async with MembaseMemoryStore(api_key=f"  {API_KEY}\n", transport=transport) as store:  # read from a file
         await store.search(QUESTION)
-    with pytest.raises(RuntimeError, match="closed"):
-        await store.add("I like green tea")
-    with pytest.raises(RuntimeError, match="closed"):
-        await store.add_messages([{"role": "user", "content": [{"text": "I like green tea"}]}])
-    assert fake.sent() == []
+    clean_env.setenv("MEMBASE_API_KEY", API_KEY)
+    clean_env.setenv("MEMBASE_BASE_URL", "https://membase.example")
+    async with MembaseMemoryStore(transport=transport) as store:
+        await store.search(QUESTION)
+    async with MembaseMemoryStore(base_url="https://other.example", transport=transport) as store:
+        await store.search(QUESTION)
+        assert "base_url='https://other.example'" in repr(store) and API_KEY not in repr(store) + str(store)
 
-
-def test_repr_and_str_never_show_the_key(fake, clean_env):
-    built = MembaseMemoryStore(api_key=API_KEY)
-    given = MembaseMemoryStore(client=fake.client(), container="Main")
-    try:
-        for store in (built, given):
-            assert API_KEY not in repr(store)
-            assert API_KEY not in str(store)
-            assert "MembaseMemoryStore" in repr(store)
-    finally:
-        built.close()
-        given.close()
-
-
-# --- Protocol attributes ------------------------------------------------------------------------
-
-
-def test_protocol_attributes_and_their_defaults(fake):
-    store = MembaseMemoryStore(client=fake.client())
-
-    assert store.name == "membase"
-    assert isinstance(store.description, str) and store.description.strip()
-    assert store.max_search_results == 5
-    assert store.writable is False
-    assert store.extraction is None
-
-
-def test_the_name_is_the_stores_name_in_the_manager(fake, make_store):
-    fake.remember(FACT)
-    agent, model = make_agent(make_store(name="work"), ["ok"])
-
-    agent(QUESTION)
-
-    assert f'<entry source="work">[Main] {FACT}</entry>' in model.memory_block()
-
-
-def test_the_store_goes_into_a_memory_manager_with_its_tools(fake, make_store):
-    manager = MemoryManager(stores=[make_store()])
-    names = [tool.tool_name for tool in manager.tools]
-    assert "search_memory" in names
-    assert {"membase_search", "membase_save", "membase_profile"} <= set(names)
-    assert not any("delete" in n or "forget" in n for n in names)
-
-
-# --- Keys read from files, and one set-up check per store ------------------------------------------
-
-
-def test_whitespace_around_the_key_is_stripped_and_a_key_with_control_characters_is_refused():
-    store = MembaseMemoryStore(api_key=f"  {API_KEY}\n", base_url="http://127.0.0.1:9")
-    assert client_of(store).api_key == API_KEY
-    store.close()
+    bearer = f"Bearer {API_KEY}"
+    assert seen == [(DEFAULT_HOST, bearer), ("https://membase.example", bearer), ("https://other.example", bearer)]
     with pytest.raises(ValueError, match="api_key") as refused:
-        MembaseMemoryStore(api_key=f"{API_KEY}\x01x", base_url="http://127.0.0.1:9")
+        MembaseMemoryStore(api_key=f"{API_KEY}\x01x", transport=transport)
     assert API_KEY not in str(refused.value)
 
 
-def test_the_quoted_form_of_the_key_is_masked_too():
-    from membase_strands._failures import redact
-
-    assert redact(f"Illegal header value b'Bearer {API_KEY}\\n'", f"{API_KEY}\n") == (
-        "Illegal header value b'Bearer [redacted]'"
-    )
+# --- What a write takes -------------------------------------------------------------------------------
 
 
-def test_the_memories_are_listed_once_per_store_however_many_agents_are_built(fake, make_store):
-    store = make_store(container="Main")
-    for _ in range(3):
-        make_agent(store)
-    assert len(fake.sent("GET", "/v1/containers")) == 1
+async def test_a_note_and_its_metadata_are_checked_before_anything_is_sent(fake, make_store):
+    store = make_store(capture=True)
+    bad_metadata = [{"static": v} for v in ("false", "true", 1, None)] + [{"title": v} for v in (5, None, ["a"])]
+    for metadata, option in [*((m, next(iter(m))) for m in bad_metadata), ("static", "metadata"), ([1], "metadata")]:
+        with pytest.raises(ValueError, match=option):
+            await store.add("I like green tea", metadata)  # type: ignore[arg-type]
+    for content in ["", "   ", "\n\t", None, 5, b"bytes"]:
+        with pytest.raises(ValueError, match="non-blank text"):
+            await store.add(content)  # type: ignore[arg-type]
+    assert saves(fake) == []
+
+    await store.add("I like green tea", {"static": False, "title": "Tea", "other": object()})
+    await store.add("I am vegetarian", {"static": True})
+    first, second = saves(fake)
+    assert (first["static"], first["title"], second["static"]) == (False, "Tea", True)
+    assert [note.content for note in fake.notes] == ["I like green tea"] and fake.standing == ["I am vegetarian"]
+
+
+async def test_a_note_is_sent_whole_as_given_and_a_lone_surrogate_is_replaced(fake, make_store):
+    store = make_store(capture=True)
+    note = ("ledger postgres decision " * 8001)[:200_000]  # notes are not cut (only queries are)
+
+    await store.add(note)
+    await store.add_messages([{"role": "user", "content": [{"text": note + " again"}]}])
+    await store.add("note\x00with nul")
+    await store.add_messages([{"role": "user", "content": [{"text": f"I like tea {LONE}"}]}])
+    await store.add_messages([{"role": "user", "content": [{"text": "I live in Lisbon"}]}])
+
+    sent = [body["content"] for body in saves(fake)]
+    assert sent[:3] == [note, note + " again", "note\x00with nul"]
+    assert sent[3].startswith("I like tea") and LONE not in sent[3] and sent[4] == "I live in Lisbon"
+
+
+# --- Lifecycle ------------------------------------------------------------------------------------------
+
+
+def test_close_leaves_a_client_that_was_passed_in_and_other_stores_on_the_host_open(fake):
+    client = fake.client()
+    MembaseMemoryStore(client=client).close()
+    client.search("ledger")  # the client still sends
+    fake.remember(FACT)
+    first, second = fake.store(recall_timeout=30.0), fake.store(recall_timeout=30.0)
+
+    assert asyncio.run(first.search(QUESTION))
+    first.close()
+    first.close()  # twice is harmless
+    assert asyncio.run(second.search(QUESTION))  # closing one store built from a key leaves the others working
+    second.close()
+
+    assert len(searches(fake)) == 3
+
+
+async def test_a_closed_store_refuses_recalls_and_writes_plainly(fake):
+    fake.remember(FACT)
+    with fake.store(capture=True, recall_timeout=30.0) as store:
+        assert await store.search(QUESTION)
+
+    for call in (store.search(QUESTION), store.add("tea"), store.add_messages([{"role": "user", "content": []}])):
+        with pytest.raises(RuntimeError, match="closed; create a new store"):
+            await call
+    assert len(fake.sent()) == 1
+
+
+@pytest.mark.skipif(local_unavailable() is not None, reason=f"local Membase cannot run here: {local_unavailable()}")
+@pytest.mark.skipif(sys.platform == "win32", reason="flock")
+def test_closing_a_local_store_lets_go_of_its_directory(tmp_path, clean_env):
+    import fcntl
+
+    clean_env.delenv("OPENAI_API_KEY", raising=False)  # starting the engine needs no LLM
+
+    def held() -> bool:
+        """Whether the directory is held, as another process would find it (flock: open files never share)."""
+        with open(tmp_path / LOCK_NAME) as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True
+            return False
+
+    store = MembaseMemoryStore(local=tmp_path)
+    assert held()
+    store.close()
+    assert not held()
