@@ -123,7 +123,7 @@ def _wait_for_call(threads: _Threads, inbox: queue.SimpleQueue[_Call]) -> _Call 
 
 
 def _run(call: _Call) -> None:
-    if call.future.set_running_or_notify_cancel() and call.context and call.fn:  # else cancelled while in line
+    if call.future.set_running_or_notify_cancel() and call.context is not None and call.fn is not None:
         try:
             result = call.context.run(call.fn)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future

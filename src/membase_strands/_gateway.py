@@ -166,12 +166,12 @@ class MembaseGateway:
             def send(container_id: str | None) -> Any:
                 try:
                     return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-                except _UNREADABLE as error:
-                    logger.warning(
-                        "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved",
-                        self._store_name,
-                        _unreadable(error),
-                    )
+                except (*_UNREADABLE, BadResponseError) as error:
+                    if isinstance(error, BadResponseError) and not 200 <= (error.status or 0) < 300:
+                        raise
+                    why = _unreadable(error) if isinstance(error, ValueError) else error.message
+                    message = "store=<%s>, reason=<2xx answer: %s> | Membase accepted the note; counting it as saved"
+                    logger.warning(message, self._store_name, why)
                     return None
 
             return self._resolver.call(client, container, send)

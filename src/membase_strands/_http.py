@@ -133,7 +133,7 @@ class MembaseTransport(httpx.BaseTransport):
                         raise
                     continue
                 try:
-                    content = self._read(response, deadline)
+                    content = self._read(request, response, deadline)
                 finally:
                     response.close()
                 return httpx.Response(response.status_code, headers=response.headers, content=content)
@@ -142,11 +142,14 @@ class MembaseTransport(httpx.BaseTransport):
             with _background.LOCK:
                 attempt.over = True
 
-    def _read(self, response: httpx.Response, deadline: float) -> bytes:
+    def _read(self, request: httpx.Request, response: httpx.Response, deadline: float) -> bytes:
         """The body, whole, within the deadline and the size bound; a body whole by its length is kept however late."""
         limit, encoding = self._route.max_bytes, response.headers.get("content-encoding", "identity")
         if encoding.lower() != "identity":
-            raise BadResponseError(f"Membase answered with a body compressed as {encoding!r}, which was not asked for")
+            raise BadResponseError(
+                f"Membase answered with a body compressed as {encoding!r}, which was not asked for",
+                status=response.status_code,
+            )
         stated = response.headers.get("content-length", "")
         length = int(stated) if stated.isdigit() else None
         chunks: list[bytes] = []
@@ -154,11 +157,13 @@ class MembaseTransport(httpx.BaseTransport):
         for chunk in [response.content] if response.is_stream_consumed else response.iter_raw():  # a mock's is read
             if overdue:
                 raise httpx.ReadTimeout(
-                    f"Membase did not finish answering within {self._route.seconds:g} s", request=response.request
+                    f"Membase did not finish answering within {self._route.seconds:g} s", request=request
                 )
             received += len(chunk)
             if received > limit or (length or 0) > limit:
-                raise BadResponseError(f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)")
+                raise BadResponseError(
+                    f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=response.status_code
+                )
             chunks.append(chunk)
             overdue = time.monotonic() > deadline and (length is None or received < length)
         return b"".join(chunks)

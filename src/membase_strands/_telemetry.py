@@ -60,7 +60,7 @@ class Ledger:
     def __init__(self, store_name: str, redact: Callable[[str], str] = str) -> None:
         self.store_name = store_name
         self._redact = redact
-        self._counts = Counter(dict.fromkeys(STANDARD, 0))
+        self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under LOCK
         with LOCK:
             _ledgers.add(self)
 
@@ -83,7 +83,7 @@ class Ledger:
         if counted:
             with LOCK:
                 for name in counted:
-                    self._counts[name] += amount
+                    self.counts[name] += amount
         _current.get(_NOWHERE).outcome(outcome, error_kind=kind, **attributes)
         if level is not None and logger.isEnabledFor(level):
             fields = {"store": self.store_name, **attributes}
@@ -99,7 +99,7 @@ class Ledger:
     def snapshot(self) -> dict[str, int]:
         """A copy of the counts, the standard names first (even at zero)."""
         with LOCK:
-            return dict(self._counts)
+            return dict(self.counts)
 
 
 def content_allowed(attribute: str) -> bool:

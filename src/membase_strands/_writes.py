@@ -176,8 +176,8 @@ class WriteRecord:
         self._phase = "closing"
         self._wait_running(until)
         self._phase = "closed"  # what fails from now on is sent again at interpreter exit
-        self._send_kept()
-        self._wait_running(until)
+        if self._send_kept():
+            self._wait_running(until)
         if left := len(self.running()):
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
             message = f"writes still running after {self._wait_budget:g} s; {then}"
@@ -185,7 +185,7 @@ class WriteRecord:
 
     def _finish_at_exit(self) -> None:
         """At interpreter exit: :meth:`drain` within the budget."""
-        if self.running() or self._kept:
+        if not self.idle():
             message = f"the interpreter is exiting; waiting up to {self._wait_budget:g} s for writes still running"
             self._ledger.record(None, level=logging.INFO, message=message)
             self.drain(until=time.monotonic() + self._wait_budget)
@@ -238,11 +238,15 @@ class WriteRecord:
 
     def _start(self, request: _Request) -> None:
         name = f"membase-write[{self._ledger.store_name}]"
-        _background.submit(functools.partial(self._run, request), name=name, lane=self)
+        started = _background.submit(functools.partial(self._run, request), name=name, lane=self)
+        if started.done() and started.exception() is not None:  # no thread could start: nothing was sent
+            self._run(request, unsent=started.exception())
 
-    def _run(self, request: _Request) -> None:
+    def _run(self, request: _Request, unsent: BaseException | None = None) -> None:
         """Send ``request`` (on a library thread), put its outcome on record, report it if nobody waits for it."""
         try:
+            if unsent is not None:
+                raise unsent
             request.result = request.send(list(request.parts))
         except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
             request.error = error
@@ -302,8 +306,9 @@ class WriteRecord:
             message = f"a failed write kept for sending again was dropped to stay within {RECORD_BYTES} bytes"
             self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> None:
-        """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending."""
+    def _send_kept(self, without: Collection[Hashable] = ()) -> int:
+        """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending;
+        how many requests that took."""
         with LOCK:
             kept = [request for request in self._kept if request.pid == os.getpid()]  # a parent sends its own
             self._kept = []
@@ -316,6 +321,7 @@ class WriteRecord:
         for request in requests:
             self._ledger.record(None, "writes_sent_again", amount=len(request.parts))
             self._start(request)
+        return len(requests)
 
     def _evict(self) -> None:
         """Forget saved writes past their time, then the oldest past the size and byte bounds (lock held). Late saves

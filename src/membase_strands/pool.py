@@ -20,7 +20,7 @@ from typing import Any
 from . import _background
 from ._background import LOCK
 from ._telemetry import Ledger
-from .store import MembaseMemoryStore, dropped_stores_closing
+from .store import MembaseMemoryStore, dropped_stores_closing, ledger_of
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class MembaseStorePool:
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
-        self._retired: Counter[str] = Counter()  # the counts of the stores it built that are gone
+        self._ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # of the stores it built, while they count
+        self._retired: Counter[str] = Counter()  # the counts of those that are gone
         self._closed = False
 
     def __len__(self) -> int:
@@ -114,9 +115,8 @@ class MembaseStorePool:
         """The sum of the counters of every store the pool built (see :meth:`MembaseMemoryStore.counters`)."""
         with LOCK:
             total = Counter(self._retired)
-            stores = list(self._alive.values())
-        for store in stores:
-            total.update(store.counters())
+            for ledger in self._ledgers:
+                total.update(ledger.counts)
         return dict(total)
 
     def close(self) -> None:
@@ -189,12 +189,16 @@ class MembaseStorePool:
                 f"no Membase credential for user {user_id!r}: the credential function returned "
                 f"{type(credential).__name__}, not an API key or a local directory"
             )
-        weakref.finalize(store, self._retire, store._ledger)  # its counts stay in counters() when it is gone
+        ledger = ledger_of(store)  # it counts a write still running after the store is gone
+        with LOCK:
+            self._ledgers.add(ledger)
+        weakref.finalize(ledger, _retire, self._retired, ledger.counts)
         return store
 
-    def _retire(self, ledger: Ledger) -> None:
-        with LOCK:
-            self._retired.update(ledger.snapshot())
+
+def _retire(retired: Counter[str], counts: Counter[str]) -> None:
+    with LOCK:
+        retired.update(counts)
 
 
 def _warn_failed(outcomes: Iterable[object]) -> None:

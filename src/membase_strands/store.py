@@ -407,6 +407,11 @@ def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> N
 _closing_dropped: set[Future[Any]] = set()
 
 
+def ledger_of(store: MembaseMemoryStore) -> Ledger:
+    """The store's record of what it did (it outlives the store while a write of its runs)."""
+    return store._ledger
+
+
 def dropped_stores_closing() -> list[Future[Any]]:
     """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
     with LOCK:
