@@ -31,7 +31,7 @@ import threading
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -466,8 +466,8 @@ def test_a_key_membase_echoes_at_any_offset_leaves_no_8_characters_of_itself_any
     ``membase-strands check`` (text at even offsets, ``--json`` at odd ones), any span, or any log record (every
     logger at INFO, the library's and the SDK's at DEBUG: other libraries' DEBUG records only cost time here).
 
-    Each way gets all 401 offsets, one request each; calls of one way run side by side where they can, each taking
-    the next offset the server has queued."""
+    Each way gets all 401 offsets, one request each; calls of one way run side by side where they can (recalls
+    gathered, tool turns on eight agents, ``run_check`` on eight threads), each taking the next offset queued."""
     caplog.set_level(logging.INFO)
     for name in ("membase_strands", "membase"):
         caplog.set_level(logging.DEBUG, logger=name)
@@ -515,25 +515,24 @@ def test_a_key_membase_echoes_at_any_offset_leaves_no_8_characters_of_itself_any
                     go.set()
                     assert await until(functools.partial(_late_ended, stores, rounds), LONG), "a late recall hung"
 
-            def tool_turns(count: int) -> None:
+            async def tool_turns(count: int) -> None:
                 model = ScriptedModel()
                 agent = Agent(model=model, tools=store.get_tools(), callback_handler=None)
                 for _ in range(count):
                     model.script += [ToolCall("membase_search", {"query": "ledger"}), "ok"]
                     agent.messages.clear()
-                    agent("Look it up.")
+                    await agent.invoke_async("Look it up.")
                     check("the tool result the model was sent", model.tool_result_text())
                     check("what the model was sent", json.dumps(model.calls[-1], default=str))
 
-            async def recalls() -> None:
-                await asyncio.gather(*(recall() for _ in offsets))
+            async def side_by_side(*calls: Awaitable[None]) -> None:
+                await asyncio.gather(*calls)
 
             echoes("POST", "/v1/search")
-            asyncio.run(recalls())
+            asyncio.run(side_by_side(*(recall() for _ in offsets)))
             asyncio.run(late_recalls())
             echoes("POST", "/v1/search")
-            for turns in [threads.submit(tool_turns, len(offsets[i::8])) for i in range(8)]:
-                turns.result(LONG)
+            asyncio.run(side_by_side(*(tool_turns(len(offsets[i::8])) for i in range(8))))  # on eight agents
         finally:
             for each in [store, *late]:
                 each.close()
