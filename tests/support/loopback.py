@@ -152,8 +152,8 @@ class LoopbackMembase:
     def answers(self, method: str, path: str, keys: Any = None) -> list[Seen]:
         """The requests to ``method path`` (optionally carrying one of ``keys``) whose whole answer went out."""
         with self._lock:
-            found = self.answered
-            return [s for s in found if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+            done = self.answered
+            return [s for s in done if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
 
     def close(self) -> None:
         self._server.shutdown()
