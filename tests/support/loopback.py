@@ -4,8 +4,16 @@
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
 :class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
 over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`drip_headers`, :func:`reset`, :func:`stall`, :func:`meet` or
-:func:`raw_answer` (and :func:`arrived`, which signals that a request is in before doing another action).
+on the socket: :func:`drip`, :func:`drip_headers`, :func:`drip_header_lines`, :func:`reset`, :func:`stall`,
+:func:`meet`, :func:`raw_answer`, :func:`echo_key`, :func:`endless` or :func:`huge` (and :func:`arrived`, which
+signals that a request is in before doing another action). A raw action may be queued for one key's requests only.
+
+Server-wide behaviours: :attr:`LoopbackMembase.cookie_for` (a ``Set-Cookie`` on every answer, by key) and
+:attr:`LoopbackMembase.close_after` (close each connection a moment after each answer, reading nothing sent
+meanwhile). The server records every request it reads (:attr:`LoopbackMembase.seen`: route, key, cookie) and
+every answer it finished sending (:attr:`LoopbackMembase.answered`); :meth:`LoopbackMembase.wait_for` waits on
+those records, and on the ends of drips and streams, without polling. :class:`Accounts` is a fake Membase with
+one memory per key, to serve many users from one server.
 
 Each server's URL is one no earlier server in this process had (a path of its own on a fresh port): the library
 keeps one connection pool per base URL for the life of the process, so a server that happens to get the port
@@ -42,6 +50,29 @@ _SERVERS = itertools.count(1)
 
 
 @dataclass(frozen=True)
+class Seen:
+    """One request the server read: its route, the key it carried, its ``Cookie`` header and its JSON body."""
+
+    method: str
+    path: str
+    key: str
+    cookie: str | None
+    body: Any
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What one :func:`endless` or :func:`huge` answer managed to send of its body, and why it ended.
+
+    ``ended`` is ``"hung up"`` (the client closed the connection), ``"stop"`` (the test's stop event), or ``"whole"``
+    (the whole body, or the most an endless one sends, went out).
+    """
+
+    sent: int
+    ended: str
+
+
+@dataclass(frozen=True)
 class Dripped:
     """What one drip managed to send before it ended, and whether it ended because the client hung up."""
 
@@ -55,8 +86,9 @@ class LoopbackMembase:
     def __init__(self, fake: InMemoryMembase | None = None, tls: ssl.SSLContext | None = None) -> None:
         """Start serving on a free port (over TLS with ``tls``); use as a context manager or call :meth:`close`."""
         self.fake = fake if fake is not None else InMemoryMembase()
-        self._actions: dict[tuple[str, str], list[RawAction]] = {}
-        self._lock = threading.Lock()
+        self._actions: dict[tuple[str, str, str | None], list[RawAction]] = {}
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # notified whenever a record below grows
         self._prefix = f"/loopback-{next(_SERVERS)}"
         self.connections = 0
         self.open_connections = 0
@@ -66,7 +98,18 @@ class LoopbackMembase:
         self.latency = 0.0
         """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
         self.drips: list[Dripped] = []
-        """One entry per :func:`drip` or :func:`drip_headers` that has ended, in the order they ended."""
+        """One entry per :func:`drip`, :func:`drip_headers` or :func:`drip_header_lines` that has ended, in order."""
+        self.streams: list[Streamed] = []
+        """One entry per :func:`endless` or :func:`huge` answer that has ended, in the order they ended."""
+        self.seen: list[Seen] = []
+        """Every request the server read, in the order it read them (before any raw action)."""
+        self.answered: list[Seen] = []
+        """The requests whose whole answer the server has written (as the fake, or a raw answer), in that order."""
+        self.cookie_for: Callable[[str], str | None] | None = None
+        """When set, every answer carries ``Set-Cookie: <cookie_for(key)>; Path=/`` for the key of its request."""
+        self.close_after: float | None = None
+        """When set, each connection is closed this many seconds after each answer, and whatever the client sent on
+        it meanwhile is never read (as a server closing an idle keep-alive connection over a real network)."""
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
         self._scheme = "http"
@@ -87,10 +130,30 @@ class LoopbackMembase:
         """A real ``membase.Membase`` client over a real socket to this server."""
         return membase.Membase(api_key=API_KEY, base_url=self.url, **kwargs)
 
-    def on(self, method: str, path: str, *actions: RawAction) -> None:
-        """Replace the next answers to ``method path`` with ``actions``, one per request, in order."""
+    def on(self, method: str, path: str, *actions: RawAction, key: str | None = None) -> None:
+        """Replace the next answers to ``method path`` with ``actions``, one per request, in order; with ``key``,
+        only for requests carrying that key (they take their own queue first, then the route's)."""
         with self._lock:
-            self._actions.setdefault((method, path), []).extend(actions)
+            self._actions.setdefault((method, path, key), []).extend(actions)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = LIMIT) -> bool:
+        """Wait until ``predicate`` (of this server's records) holds, at most ``timeout`` seconds; whether it holds.
+
+        It is checked whenever a request is read, an answer is sent, or a drip or stream ends.
+        """
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def requests(self, method: str, path: str, keys: Any = None) -> list[Seen]:
+        """The requests read to ``method path``, optionally only those carrying one of ``keys``."""
+        with self._lock:
+            return [s for s in self.seen if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+
+    def answers(self, method: str, path: str, keys: Any = None) -> list[Seen]:
+        """The requests to ``method path`` (optionally carrying one of ``keys``) whose whole answer went out."""
+        with self._lock:
+            done = self.answered
+            return [s for s in done if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
 
     def close(self) -> None:
         self._server.shutdown()
@@ -103,14 +166,20 @@ class LoopbackMembase:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _next_action(self, method: str, path: str) -> RawAction | None:
+    def _next_action(self, method: str, path: str, key: str) -> RawAction | None:
         with self._lock:
-            queued = self._actions.get((method, path))
-            return queued.pop(0) if queued else None
+            for queued in (self._actions.get((method, path, key)), self._actions.get((method, path, None))):
+                if queued:
+                    return queued.pop(0)
+            return None
+
+    def _record(self, into: list[Any], entry: Any) -> None:
+        with self._changed:
+            into.append(entry)
+            self._changed.notify_all()
 
     def _dripped(self, sent: int, hung_up: bool) -> None:
-        with self._lock:
-            self.drips.append(Dripped(sent, hung_up))
+        self._record(self.drips, Dripped(sent, hung_up))
 
     def _count(self, opened: int) -> None:
         with self._lock:
@@ -143,6 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     answer: httpx.Response  # the fake's answer to the request being served
+    seen: Seen  # the request being served, as the server recorded it
     timeout = LIMIT  # an idle keep-alive connection is dropped after this, so no handler thread lives forever
 
     def setup(self) -> None:
@@ -175,6 +245,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(body)
         finally:
             owner._serving(-1)
+        if owner.close_after is not None and not self.close_connection:
+            # Read nothing more: a request the client sends meanwhile is never seen, and closing with it unread
+            # resets the connection, as a server closing an idle keep-alive connection does over a real network.
+            time.sleep(owner.close_after)
+            self.close_connection = True
 
     def _answer(self, body: bytes) -> None:
         owner = self.server.owner
@@ -183,9 +258,16 @@ class _Handler(BaseHTTPRequestHandler):
         request = httpx.Request(
             self.command, f"http://loopback{target}", headers=dict(self.headers.items()), content=body
         )
+        key = bearer(self.headers.get("Authorization"))
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        self.seen = Seen(self.command, path, key, self.headers.get("Cookie"), parsed)
+        owner._record(owner.seen, self.seen)
         answer = owner.fake.handle(request)  # recorded by the fake, faults and all, before any raw action
         self.answer = answer
-        action = owner._next_action(self.command, path)
+        action = owner._next_action(self.command, path, key)
         if action is not None:
             action(self)
             return
@@ -201,9 +283,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        cookie_for = self.server.owner.cookie_for
+        cookie = cookie_for(self.seen.key) if cookie_for is not None else None
+        if cookie is not None:
+            self.send_header("Set-Cookie", f"{cookie}; Path=/")
         self.end_headers()
         self.wfile.write(body)
         self.wfile.flush()
+        self.server.owner._record(self.server.owner.answered, self.seen)
+
+
+def bearer(authorization: str | None) -> str:
+    """The key an ``Authorization: Bearer <key>`` header carries (``""`` without one)."""
+    return (authorization or "").removeprefix("Bearer ").strip()
 
 
 def as_usual(handler: _Handler) -> None:
@@ -336,3 +428,143 @@ def arrived(event: threading.Event, then: RawAction) -> RawAction:
         then(handler)
 
     return act
+
+
+def drip_header_lines(every: float = 0.2, limit: float = 60.0, stop: threading.Event | None = None) -> RawAction:
+    """Send the status line, then one whole header line every ``every`` seconds, never ending the headers.
+
+    Each line arrives well inside any per-read timeout, so only a bound on the whole attempt ends the call. The
+    server stops after ``limit`` seconds, once ``stop`` is set, or when the client hangs up (a line fails to send),
+    then closes the connection; :attr:`LoopbackMembase.drips` records the lines sent and whether the client hung up.
+    """
+
+    def act(handler: _Handler) -> None:
+        handler.close_connection = True
+        stopping = stop if stop is not None else threading.Event()
+        deadline = time.monotonic() + limit
+        lines, hung_up = 0, False
+        try:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            handler.wfile.flush()
+            while not stopping.wait(every) and time.monotonic() < deadline:
+                handler.wfile.write(f"X-Drip-{lines}: still coming\r\n".encode())
+                handler.wfile.flush()
+                lines += 1
+        except OSError:
+            hung_up = True  # the client gave up and closed the connection
+        handler.server.owner._dripped(lines, hung_up)
+
+    return act
+
+
+ERROR_FILLER = "The request was rejected because one of its fields is not valid for this Memory. " * 12
+"""Readable text around an echoed key: long enough that a key at any offset up to 400 has text after it."""
+
+
+def echo_key(offset: int, status: int = 400, tail: int = 300) -> RawAction:
+    """Answer ``status`` with Membase's error envelope whose message echoes the request's bearer key ``offset``
+    characters in (``tail`` characters of text after it), as a server quoting what it was sent does."""
+
+    def act(handler: _Handler) -> None:
+        message = ERROR_FILLER[:offset] + handler.seen.key + ERROR_FILLER[:tail]
+        envelope = {"error": {"code": "bad_request", "message": message, "details": None, "retryable": False}}
+        handler.write_answer(status, json.dumps(envelope).encode())
+
+    return act
+
+
+_CHUNK = b"x" * 65536
+_SEND_BUFFER = 64 * 1024  # the server's socket send buffer for streams: what it has sent is nearly what was read
+
+
+def endless(most: int, stop: threading.Event | None = None) -> RawAction:
+    """Answer 200 with a chunked body that never ends, as fast as the client reads it (a JSON start, then filler).
+
+    The server stops once the client hangs up, ``stop`` is set, or it has sent ``most`` bytes of body (a bound of the
+    test's, so a client that reads everything cannot exhaust the machine); :attr:`LoopbackMembase.streams` records
+    how much it sent and why it ended.
+    """
+    framed = b"%x\r\n" % len(_CHUNK) + _CHUNK + b"\r\n"
+
+    def act(handler: _Handler) -> None:
+        handler.close_connection = True
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        head = b'{"results": [{"content": "'
+        sent, ended = 0, "whole"
+        try:
+            handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+            handler.wfile.write(b"Transfer-Encoding: chunked\r\n\r\n")
+            handler.wfile.write(b"%x\r\n" % len(head) + head + b"\r\n")
+            sent += len(head)
+            while sent < most:
+                if stop is not None and stop.is_set():
+                    ended = "stop"
+                    break
+                handler.wfile.write(framed)
+                sent += len(_CHUNK)
+            else:
+                handler.wfile.write(b"0\r\n\r\n")
+            handler.wfile.flush()
+        except OSError:
+            ended = "hung up"
+        handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
+
+    return act
+
+
+def huge(length: int, stop: threading.Event | None = None) -> RawAction:
+    """Answer 200 announcing a body of ``length`` bytes and stream it (a JSON start, then filler), never building it.
+
+    The server stops once the whole body is out, the client hangs up, or ``stop`` is set; :attr:`LoopbackMembase
+    .streams` records how much it sent and why it ended.
+    """
+
+    def act(handler: _Handler) -> None:
+        handler.close_connection = True
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        head = b'{"results": [{"content": "'
+        sent, ended = 0, "whole"
+        try:
+            handler.send_response(200)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(length))
+            handler.end_headers()
+            handler.wfile.write(head)
+            sent = len(head)
+            while sent < length:
+                if stop is not None and stop.is_set():
+                    ended = "stop"
+                    break
+                piece = _CHUNK if length - sent >= len(_CHUNK) else _CHUNK[: length - sent]
+                handler.wfile.write(piece)
+                sent += len(piece)
+            handler.wfile.flush()
+        except OSError:
+            ended = "hung up"
+        handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
+
+    return act
+
+
+class Accounts(InMemoryMembase):
+    """An :class:`InMemoryMembase` with one memory per key: the object itself answers :data:`API_KEY`, and
+    :meth:`account` is another key's memory (made on first use, with one Memory "Main"). Every request is
+    answered from the account of the key it carries, and recorded there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._accounts: dict[str, InMemoryMembase] = {API_KEY: self}
+        self._accounts_lock = threading.Lock()
+
+    def account(self, key: str) -> InMemoryMembase:
+        """The memory of ``key``."""
+        with self._accounts_lock:
+            found = self._accounts.get(key)
+            if found is None:
+                found = self._accounts[key] = InMemoryMembase()
+            return found
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer ``request`` from the account of the key it carries."""
+        account = self.account(bearer(request.headers.get("authorization")))
+        return super().handle(request) if account is self else account.handle(request)
