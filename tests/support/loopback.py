@@ -56,6 +56,7 @@ class LoopbackMembase:
         """Start serving on a free port (over TLS with ``tls``); use as a context manager or call :meth:`close`."""
         self.fake = fake if fake is not None else InMemoryMembase()
         self._actions: dict[tuple[str, str], list[RawAction]] = {}
+        self._standing: dict[tuple[str, str], RawAction] = {}
         self._lock = threading.Lock()
         self._prefix = f"/loopback-{next(_SERVERS)}"
         self.connections = 0
@@ -92,6 +93,11 @@ class LoopbackMembase:
         with self._lock:
             self._actions.setdefault((method, path), []).extend(actions)
 
+    def always(self, method: str, path: str, action: RawAction) -> None:
+        """Do ``action`` for every request to ``method path`` that no queued action (:meth:`on`) takes."""
+        with self._lock:
+            self._standing[(method, path)] = action
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -106,7 +112,7 @@ class LoopbackMembase:
     def _next_action(self, method: str, path: str) -> RawAction | None:
         with self._lock:
             queued = self._actions.get((method, path))
-            return queued.pop(0) if queued else None
+            return queued.pop(0) if queued else self._standing.get((method, path))
 
     def _dripped(self, sent: int, hung_up: bool) -> None:
         with self._lock:
