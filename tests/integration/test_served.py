@@ -169,7 +169,8 @@ class Server:
         self.lines: list[str] = []
         self._collect_after = collect_after
         self._changed = threading.Condition()
-        env = {**env, "MEMBASE_TEST_COLLECT_AFTER": str(collect_after), "PYTHONPATH": str(COLLECT_GARBAGE)}
+        path = os.pathsep.join([str(COLLECT_GARBAGE), *filter(None, [env.get("PYTHONPATH")])])
+        env = {**env, "MEMBASE_TEST_COLLECT_AFTER": str(collect_after), "PYTHONPATH": path}
         self.process = subprocess.Popen(
             command, env=env, cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
