@@ -66,7 +66,8 @@ SLOW_TURNS = 2  # per client, then, while Membase takes SLOW_WRITE to save
 SLOW_WRITE = 1.5
 WRITE_TIMEOUT = 1.0  # the store's write budget: below SLOW_WRITE, so each slow turn's 200 leaves its write running
 SIGTERM_AT = CLIENTS + CLIENTS // 2  # slow writes in: every first one, and half the second ones (in flight for sure)
-WAIT = 60.0  # the longest any wait here lasts: for a server to start, for an answer, for a process to exit
+WAIT = 60.0  # the longest any wait here lasts (for an answer, for a process to exit), but for a server to start:
+START_WAIT = 120.0  # importing Strands and FastAPI took up to 46 s beside three busy processes on 2 loaded cores
 USERS = [f"u{number:02d}" for number in range(CLIENTS)]
 TOKEN = re.compile(r"\bu\d\dn\d\d\b")  # the words only one user ever says: u07n03 is user u07's turn 3
 MEMORIES = "/v1/memories"
@@ -92,6 +93,7 @@ class Accounts:
         self.slow_arrived = 0
         self.sigterm_due = threading.Event()
         self.dropped = 0  # slow writes whose client had hung up before the answer: not saved
+        self.slow_saved_at: list[float] = []  # when each slow write was saved (time.monotonic())
 
     def account(self, key: str) -> InMemoryMembase:
         with self._lock:
@@ -125,6 +127,8 @@ class Accounts:
             handler.close_connection = True
             return
         answer = self._answer(request)
+        with self._lock:
+            self.slow_saved_at.append(time.monotonic())
         handler.write_answer(answer.status_code, answer.read(), dict(answer.headers))
 
     def _answer(self, request: httpx.Request) -> httpx.Response:
@@ -199,21 +203,21 @@ class Server:
         return sum(text in line for line in self.lines)
 
     def wait_for_line(self, text: str, times: int = 1) -> None:
-        """Wait until ``text`` has been printed ``times`` times (at most ``WAIT`` seconds) or the output ended."""
+        """Wait until ``text`` has been printed ``times`` times (at most ``START_WAIT`` s) or the output ended."""
         with self._changed:
-            self._changed.wait_for(lambda: self._printed(text) >= times or not self._reader.is_alive(), WAIT)
+            self._changed.wait_for(lambda: self._printed(text) >= times or not self._reader.is_alive(), START_WAIT)
         assert self.count(text) >= times, f"the server never printed {text!r} {times} times:\n{self.output}"
 
     def wait_until_ready(self) -> None:
-        """Poll ``/health`` until it answers 200 (at most ``WAIT`` seconds)."""
-        deadline = time.monotonic() + WAIT
+        """Poll ``/health`` until it answers 200 (at most ``START_WAIT`` seconds)."""
+        deadline = time.monotonic() + START_WAIT
         with httpx.Client(base_url=self.url, timeout=5.0, trust_env=False) as client:
             while time.monotonic() < deadline and self.process.poll() is None:
                 with contextlib.suppress(httpx.TransportError):
                     if client.get("/health").status_code == 200:
                         return
                 time.sleep(0.05)  # polling the port: there is no event to wait on before it listens
-        pytest.fail(f"the server did not answer /health within {WAIT} s:\n{self.output}")
+        pytest.fail(f"the server did not answer /health within {START_WAIT} s:\n{self.output}")
 
     def stop(self) -> float:
         """SIGTERM, then wait for the exit (at most ``WAIT`` seconds); the seconds in between."""
@@ -276,6 +280,7 @@ class Turn:
     status: int | None = None
     reply: str = ""
     seconds: float = 0.0
+    answered_at: float = 0.0  # time.monotonic()
     answered_after_sigterm: bool = False
 
 
@@ -283,6 +288,7 @@ class Turn:
 class Run:
     turns: list[Turn] = field(default_factory=list)
     ready_seconds: float = 0.0
+    sigterm_at: float = 0.0  # time.monotonic()
     in_flight_at_sigterm: int = 0
     writes_running_at_sigterm: int = 0
     shutdown_seconds: float = 0.0
@@ -314,7 +320,7 @@ async def drive(server: Server, accounts: Accounts) -> Run:
                 if number == FAST_TURNS:  # every client waits here until all are done with their fast turns
                     fast_turns_done = True
                     done_with_fast_turns()
-                    await asyncio.wait_for(slow_from_now.wait(), WAIT)
+                    await asyncio.wait_for(slow_from_now.wait(), FAST_TURNS * WAIT)  # each turn's answer: WAIT
                 turn = Turn(user, f"Please remember note {user}n{number:02d} for me.", slow=number >= FAST_TURNS)
                 run.turns.append(turn)
                 began = time.monotonic()
@@ -326,7 +332,7 @@ async def drive(server: Server, accounts: Accounts) -> Run:
                 finally:
                     finished += 1
                     turn.seconds = time.monotonic() - began
-                turn.status = answer.status_code
+                turn.status, turn.answered_at = answer.status_code, time.monotonic()
                 turn.answered_after_sigterm = sigterm_sent
                 turn.reply = answer.json().get("reply", "") if answer.status_code == 200 else answer.text
                 if answer.status_code != 200:
@@ -336,11 +342,11 @@ async def drive(server: Server, accounts: Accounts) -> Run:
 
     async def sigterm_when_due() -> float:
         nonlocal sigterm_sent
-        due = await loop.run_in_executor(None, accounts.sigterm_due.wait, WAIT)
+        due = await loop.run_in_executor(None, accounts.sigterm_due.wait, (FAST_TURNS + SLOW_TURNS) * WAIT)
         assert due, f"only {accounts.slow_arrived} slow writes came in"
         run.in_flight_at_sigterm = started - finished
         run.writes_running_at_sigterm = len(accounts.arrived) - sum(len(accounts.saved(user_key(u))) for u in USERS)
-        sigterm_sent = True
+        sigterm_sent, run.sigterm_at = True, time.monotonic()
         return await loop.run_in_executor(None, server.stop)  # SIGTERM, then wait for the exit
 
     stopping = asyncio.ensure_future(sigterm_when_due())
@@ -362,6 +368,7 @@ def report(name: str, run: Run, accounts: Accounts) -> None:
     fast = sorted(turn.seconds for turn in answered if not turn.slow)
     slow = sorted(turn.seconds for turn in answered if turn.slow)
     saved = sum(len(accounts.saved(user_key(user))) for user in USERS)
+    last_answer = max((turn.answered_at for turn in answered), default=0.0)  # the close ran after it
     print(
         f"\n[{name}] ready in {run.ready_seconds:.1f} s; requests: {len(run.turns)} sent, {len(answered)} answered 200 "
         f"({sum(t.answered_after_sigterm for t in answered)} after SIGTERM), "
@@ -370,7 +377,9 @@ def report(name: str, run: Run, accounts: Accounts) -> None:
         f"slow writes {_quantile(slow, 0.5):.3f}/{_quantile(slow, 0.95):.3f} s; "
         f"at SIGTERM: {run.in_flight_at_sigterm} requests in flight, {run.writes_running_at_sigterm} writes running; "
         f"notes saved: {saved} (writes arrived {len(accounts.arrived)}, dropped as the client had left "
-        f"{accounts.dropped}); SIGTERM to exit {run.shutdown_seconds:.2f} s"
+        f"{accounts.dropped}; saved after SIGTERM {sum(t > run.sigterm_at for t in accounts.slow_saved_at)}, "
+        f"after the last 200 {sum(t > last_answer for t in accounts.slow_saved_at)}); "
+        f"SIGTERM to exit {run.shutdown_seconds:.2f} s"
     )
 
 
