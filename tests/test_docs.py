@@ -142,6 +142,7 @@ class Run:
     sleeps: list[float] = field(default_factory=list)
     tests_run: list[str] = field(default_factory=list)
     output: str = ""
+    namespace: dict[str, Any] = field(default_factory=dict)  # what the block defined
 
 
 @contextlib.contextmanager
@@ -190,10 +191,8 @@ def execute(block: Block, run: Run) -> None:
         module = real_import(name, *args, **kwargs)
         return _TimeForBlocks(run.sleeps) if name == "time" else module
 
-    namespace: dict[str, Any] = {
-        "__name__": "docs_block",
-        "__builtins__": {**vars(builtins), "__import__": block_import},
-    }
+    namespace: dict[str, Any] = run.namespace
+    namespace.update({"__name__": "docs_block", "__builtins__": {**vars(builtins), "__import__": block_import}})
     exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102 - the documentation's own code
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
@@ -249,12 +248,29 @@ def _testing_your_agent(run: Run) -> None:
     assert run.tests_run == ["test_the_agent_recalls_and_saves", "test_the_agent_carries_on_when_membase_is_down"]
 
 
+def _served_app(run: Run) -> None:
+    # The example's lifespan opens the pool and closes it; each user's turn is answered and its words captured.
+    from fastapi.testclient import TestClient
+
+    with TestClient(run.namespace["app"]) as client:
+        alice = client.post("/chat", json={"text": "I like green tea."}, headers={"X-User-Id": "alice"})
+        stranger = client.post("/chat", json={"text": "Hello."}, headers={"X-User-Id": "mallory"})
+    assert alice.status_code == 200 and alice.json()["reply"]
+    assert stranger.status_code == 403  # no MEMBASE_KEY_mallory
+    assert run.membase.saved() == ["I like green tea."]
+    with pytest.raises(RuntimeError, match="closed"):
+        run.namespace["app"].state.pool.store_for("alice")
+
+
 CHECKS: dict[tuple[str, str, int], Callable[[Run], None]] = {
     ("README.md", "Quick start", 0): _quick_start,
     ("README.md", "Quick start", 1): _offline_twin,
     ("README.md", "Many users", 0): _many_users,
     ("README.md", "Testing your own agent", 0): _testing_your_agent,
+    ("docs/servers.md", "A served app: FastAPI under uvicorn or gunicorn", 0): _served_app,
 }
+# Blocks that need a dev dependency the oldest/newest version pairs of CI do not install.
+NEEDS = {"fastapi": "fastapi"}
 
 
 # --- Every Python block runs ---------------------------------------------------------------------
@@ -262,18 +278,20 @@ CHECKS: dict[tuple[str, str, int], Callable[[Run], None]] = {
 
 @pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
 def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.CaptureFixture[str]) -> None:
+    for module in (module for name, module in NEEDS.items() if f"from {name}" in block.code):
+        pytest.importorskip(module, reason=f"{block.name} needs {module} (a dev dependency)")
     if any(marker in block.code for marker in ISOLATE):
         done = run_isolated(block)
         assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr}"
         assert (block.page, block.heading, block.index) not in CHECKS, "an isolated block checks itself"
         return
-    with offline() as run:
+    with offline() as run:  # checked in there too: a check may drive what the block built (the served app)
         execute(block, run)
-    run.output = capsys.readouterr().out
-    assert API_KEY not in run.output
-    check_what_it_did = CHECKS.get((block.page, block.heading, block.index))
-    if check_what_it_did is not None:
-        check_what_it_did(run)
+        run.output = capsys.readouterr().out
+        assert API_KEY not in run.output
+        check_what_it_did = CHECKS.get((block.page, block.heading, block.index))
+        if check_what_it_did is not None:
+            check_what_it_did(run)
 
 
 def test_every_block_a_check_names_exists() -> None:
@@ -328,6 +346,17 @@ def test_the_readme_quick_start_is_examples_quickstart_py_and_fits_in_40_lines()
 
     assert quick_start.code == code_after_docstring
     assert len(quick_start.code.splitlines()) <= 40
+
+
+def test_the_served_app_in_docs_servers_md_is_examples_server_py() -> None:
+    (served,) = [
+        b
+        for b in PYTHON
+        if (b.page, b.heading) == ("docs/servers.md", "A served app: FastAPI under uvicorn or gunicorn")
+    ]
+    example = (ROOT / "examples" / "server.py").read_text(encoding="utf-8")
+
+    assert served.code == example.split('"""', 2)[2].lstrip("\n")
 
 
 def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_clone() -> None:

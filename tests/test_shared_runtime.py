@@ -47,9 +47,8 @@ from strands import Agent
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, MembaseStorePool, MembaseWriteTimeout
 from membase_strands.check import main as check_main
 from membase_strands.check import run_check
-from membase_strands.testing import ScriptedModel, ToolCall
+from membase_strands.testing import InMemoryMembase, ScriptedModel, ToolCall
 from tests.support.loopback import (
-    Accounts,
     LoopbackMembase,
     arrived,
     as_usual,
@@ -77,9 +76,9 @@ def fact_of(user: str) -> str:
     return f"The ledger of {user} is kept in vault-{user}."
 
 
-def with_memories(users: list[str]) -> Accounts:
+def with_memories(users: list[str]) -> InMemoryMembase:
     """A fake Membase where each user's key reaches a memory holding that user's own fact."""
-    fake = Accounts()
+    fake = InMemoryMembase()
     for user in users:
         fake.account(key_of(user)).remember(fact_of(user))
     return fake
@@ -347,7 +346,7 @@ def test_closing_the_pool_waits_for_a_running_write_of_every_store_it_built_that
     caplog.set_level(logging.INFO)
     user = "writer"
     at_server, answering, release, returned = (threading.Event() for _ in range(4))
-    with LoopbackMembase(Accounts()) as server:
+    with LoopbackMembase(InMemoryMembase()) as server:
         held = stall(release, arrived(answering, as_usual), limit=HELD)  # `answering`: set before the answer goes
         server.on("POST", "/v1/memories", arrived(at_server, held), key=key_of(user))
         pool = MembaseStorePool(
@@ -485,7 +484,7 @@ def test_a_key_membase_echoes_at_any_offset_leaves_no_8_characters_of_itself_any
     def echoes(method: str, path: str) -> None:
         server.on(method, path, *[echo_key(offset) for offset in offsets], key=key)
 
-    with LoopbackMembase(Accounts()) as server, ThreadPoolExecutor(max_workers=8) as threads:
+    with LoopbackMembase(InMemoryMembase()) as server, ThreadPoolExecutor(max_workers=8) as threads:
         searches = lambda: len(server.requests("POST", "/v1/search", {key}))  # noqa: E731
         store = MembaseMemoryStore(api_key=key, base_url=server.url, name="echo", recall_timeout=LONG)
         late = [MembaseMemoryStore(api_key=key, base_url=server.url, name=f"late{n}") for n in range(6)]

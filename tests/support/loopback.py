@@ -87,6 +87,7 @@ class LoopbackMembase:
         """Start serving on a free port (over TLS with ``tls``); use as a context manager or call :meth:`close`."""
         self.fake = fake if fake is not None else InMemoryMembase()
         self._actions: dict[tuple[str, str, str | None], list[RawAction]] = {}
+        self._standing: dict[tuple[str, str], RawAction] = {}
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # notified whenever a record below grows
         self._prefix = f"/loopback-{next(_SERVERS)}"
@@ -155,6 +156,11 @@ class LoopbackMembase:
             done = self.answered
             return [s for s in done if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
 
+    def always(self, method: str, path: str, action: RawAction) -> None:
+        """Do ``action`` for every request to ``method path`` that no queued action (:meth:`on`) takes."""
+        with self._lock:
+            self._standing[(method, path)] = action
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -171,7 +177,7 @@ class LoopbackMembase:
             for queued in (self._actions.get((method, path, key)), self._actions.get((method, path, None))):
                 if queued:
                     return queued.pop(0)
-            return None
+            return self._standing.get((method, path))
 
     def _record(self, into: list[Any], entry: Any) -> None:
         with self._changed:
