@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -313,43 +312,29 @@ def assert_own_passages(model: ScriptedModel, topic: str) -> None:
         assert [other for other in TOPICS if other != topic and other in block] == []
 
 
-async def test_ten_agents_sharing_one_store_run_fifty_async_turns_at_once(fake, make_store):
-    """Each agent runs its turns in order (Strands refuses concurrent calls on one agent); the ten run at once."""
+async def test_ten_agents_sharing_one_store_async_on_a_loop_and_sync_from_threads_each_recall_their_own(
+    fake, make_store
+):
+    """Each agent runs its turns in order (Strands refuses concurrent calls on one agent); the ten run at once: five
+    on this event loop, five synchronously, each from a thread of its own."""
     in_flight = InFlight(delayed(fake, 0.05))
     fake.always("POST", "/v1/search", in_flight)
     store = make_store()
     agents = topic_agents(fake, store, TOPICS)
 
-    async def chain(topic: str) -> list[str]:
+    async def turns(topic: str) -> list[str]:
         agent, _ = agents[topic]
-        return [str(await agent.invoke_async(f"What about {topic}, turn {turn}?")).strip() for turn in range(5)]
+        if topic in TOPICS[:5]:
+            return [str(await agent.invoke_async(f"What about {topic}, turn {turn}?")).strip() for turn in range(5)]
+        return await asyncio.to_thread(lambda: [str(agent(f"What about {topic}, call {n}?")).strip() for n in range(5)])
 
-    assert await asyncio.gather(*(chain(topic) for topic in TOPICS)) == [["ok"] * 5] * 10
+    assert await asyncio.gather(*(turns(topic) for topic in TOPICS)) == [["ok"] * 5] * 10
     for topic, (_, model) in agents.items():
         assert_own_passages(model, topic)
     assert len(fake.sent("POST", "/v1/search")) == 50  # one per turn: none doubled, none lost
     assert in_flight.peak >= 2  # healthy recalls ran side by side
     counters = store.counters()
     assert (counters["recalls"], counters["recall_hits"], counters["recall_skipped"]) == (50, 50, 0)
-
-
-def test_synchronous_agent_calls_from_eight_threads_share_one_store(fake, make_store):
-    in_flight = InFlight(delayed(fake, 0.03))
-    fake.always("POST", "/v1/search", in_flight)
-    store = make_store()
-    agents = topic_agents(fake, store, TOPICS[:8])
-
-    def calls(topic: str) -> list[str]:
-        agent, _ = agents[topic]
-        return [str(agent(f"What about {topic}, call {n}?")).strip() for n in range(5)]
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        assert list(pool.map(calls, agents)) == [["ok"] * 5] * 8
-    for topic, (_, model) in agents.items():
-        assert_own_passages(model, topic)
-    assert len(fake.sent("POST", "/v1/search")) == 40
-    assert in_flight.peak >= 2
-    assert (store.counters()["recall_skipped"], store.counters()["recall_timeouts"]) == (0, 0)
 
 
 def test_consecutive_recalls_run_on_one_reused_thread_named_after_the_store(threads, fake, make_store):

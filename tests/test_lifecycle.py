@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
-import os
-import queue
-import subprocess
-import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,6 +22,7 @@ import pytest
 
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _background
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
+from tests.support.exit_program import Program
 from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
 from tests.support.store_helpers import (
     FACT,
@@ -35,6 +30,7 @@ from tests.support.store_helpers import (
     LONG,
     MEMORIES,
     QUESTION,
+    Ticker,
     cancelled_once_sent,
     drain_began,
     lines,
@@ -56,31 +52,6 @@ SENT_AGAIN_SAVED = "a write the store sent again finished; it is saved"
 SAVED_ANSWER = {"memory_id": "ctr_main:1", "container": "ctr_main"}
 
 
-class Ticker:
-    """A task that ticks every 10 ms while the test awaits something else, and calls ``release`` at tick
-    ``release_after``. Only a loop that is not blocked runs it."""
-
-    def __init__(self, release_after: int | None = None, release: Callable[[], None] = lambda: None) -> None:
-        self.ticks = 0
-        self._release_after, self._release = release_after, release
-        self._task: asyncio.Task[None] | None = None
-
-    def __enter__(self) -> Ticker:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(0.01)
-            self.ticks += 1
-            if self.ticks == self._release_after:
-                self._release()
-
-
 def capturing(membase: InMemoryMembase, write_timeout: float = LONG, **options: Any) -> MembaseMemoryStore:
     return membase.store(capture=True, extraction=True, container="Main", write_timeout=write_timeout, **options)
 
@@ -98,6 +69,15 @@ async def timed_out_write(membase: InMemoryMembase, store: MembaseMemoryStore, t
     membase.on(*MEMORIES, hang(release, then=then))
     with pytest.raises(MembaseWriteTimeout):
         await store.add(GREEN_TEA)
+
+
+async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, caplog) -> MembaseMemoryStore:
+    """A store whose write of GREEN_TEA failed (500) after its caller was cancelled: the store keeps it."""
+    store, release = capturing(membase, write_timeout=5.0), gates.new()
+    await held_write(membase, store, status(500, "internal"), release)
+    release.set()
+    assert await until(logged(caplog, "or when it closes", logging.WARNING), timeout=LONG)
+    return store
 
 
 def no_bad_file_descriptor(caplog: pytest.LogCaptureFixture) -> bool:
@@ -212,6 +192,7 @@ async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_sa
         assert ticked >= 1  # the loop ran meanwhile
         still = f"writes still running after {BUDGET:g} s; their outcome is logged when they end"
         assert logged(caplog, still, logging.WARNING)() == 1
+        assert logged(caplog, WAITING, logging.INFO)() == 1  # one wait of write_timeout, announced once
         assert store.counters()["writes_saved"] == 0
         release.set()
         assert await until(logged(caplog, "a write that ran out of time finished; it is saved"), timeout=LONG)
@@ -223,7 +204,9 @@ async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_sa
     assert no_bad_file_descriptor(caplog)
 
 
-async def test_a_cancelled_aclose_still_closes_the_store_and_a_second_aclose_waits_for_its_writes(fake, gates, caplog):
+async def test_a_cancelled_aclose_still_closes_and_every_later_close_returns_once_the_writes_are_on_record(
+    fake, gates, caplog
+):
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
     fake.on(*MEMORIES, signalling(in_flight, hang(release, then=fake.answer)))
@@ -236,50 +219,31 @@ async def test_a_cancelled_aclose_still_closes_the_store_and_a_second_aclose_wai
     closing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await closing
-
     # Closed all the same, so the store never ends half closed; its closing goes on in the background.
     with pytest.raises(RuntimeError, match="closed"):
         await store.search(QUESTION)
-    second = asyncio.create_task(store.aclose())  # waits for the first closing, up to write_timeout
-    release.set()
-    await asyncio.wait_for(second, LONG)
-    assert store.counters()["writes_saved"] == 1  # the write's outcome is on record when it returns
-    await asyncio.wait_for(turn, LONG)
-    assert fake.saved() == [GREEN_TEA]
 
-
-async def test_every_caller_of_a_close_under_way_returns_once_the_writes_are_on_record(fake, gates, caplog):
-    caplog.set_level(logging.INFO)
-    in_flight, release = threading.Event(), gates.new()
-    fake.on(*MEMORIES, signalling(in_flight, hang(release, then=fake.answer)))
-    store = capturing(fake)
-    agent, _ = make_agent(store, ["Noted."])
-    turn = asyncio.create_task(turn_and_flush(agent, GREEN_TEA))
-    assert await until(in_flight.is_set, timeout=LONG)
-
-    first = asyncio.create_task(store.aclose())
-    assert await until(drain_began(caplog), timeout=LONG)
-    calling, second = threading.Event(), Future[int]()
+    calling, from_a_thread = threading.Event(), Future[int]()
 
     def close_from_another_thread() -> None:
         calling.set()
         store.close()
-        second.set_result(store.counters()["writes_saved"])  # what that caller sees once close() returns
+        from_a_thread.set_result(store.counters()["writes_saved"])  # what that caller sees once close() returns
 
     async def aclose_again() -> int:
         await store.aclose()
         return store.counters()["writes_saved"]
 
     threading.Thread(target=close_from_another_thread, daemon=True).start()
-    third = asyncio.create_task(aclose_again())
+    again = asyncio.create_task(aclose_again())  # each waits for the first closing, up to write_timeout
     assert await until(calling.is_set, timeout=LONG)
-    await asyncio.sleep(0)  # let the third closer start waiting too
+    await asyncio.sleep(0)  # let the second closer start waiting too
     release.set()
 
-    await asyncio.wait_for(first, LONG)
-    assert await asyncio.wait_for(third, LONG) == 1  # neither returned before the write was on record
-    assert await asyncio.wait_for(asyncio.wrap_future(second), LONG) == 1
+    assert await asyncio.wait_for(again, LONG) == 1  # neither returned before the write was on record
+    assert await asyncio.wait_for(asyncio.wrap_future(from_a_thread), LONG) == 1
     await asyncio.wait_for(turn, LONG)
+    assert fake.saved() == [GREEN_TEA]
 
 
 class HeldLogLine(logging.Handler):
@@ -384,27 +348,28 @@ def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     return _background._at_exit
 
 
-async def test_the_exit_hook_sends_once_a_batch_that_failed_after_close_and_is_quiet_with_nothing_to_do(
+async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_is_quiet_with_nothing_to_do(
     exit_hook, fake, gates, caplog
 ):
+    """Issue 19: a batch whose caller was cancelled and that then failed, with no next write and no close; and one
+    that failed after its store's close stopped waiting for it."""
     caplog.set_level(logging.INFO)
-    idle = capturing(fake, name="idle")
-    release = gates.new()
-    store = capturing(fake, write_timeout=BUDGET)
-    await timed_out_write(fake, store, status(500, "internal"), release)
-    await store.aclose()  # waits BUDGET for the held write, then returns with it still running
+    idle, other = capturing(fake, name="idle"), InMemoryMembase()
+    kept = await kept_after_a_cancelled_write(other, gates, caplog)
+    release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET)
+    await timed_out_write(fake, closed, status(500, "internal"), release)
+    await closed.aclose()  # waits BUDGET for the held write, then returns with it still running
     release.set()
-    closed = "a write that ran out of time failed; the store sends it again at interpreter exit"
-    assert await until(logged(caplog, closed, logging.WARNING), timeout=LONG)
-    assert fake.saved() == []
+    at_exit = "a write that ran out of time failed; the store sends it again at interpreter exit"
+    assert await until(logged(caplog, at_exit, logging.WARNING), timeout=LONG)
+    assert fake.saved() == other.saved() == []
 
-    await asyncio.to_thread(exit_hook)  # the interpreter exits: the store sends the kept batch, once
+    await asyncio.to_thread(exit_hook)  # the interpreter exits: each store sends its kept batch, once
 
-    assert logged(caplog, SENT_AGAIN_SAVED)() == 1
-    assert fake.saved() == [GREEN_TEA]
-    assert len(fake.sent(*MEMORIES)) == 2
-    counters = store.counters()
-    assert (counters["writes_sent_again"], counters["writes_saved"], counters["writes_lost"]) == (1, 1, 0)
+    assert logged(caplog, SENT_AGAIN_SAVED)() == 2
+    for membase, store in ((fake, closed), (other, kept)):
+        assert (membase.saved(), len(membase.sent(*MEMORIES))) == ([GREEN_TEA], 2)
+        assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
     assert not any("store=<idle>" in line for line in lines(caplog))
     idle.close()
 
@@ -441,27 +406,6 @@ async def test_a_write_that_fails_during_the_exit_wait_says_nothing_will_send_it
         "nothing will send it again"
     ]  # it ended within the wait: one line, not two
     assert (store.counters()["write_errors"], store.counters()["writes_lost"]) == (1, 1)
-
-
-async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, caplog) -> MembaseMemoryStore:
-    """A store whose write of GREEN_TEA failed (500) after its caller was cancelled: the store keeps it."""
-    store, release = capturing(membase, write_timeout=5.0), gates.new()
-    await held_write(membase, store, status(500, "internal"), release)
-    release.set()
-    assert await until(logged(caplog, "or when it closes", logging.WARNING), timeout=LONG)
-    return store
-
-
-async def test_at_exit_a_batch_kept_for_sending_again_is_sent_once(exit_hook, fake, gates, caplog):
-    """Issue 19: a batch whose caller was cancelled and that then failed, with no next write and no close."""
-    caplog.set_level(logging.INFO)
-    store = await kept_after_a_cancelled_write(fake, gates, caplog)
-
-    await asyncio.to_thread(exit_hook)
-
-    assert logged(caplog, SENT_AGAIN_SAVED)() == 1
-    assert (fake.saved(), len(fake.sent(*MEMORIES))) == ([GREEN_TEA], 2)
-    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
 
 
 async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_in_one_line(
@@ -529,122 +473,6 @@ async def test_what_watches_a_store_for_exit_and_for_fork_keeps_no_store_alive(f
 
 
 # --- Interpreter exit, for real: one subprocess, three stores, two forks -------------------------------------
-
-PROGRAM = r"""
-import asyncio, atexit, json, logging, os, sys, warnings
-
-warnings.simplefilter("ignore", DeprecationWarning)  # os.fork() in a process that has threads
-stores = {}
-# Registered before the library's exit hook (importing the library registers that one), so it runs after it.
-report = lambda: {"pid": os.getpid(), "counters": {name: store.counters() for name, store in stores.items()}}
-atexit.register(lambda: print(json.dumps(report()), flush=True))
-logging.basicConfig(
-    level=logging.INFO, stream=sys.stderr, format="%(process)d %(relativeCreated)d %(levelname)s %(name)s %(message)s"
-)
-
-from strands import Agent
-from strands.memory import MemoryManager
-
-from membase_strands import MembaseMemoryStore
-from membase_strands.testing import API_KEY, ScriptedModel
-
-for name, url in zip(("preloaded", "graced", "cut"), sys.argv[1:4]):
-    stores[name] = MembaseMemoryStore(
-        api_key=API_KEY, base_url=url, name=name, container="Main", capture=True, extraction=True,
-        write_timeout=0.5 if name == "cut" else 30.0,
-    )
-
-
-async def write_then_hang_up(store):  # a web handler whose client hung up: the write goes on in the background
-    task = asyncio.ensure_future(store.add("I like green tea."))
-    await asyncio.sleep(0)
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-
-
-if os.fork() == 0:  # as gunicorn --preload: the store is built before the fork and used in the child only
-    logging.getLogger("program").info("preloaded child")
-    asyncio.run(write_then_hang_up(stores["preloaded"]))
-    sys.exit(0)
-os.wait()
-asyncio.run(write_then_hang_up(stores["graced"]))
-manager = MemoryManager(stores=[stores["cut"]])
-# Its captured write outlives its budget: the server holds it.
-Agent(model=ScriptedModel(["Noted."]), memory_manager=manager, callback_handler=None)("I like green tea.")
-if os.fork() == 0:
-    logging.getLogger("program").info("forked child")
-    sys.exit(0)  # a normal exit: the atexit hooks run in the child too
-os.wait()
-"""
-
-
-class Program:
-    """The program above, run in a subprocess; its log lines (stderr) read as they come."""
-
-    def __init__(self, *urls: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBASE_")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PROGRAM, *urls],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.err: list[str] = []
-        self.out: list[str] = []
-        self._arriving: queue.Queue[str] = queue.Queue()
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.process.stderr, self.err), daemon=True),
-            threading.Thread(target=self._read, args=(self.process.stdout, self.out), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self, stream: Any, into: list[str]) -> None:
-        for line in stream:
-            into.append(line.rstrip("\n"))
-            if into is self.err:
-                self._arriving.put(line)
-
-    def wait_for_line(self, text: str, timeout: float = 60.0) -> bool:
-        """Wait until a log line containing ``text`` arrives (or the program ends, or ``timeout`` passes)."""
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                if text in self._arriving.get(timeout=min(remaining, 0.5)):
-                    return True
-            except queue.Empty:
-                if self.process.poll() is not None and self._arriving.empty():
-                    return False
-        return False
-
-    def finish(self, timeout: float = 60.0) -> int:
-        try:
-            code = self.process.wait(timeout)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()  # our own child, by its handle
-                self.process.wait(10)
-        for reader in self._readers:
-            reader.join(10)
-        return code
-
-    def pid_of(self, line_end: str) -> int:
-        return int(next(line for line in self.err if line.endswith(line_end)).split()[0])
-
-    def counters(self, pid: int) -> dict[str, dict[str, int]]:
-        reports = [json.loads(line) for line in self.out if line.startswith("{")]
-        return next(r["counters"] for r in reports if r["pid"] == pid)
-
-    def lines(self, pid: int) -> list[str]:
-        return [line for line in self.err if line.startswith(f"{pid} ")]
-
-    def output(self) -> str:
-        return "\n".join([*self.err, *self.out])
 
 
 def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_timeout_and_says_how_they_ended(gates):

@@ -35,6 +35,7 @@ from tests.support.store_helpers import (
     LONG,
     MEMORIES,
     QUESTION,
+    Ticker,
     cancelled_once_sent,
     lines,
     logged,
@@ -333,9 +334,17 @@ def test_close_closes_every_store_it_built_even_one_let_go_of_and_refuses_more(f
     with pytest.raises(RuntimeError, match="closed"):
         pool.store_for("alice")
     pool.close()  # twice is fine
-    with fake.pool(key_of) as other:
-        store = other.store_for("alice")
-    assert is_closed(store)
+    mine = asyncio.new_event_loop()
+    asyncio.set_event_loop(mine)  # old-style code that runs its own loop with run_until_complete
+    try:
+        with fake.pool(key_of) as other:
+            store = other.store_for("alice")
+        assert asyncio.get_event_loop_policy().get_event_loop() is mine  # the caller's loop is left in place
+        with pytest.raises(RuntimeError, match="closed"):
+            mine.run_until_complete(store.search(QUESTION))
+    finally:
+        asyncio.set_event_loop(None)
+        mine.close()
 
     entered, release = threading.Event(), threading.Event()
 
@@ -386,25 +395,16 @@ async def test_async_with_closes_every_store_side_by_side_without_blocking_the_l
     arrivals = {user: threading.Event() for user in ("alice", "bob")}
     for user, arrived in arrivals.items():
         users[user].on(*MEMORIES, signalling(arrived, hang(release, then=users[user].answer)))
-    ticks: list[int] = []
-
-    async def ticker() -> None:  # only a loop that is not blocked runs it; only it releases the writes
-        while True:
-            await asyncio.sleep(0.01)
-            ticks.append(len(ticks))
-            if len(ticks) == 5:
-                release.set()
-
     async with fake.pool(key_of, capture=True, extraction=True, container="Main", write_timeout=LONG) as pool:
         stores = {user: pool.store_for(user) for user in arrivals}
         turns = [
             asyncio.create_task(turn_and_flush(make_agent(s, ["ok"])[0], f"{u} likes tea")) for u, s in stores.items()
         ]
         assert await until(lambda: all(event.is_set() for event in arrivals.values()), timeout=LONG)
-        ticking = asyncio.create_task(ticker())
-    ticking.cancel()
+        ticker = Ticker(release_after=5, release=release.set).__enter__()  # only it releases the writes
+    ticker.__exit__()
 
-    assert len(ticks) >= 5
+    assert ticker.ticks >= 5  # so the loop ran while the pool closed
     assert {user: store.counters()["writes_saved"] for user, store in stores.items()} == {"alice": 1, "bob": 1}
     assert {user: users[user].saved() for user in stores} == {"alice": ["alice likes tea"], "bob": ["bob likes tea"]}
     for store in stores.values():
@@ -462,23 +462,6 @@ def test_closing_from_a_context_that_holds_no_variable_finishes(fake, users, gat
     write.result(timeout=LONG)
     in_thread(contextvars.Context().run, pool.close).result(timeout=LONG)
     assert alice.saved() == [GREEN_TEA] and is_closed(store)
-
-
-def test_close_leaves_the_calling_threads_own_event_loop_in_place(fake):
-    mine = asyncio.new_event_loop()
-    asyncio.set_event_loop(mine)  # old-style code that runs its own loop with run_until_complete
-    try:
-        pool = fake.pool(key_of)
-        store = pool.store_for("alice")
-
-        pool.close()
-
-        assert asyncio.get_event_loop_policy().get_event_loop() is mine
-        with pytest.raises(RuntimeError, match="closed"):
-            mine.run_until_complete(store.search(QUESTION))  # the store is closed; the caller's loop still runs
-    finally:
-        asyncio.set_event_loop(None)
-        mine.close()
 
 
 # --- Many threads, many users ------------------------------------------------------------------------

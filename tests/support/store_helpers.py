@@ -186,6 +186,31 @@ async def close_then_release(store: MembaseMemoryStore, caplog: pytest.LogCaptur
     await closing
 
 
+class Ticker:
+    """A task that ticks every 10 ms while the test awaits something else, and calls ``release`` at tick
+    ``release_after``. Only a loop that is not blocked runs it."""
+
+    def __init__(self, release_after: int | None = None, release: Callable[[], None] = lambda: None) -> None:
+        self.ticks = 0
+        self._release_after, self._release = release_after, release
+        self._task: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.ticks += 1
+            if self.ticks == self._release_after:
+                self._release()
+
+
 def unreferenced(work: Callable[[], Awaitable[Any]]) -> threading.Event:
     """Run ``work()`` in a task that nothing references (a server's lifespan task, say); the event is set once
     ``work()`` has returned. The task is not kept here: only what it waits on can keep it alive."""
