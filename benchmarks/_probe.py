@@ -1,17 +1,17 @@
-"""One measurement in a fresh process, on the library found in a given ``src`` directory::
+"""One measurement in a fresh process, on one candidate::
 
-    python benchmarks/_probe.py MODE SRC URL JSON_OPTIONS
+    python benchmarks/_probe.py MODE CANDIDATE URL JSON_OPTIONS
 
-``SRC`` goes first on ``sys.path``, so ``membase_strands`` comes from it while Strands, the SDK and httpx are
-the same for every library compared. A probe uses only what the library at a3a13fd and now both offer:
-``MembaseMemoryStore(api_key=..., base_url=...)``, ``MembaseStorePool``, ``store.search`` and the testing
-kit's ``ScriptedModel``. ``URL`` is the loopback server (``_server.py``). Prints one JSON line.
+``CANDIDATE`` is ``now`` (the library: this checkout's ``src``, put first on ``sys.path``) or ``reference`` (the
+reference adapter, ``reference.py``); Strands, the SDK and httpx are the same for both. A probe uses only the
+library's public API: ``MembaseMemoryStore(api_key=..., base_url=...)``, ``MembaseStorePool``, ``store.search``
+and the testing kit (``ScriptedModel``, ``InMemoryMembase``). ``URL`` is the loopback server (``_server.py``).
+Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import json
 import logging
@@ -26,8 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+BENCHMARKS = Path(__file__).resolve().parent
 QUESTION = "Which database did we choose for the ledger?"
 SLOW_US = 2000.0
+NOW, REFERENCE = "now", "reference"
 
 
 def library_threads() -> int:
@@ -55,21 +57,33 @@ def peak_threads() -> Iterator[dict[str, int]]:
         sampler.join(5)
 
 
-def recall(url: str, calls: int, kind: str = "key") -> dict[str, Any]:
-    """Raw ``client.search`` and ``await store.search`` over loopback, one of each in turn (the order alternates).
-    ``kind``: the store is built from the key (``key``) or given a client (``given``: one attempt); ``thread``: no
-    store, the raw call awaited on a thread of asyncio's default executor (what any hand-off to a thread costs)."""
-    import membase
+def store_of(candidate: str, key: str, url: str, **options: Any) -> Any:
+    """A store of ``candidate`` built from ``key``; ``options`` go to the library's store only (the reference has
+    none: no time box)."""
+    if candidate == NOW:
+        from membase_strands import MembaseMemoryStore
 
-    from membase_strands import MembaseMemoryStore
+        return MembaseMemoryStore(api_key=key, base_url=url, **options)
+    from reference import ReferenceMembaseStore
 
+    return ReferenceMembaseStore(api_key=key, base_url=url)
+
+
+def pool_of(candidate: str, url: str) -> Any:
+    """Per-user stores, the user's id as its key: the library's ``MembaseStorePool``, or the reference's dict."""
+    if candidate == NOW:
+        from membase_strands import MembaseStorePool
+
+        return MembaseStorePool(lambda user_id: user_id, base_url=url)
+    from reference import ReferenceStores
+
+    return ReferenceStores(url)
+
+
+def alternate(raw: Any, store: Any, calls: int) -> dict[str, Any]:
+    """``calls`` raw ``client.search(q, limit=5)`` and ``await store.search(q)``, one of each in turn (the order
+    alternating) after a warm-up of a quarter as many: the medians, and the share of calls over 2 ms."""
     warmup = calls // 4
-    raw = membase.Membase(api_key="user-raw", base_url=url)
-    if kind == "given":
-        store = MembaseMemoryStore(client=membase.Membase(api_key="user-store", base_url=url, max_retries=0))
-    else:
-        store = MembaseMemoryStore(api_key="user-store", base_url=url)
-    threaded = membase.Membase(api_key="user-thread", base_url=url, max_retries=0)
     times: dict[str, list[float]] = {"raw": [], "store": []}
     hits = 0
 
@@ -80,9 +94,6 @@ def recall(url: str, calls: int, kind: str = "key") -> dict[str, Any]:
                 started = time.perf_counter_ns()
                 if which == "raw":
                     raw.search(QUESTION, limit=5)
-                elif kind == "thread":
-                    search = functools.partial(threaded.search, QUESTION, limit=5)
-                    hits += bool(await asyncio.get_running_loop().run_in_executor(None, search)) and index >= warmup
                 else:
                     hits += bool(await store.search(QUESTION)) and index >= warmup
                 if index >= warmup:
@@ -90,9 +101,6 @@ def recall(url: str, calls: int, kind: str = "key") -> dict[str, Any]:
 
     gc.collect()
     asyncio.run(measure())
-    store.close()
-    raw.close()
-    threaded.close()
     out: dict[str, Any] = {"hits": hits, "calls": calls}
     for which, values in times.items():
         out[f"{which}_us"] = statistics.median(values)
@@ -100,24 +108,70 @@ def recall(url: str, calls: int, kind: str = "key") -> dict[str, Any]:
     return out
 
 
-def pattern(url: str, users: int, turns: int, idle_s: float) -> dict[str, Any]:
+def recall(url: str, candidate: str, calls: int, mock: bool = True) -> dict[str, Any]:
+    """The floor (the raw SDK call) and the candidate's recall over the loopback server; then, with ``mock``, the
+    same over the testing kit's ``httpx.MockTransport`` instead of sockets (its figures prefixed ``mock_``)."""
+    import membase
+
+    raw = membase.Membase(api_key="user-raw", base_url=url)
+    store = store_of(candidate, "user-store", url)
+    try:
+        out = alternate(raw, store, calls)
+    finally:
+        store.close()
+        raw.close()
+    if mock:
+        out.update({f"mock_{key}": value for key, value in mock_recall(candidate, calls).items()})
+    return out
+
+
+def mock_recall(candidate: str, calls: int) -> dict[str, Any]:
+    """:func:`alternate` over an ``InMemoryMembase`` that answers every search with the loopback server's body."""
+    import httpx
+    from _server import SEARCH_ANSWER
+    from common import kit_client
+
+    from membase_strands.testing import InMemoryMembase
+
+    fake = InMemoryMembase()
+    json_type = {"content-type": "application/json"}
+    fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=SEARCH_ANSWER, headers=json_type))
+    raw = kit_client(fake)
+    if candidate == NOW:
+        store: Any = fake.store()  # built from the kit's key, as in production
+    else:
+        from reference import ReferenceMembaseStore
+
+        store = ReferenceMembaseStore(client=kit_client(fake))
+    try:
+        return alternate(raw, store, calls)
+    finally:
+        store.close()
+        raw.close()
+
+
+def pattern(url: str, candidate: str, users: int, turns: int, idle_s: float) -> dict[str, Any]:
     """The server pattern: every user at once on one loop, a new Agent per turn over the user's pooled store;
-    then ``idle_s`` idle with the pool open, as a server between requests."""
+    then ``idle_s`` idle with the pool open, as a server between requests. ``building_s``: the time the loop spent
+    building stores (on the loop, as a handler would)."""
     from strands import Agent
     from strands.memory import MemoryManager
 
-    from membase_strands import MembaseStorePool
     from membase_strands.testing import ScriptedModel
 
     counts = {"turns": 0, "injected": 0}
+    building = 0.0
 
     async def run() -> tuple[float, dict[str, int], int]:
-        pool = MembaseStorePool(lambda user_id: user_id, base_url=url)  # the user's id is its key here
+        pool = pool_of(candidate, url)
 
         async def user(number: int) -> None:
+            nonlocal building
             for _ in range(turns):
                 model = ScriptedModel()
+                started = time.perf_counter()
                 store = pool.store_for(f"user-{number}")
+                building += time.perf_counter() - started
                 agent = Agent(model=model, memory_manager=MemoryManager(stores=[store]), callback_handler=None)
                 await agent.invoke_async(QUESTION)
                 counts["turns"] += 1
@@ -127,21 +181,28 @@ def pattern(url: str, users: int, turns: int, idle_s: float) -> dict[str, Any]:
             started = time.perf_counter()
             await asyncio.gather(*(user(n) for n in range(users)))
             wall = time.perf_counter() - started
-        await asyncio.sleep(idle_s)
+        if candidate == NOW:  # the reference starts no thread of its own: nothing to wait for
+            await asyncio.sleep(idle_s)
         idle = library_threads()
         await pool.aclose()
         return wall, peak, idle
 
     wall, peak, idle = asyncio.run(run())
-    return {**counts, "turns_s": counts["turns"] / wall, "peak_library": peak["library"], "idle_library": idle}
+    return {
+        **counts,
+        "turns_s": counts["turns"] / wall,
+        "building_s": building,
+        "peak_library": peak["library"],
+        "peak_all": peak["all"],
+        "idle_library": idle,
+    }
 
 
-def burst(url: str, recalls: int, others: int, budget: float) -> dict[str, Any]:
-    """``recalls`` recalls at once on one store; meanwhile a second user's store recalls ``others`` times in a row."""
-    from membase_strands import MembaseMemoryStore
-
-    crowded = MembaseMemoryStore(api_key="user-crowded", base_url=url, recall_timeout=budget)
-    other = MembaseMemoryStore(api_key="user-other", base_url=url, recall_timeout=budget)
+def burst(url: str, candidate: str, recalls: int, others: int, budget: float) -> dict[str, Any]:
+    """``recalls`` recalls at once on one store; meanwhile a second user's store recalls ``others`` times in a row.
+    ``budget`` is the library's ``recall_timeout`` (the reference has no time box)."""
+    crowded = store_of(candidate, "user-crowded", url, recall_timeout=budget)
+    other = store_of(candidate, "user-other", url, recall_timeout=budget)
 
     async def timed(store: Any) -> tuple[bool, float]:
         started = time.perf_counter()
@@ -162,7 +223,11 @@ def burst(url: str, recalls: int, others: int, budget: float) -> dict[str, Any]:
             crowd, row = await asyncio.gather(asyncio.gather(*(timed(crowded) for _ in range(recalls))), in_a_row())
         return crowd, row, peak
 
-    crowd, row, peak = asyncio.run(run())
+    try:
+        crowd, row, peak = asyncio.run(run())
+    finally:
+        crowded.close()
+        other.close()
     returned = [seconds for hit, seconds in crowd if hit]
     return {
         "recalls": recalls,
@@ -172,13 +237,17 @@ def burst(url: str, recalls: int, others: int, budget: float) -> dict[str, Any]:
         "other_returned": sum(hit for hit, _ in row),
         "other_worst_s": max(seconds for _, seconds in row),
         "peak_library": peak["library"],
+        "peak_all": peak["all"],
     }
 
 
-def sockets(url: str, users: int, at_once: int, idle_s: float) -> dict[str, Any]:
+def sockets(url: str, candidate: str, users: int, at_once: int, idle_s: float) -> dict[str, Any]:
     """One turn per pooled user, ``at_once`` at a time, then ``idle_s`` idle with the pool open; the sockets open
     to the server counted from both ends, right after the turns, each second while idle and after ``pool.close()``.
+    The library only (``candidate`` must be ``now``).
     """
+    if candidate != NOW:
+        raise ValueError("the sockets probe measures the library only")
     from strands import Agent
     from strands.memory import MemoryManager
 
@@ -245,19 +314,18 @@ def own_sockets_to(port: int) -> int:
     return found
 
 
-def rss(url: str, count: int) -> dict[str, Any]:
+def rss(url: str, candidate: str, count: int) -> dict[str, Any]:
     """Resident memory per idle store built from a key (no request), after ``gc.collect()``."""
-    from membase_strands import MembaseMemoryStore
 
     def resident_kib() -> int:
         status = Path("/proc/self/status").read_text()
         return int(status.split("VmRSS:")[1].split()[0])
 
-    warm = [MembaseMemoryStore(api_key=f"warm-{i}", base_url=url) for i in range(2)]  # one-time caches, imports
+    warm = [store_of(candidate, f"warm-{i}", url) for i in range(2)]  # one-time caches, imports
     gc.collect()
     before = resident_kib()
     started = time.perf_counter()
-    stores = [MembaseMemoryStore(api_key=f"user-{i}", base_url=url) for i in range(count)]
+    stores = [store_of(candidate, f"user-{i}", url) for i in range(count)]
     build_s = time.perf_counter() - started
     gc.collect()
     kib = (resident_kib() - before) / len(stores)
@@ -274,12 +342,14 @@ MODES: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def main() -> None:
-    mode, src, url, options = sys.argv[1:5]
-    sys.path.insert(0, src)
+    mode, candidate, url, options = sys.argv[1:5]
+    if candidate not in (NOW, REFERENCE):
+        raise SystemExit(f"unknown candidate {candidate!r}: {NOW} or {REFERENCE}")
+    sys.path.insert(0, str(BENCHMARKS.parent / "src"))  # the library now is this checkout's src, whatever is installed
     logging.disable(logging.CRITICAL)  # recalls that run out of time and the like are expected here
     import membase_strands
 
-    result = MODES[mode](url, **json.loads(options))
+    result = MODES[mode](url, candidate, **json.loads(options))
     result["src"] = str(Path(membase_strands.__file__).resolve().parents[1])
     print(json.dumps(result))
 

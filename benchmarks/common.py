@@ -1,20 +1,16 @@
 """What the sections share: the plan (full or quick), numbers, a section of the report, the loopback server,
-busy processes, and the probes that measure one library in a fresh process."""
+busy processes, and the probes that measure one candidate (the library now, or the reference adapter) in a fresh
+process. Nothing here needs the repository's git history."""
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import io
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -26,9 +22,11 @@ from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
-BEFORE = "a3a13fd"
-"""The last commit before the lean runtime: the library the A/B sections compare with."""
 NOW = "now"
+"""The library as it is: this checkout's ``src``."""
+REFERENCE = "reference"
+"""The reference adapter, ``benchmarks/reference.py``: the straightforward ``MemoryStore`` over the SDK."""
+CANDIDATES = (NOW, REFERENCE)
 PACKAGES = ("membase-strands", "strands-agents", "unibaseio-membase", "httpx", "httpcore")
 
 
@@ -37,7 +35,7 @@ class Plan:
     """How much each section does. Every size is a count of calls, turns, users or processes."""
 
     quick: bool
-    rounds: int  # A/B rounds: one fresh process per library each
+    rounds: int  # rounds of a comparison: one fresh process per candidate each
     recall_calls: int
     busy_calls: int  # 0: no calls beside busy processes
     users: int
@@ -59,12 +57,12 @@ FULL = Plan(
     rounds=5,
     recall_calls=1500,
     busy_calls=1000,
-    users=200,
+    users=100,
     user_turns=5,
     idle_s=10.0,
     burst=300,
     socket_users=1000,
-    rss_stores=1000,
+    rss_stores=300,  # a reference store builds an SSL context for its own client: tens of ms each
     stall_trials=3,
     stall_turns=20,
     capture=((1.0, 6.0, 2), (5.0, 6.0, 1), (None, 6.0, 1)),
@@ -75,14 +73,14 @@ FULL = Plan(
 QUICK = Plan(
     quick=True,
     rounds=1,
-    recall_calls=200,
+    recall_calls=100,
     busy_calls=0,  # no busy processes in a smoke run
     users=20,
     user_turns=2,
     idle_s=1.0,
     burst=100,
     socket_users=100,
-    rss_stores=100,
+    rss_stores=30,
     stall_trials=1,
     stall_turns=5,
     capture=((0.3, 1.0, 1), (None, 1.0, 1)),
@@ -118,7 +116,7 @@ def spread(values: Sequence[float]) -> str:
 
 
 def machine(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
-    """CPU model, cores, RAM, OS, Python, package versions, date and commit, measured now."""
+    """CPU model, cores, RAM, OS, Python, package versions, date and commit (if this is a git checkout)."""
 
     def first(path: str, prefix: str) -> str:
         lines = Path(path).read_text().splitlines() if Path(path).exists() else []
@@ -126,10 +124,15 @@ def machine(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
 
     virtual = " (virtual machine)" if "hypervisor" in first("/proc/cpuinfo", "flags") else ""
     ram = first("/proc/meminfo", "MemTotal")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    ).stdout.strip()
+
+    def git(*arguments: str) -> str:  # only to name the checkout measured: a shallow clone, or none, is fine
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *arguments], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
 
     def version(name: str) -> str:
         try:
@@ -145,7 +148,7 @@ def machine(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
         "Python": f"{platform.python_implementation()} {platform.python_version()}",
         "Packages": ", ".join(version(name) for name in packages),
         "Date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "Commit": commit.stdout.strip() + (" with uncommitted changes" if dirty else ""),
+        "Commit": (commit or "unknown (not a git checkout)") + (" with uncommitted changes" if dirty else ""),
     }
 
 
@@ -253,46 +256,47 @@ def busy_processes(count: int = 2, limit_s: float = 300.0) -> Iterator[None]:
             spinner.wait(10)
 
 
-# --- The libraries compared, and the probes -------------------------------------------------------
-
-_sources: dict[str, Path] = {NOW: ROOT / "src"}
+# --- The candidates compared, and the probes -----------------------------------------------------------
 
 
-def source(label: str) -> Path:
-    """The ``src`` directory of the library ``label`` (``now``, or a commit, exported once per run)."""
-    if label not in _sources:
-        directory = Path(tempfile.mkdtemp(prefix=f"membase-bench-{label}-"))
-        atexit.register(shutil.rmtree, directory, True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", label, "src"], capture_output=True)
-        if archive.returncode != 0:
-            why = archive.stderr.decode(errors="replace").strip()
-            raise RuntimeError(f"cannot export {label}'s src (the A/B sections need the git history): {why}")
-        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(directory, filter="data")
-        _sources[label] = directory / "src"
-    return _sources[label]
-
-
-def probe(mode: str, label: str, url: str, **options: Any) -> dict[str, Any]:
-    """Run ``_probe.py`` in a fresh process on the library ``label``; its JSON result."""
-    command = [sys.executable, str(BENCHMARKS / "_probe.py"), mode, str(source(label)), url, json.dumps(options)]
+def probe(mode: str, candidate: str, url: str, **options: Any) -> dict[str, Any]:
+    """Run ``_probe.py`` in a fresh process on ``candidate`` (:data:`NOW` or :data:`REFERENCE`); its JSON result."""
+    command = [sys.executable, str(BENCHMARKS / "_probe.py"), mode, candidate, url, json.dumps(options)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise RuntimeError(f"probe {mode} on {label} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"probe {mode} on {candidate} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    if Path(result["src"]) != source(label).resolve():
-        raise RuntimeError(f"probe {mode} loaded membase_strands from {result['src']}, not {source(label)}")
+    if Path(result["src"]) != (ROOT / "src").resolve():
+        raise RuntimeError(f"probe {mode} loaded membase_strands from {result['src']}, not this checkout's src")
     return result
 
 
-def interleaved(rounds: int, mode: str, url: str, **options: Any) -> dict[str, list[dict[str, Any]]]:
-    """``rounds`` rounds of one probe per library (now and :data:`BEFORE`), the order alternating each round."""
-    results: dict[str, list[dict[str, Any]]] = {NOW: [], BEFORE: []}
+def interleaved(
+    rounds: int, mode: str, url: str, candidates: Sequence[str] = CANDIDATES, **options: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """``rounds`` rounds of one probe per candidate, each in a fresh process, the order reversed every other round."""
+    results: dict[str, list[dict[str, Any]]] = {candidate: [] for candidate in candidates}
     for number in range(rounds):
-        for label in (NOW, BEFORE) if number % 2 == 0 else (BEFORE, NOW):
-            results[label].append(probe(mode, label, url, **options))
+        for candidate in candidates if number % 2 == 0 else tuple(reversed(candidates)):
+            results[candidate].append(probe(mode, candidate, url, **options))
     return results
+
+
+def kit_client(fake: Any, **options: Any) -> Any:
+    """A raw ``membase.Membase`` client on the testing kit's ``InMemoryMembase`` ``fake``, over its
+    ``httpx.MockTransport`` (built from ``fake.handle``, so it works whichever way the kit routes its own stores)."""
+    import httpx
+    import membase
+
+    from membase_strands.testing import API_KEY
+
+    http = httpx.Client(base_url=fake.base_url, transport=httpx.MockTransport(fake.handle))
+    return membase.Membase(api_key=API_KEY, base_url=fake.base_url, http_client=http, **options)
 
 
 def of(results: list[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in results]
+
+
+def ratio(now: float, reference: float) -> str:
+    return f"x{fmt(now / reference)}" if reference else "n/a"  # three significant digits: x1.94, x0.00109

@@ -1,5 +1,6 @@
-"""Sections 6-8, and the recall overhead over ``httpx.MockTransport``: the library now, in this process, through
-the testing kit's ``InMemoryMembase`` (a store built from a key, the production path down to the transport)."""
+"""Sections 6-8: the library now, in this process, through the testing kit's ``InMemoryMembase`` (a store built
+from a key, the production path down to the transport). They judge the library against its own budgets; nothing
+is compared."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from _server import FACT, SEARCH_ANSWER
-from common import Plan, Section, fmt, median, spread
+from _server import FACT
+from common import Plan, Section, fmt, kit_client, median, spread
 from strands import Agent
 from strands.memory import MemoryManager
 from strands.tools.decorator import DecoratedFunctionTool
@@ -37,30 +38,6 @@ def _answering(body: bytes) -> InMemoryMembase:
     fake = InMemoryMembase()
     fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=body, headers=JSON))
     return fake
-
-
-def mock_overhead(calls: int) -> tuple[float, float]:
-    """Median µs of the raw ``client.search`` and of ``await store.search``, one of each in turn, over the kit."""
-    warmup = calls // 4
-    fake = _answering(SEARCH_ANSWER)
-    client, store = fake.client(), fake.store()
-    times: dict[str, list[float]] = {"raw": [], "store": []}
-
-    async def measure() -> None:
-        for index in range(warmup + calls):
-            for which in ("raw", "store") if index % 2 else ("store", "raw"):
-                started = time.perf_counter_ns()
-                if which == "raw":
-                    client.search(QUESTION, limit=5)
-                else:
-                    await store.search(QUESTION)
-                if index >= warmup:
-                    times[which].append((time.perf_counter_ns() - started) / 1000)
-
-    gc.collect()
-    asyncio.run(measure())
-    store.close()
-    return median(times["raw"]), median(times["store"])
 
 
 def _agent(store: MembaseMemoryStore) -> tuple[Agent, ScriptedModel]:
@@ -266,7 +243,7 @@ def _body(texts: list[str], scored: bool) -> bytes:
 def _answer_trials(body: bytes, trials: int) -> dict[str, list[float]]:
     """Seconds of the raw SDK call, the recall, the ``membase_search`` tool and the JSON parse, per trial."""
     fake = _answering(body)
-    client = fake.client(max_retries=0)
+    client = kit_client(fake, max_retries=0)
     store = fake.store(recall_timeout=60.0)  # one attempt, in a budget the work always fits
     [search] = [
         t for t in store.get_tools() if isinstance(t, DecoratedFunctionTool) and t.tool_name == "membase_search"

@@ -1,11 +1,11 @@
-"""Benchmarks for membase-strands: the lean runtime against a3a13fd, over loopback and the testing kit.
+"""Benchmarks for membase-strands: the library against the raw SDK call and a reference adapter, interleaved.
 
-    uv run --python 3.12 python benchmarks/run.py --write      # the full run (about 10 min); writes RESULTS.md
+    uv run --python 3.12 python benchmarks/run.py --write      # the full run (about 10 min), for a release
     uv run --python 3.12 python benchmarks/run.py              # the full run, printed only
     uv run --python 3.12 python benchmarks/run.py --quick      # smoke run (under a minute): targets not judged
     uv run --python 3.12 python benchmarks/run.py --sections 1,3
 
-Everything runs offline. See benchmarks/README.md for what each section measures.
+Everything runs offline and needs no git history. See benchmarks/README.md for what each section measures.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import in_process
 import probed
-from common import BEFORE, FULL, QUICK, ROOT, Plan, Section, machine, mark
+from common import FULL, QUICK, ROOT, Plan, Section, machine, mark
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 KEPT = ("<!-- recall-quality: start", "<!-- recall-quality: end -->")
@@ -32,7 +32,9 @@ SECTIONS: tuple[Callable[[Plan], Section], ...] = probed.SECTIONS + in_process.S
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: every section, a little, targets not judged")
-    parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md (full runs of all sections)")
+    parser.add_argument(
+        "--write", action="store_true", help="write benchmarks/RESULTS.md (a full run of every section; for a release)"
+    )
     parser.add_argument("--no-write", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old CI lines
     parser.add_argument("--sections", default="", help="comma-separated section numbers, e.g. 1,3")
     args = parser.parse_args(argv)
@@ -73,9 +75,11 @@ def render(sections: list[Section], info: dict[str, str], total: float, argument
     lines = [
         "# membase-strands benchmarks",
         "",
-        f"Produced by `python benchmarks/run.py {arguments}` in {total:.0f} s. What each section measures: "
-        f"[README.md](README.md). `{BEFORE}` is the library at that commit (the last before the lean runtime), "
-        "exported with `git archive` and first on `sys.path` in its own processes; `now` is this checkout's `src`.",
+        f"Produced by `python benchmarks/run.py {arguments}` in {total:.0f} s, for a release. What each section "
+        "measures: [README.md](README.md). `now` is the library (this checkout's `src`); `reference` is the "
+        "reference adapter in [reference.py](reference.py), the straightforward `MemoryStore` over the SDK, which "
+        "stands in for a published adapter; the floor is the raw SDK call `client.search(q, limit=5)`. Compared "
+        "candidates run in fresh processes, the order alternating round by round.",
         "",
         "| machine | |",
         "| --- | --- |",

@@ -18,10 +18,9 @@ import membase
 
 from . import _background
 from ._background import LOCK
-from ._failures import BadResponseError, detail_of
+from ._failures import BadResponseError
+from ._telemetry import Ledger
 from ._text import clip
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -118,36 +117,34 @@ class SetupCheck:
     on in the background: agents built meanwhile do not wait for it again, and one outage warns once.
     """
 
-    def __init__(self, check: Callable[[], None], redact: Callable[[str], str], store_name: str, lane: Hashable):
-        self._check, self._redact, self._store_name, self._lane = check, redact, store_name, lane
+    def __init__(self, check: Callable[[], None], ledger: Ledger, lane: Hashable) -> None:
+        self._check, self._ledger, self._lane = check, ledger, lane
         self._running: Future[None] | None = None
         self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
         self._pid = os.getpid()  # the process that started the checks above: a forked child checks again
 
     async def run(self, budget: float) -> None:
         """Wait up to ``budget`` seconds for the check; ``ValueError`` when it finds the configuration cannot work."""
-        unlisted = "store=<%s>, reason=<%s> | could not list the Memories in reach; checking again at first use"
         with LOCK:
             if self._pid != os.getpid():
-                self._running = self._waited_out = None
-                self._pid = os.getpid()
+                self._running, self._waited_out, self._pid = None, None, os.getpid()
             check = self._running
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
-                name = f"membase-check[{self._store_name}]"
+                name = f"membase-check[{self._ledger.store_name}]"
                 check = self._running = _background.submit(self._check, name=name, lane=self._lane)
             elif check is self._waited_out and not check.done():
                 # Building an agent per request during an outage must not cost every request that wait again.
-                logger.debug("store=<%s> | set-up check is still running; not waiting for it again", self._store_name)
                 return
+        unlisted = "could not list the Memories in reach; checking again at first use"
         try:
             await _background.wait_for_future(check, budget)
         except asyncio.TimeoutError:
             with LOCK:
                 first, self._waited_out = self._waited_out is not check, check
             if first:  # agents built together during one outage warn once
-                logger.warning(unlisted, self._store_name, "no answer in time")
+                self._ledger.record(None, level=logging.WARNING, message=unlisted, reason="no answer in time")
         except membase.MembaseError as error:
-            logger.warning(unlisted, self._store_name, self._redact(detail_of(error)))
+            self._ledger.record(None, level=logging.WARNING, message=unlisted, error=error)
         except Exception:
             self._running = None  # the next agent lists the Memories again: they may have changed
             raise

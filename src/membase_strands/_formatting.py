@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ def _label_of(name: str) -> str:
     return clip(clean_text(name), 80).translate(str.maketrans("[]", "()")) or "unnamed Memory"
 
 
-def parse_search(body: Any, limit: int) -> SearchAnswer:
+def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> SearchAnswer:
     """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
     (arrange() drops blank ones), and its Memories that report an ``error``. No ``results`` list: BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
@@ -101,7 +101,7 @@ def parse_search(body: Any, limit: int) -> SearchAnswer:
     unsearched = []
     for row in rows:
         if error := row.get("error"):  # clip() of a normalised start a little longer than it keeps is clip() of it all
-            reason = clip(_Reading(Passage("", str(error)), None).start(202), 200) or "no reason given"
+            reason = clip(_Reading(Passage("", redact(str(error)[:4096])), None).start(202), 200) or "no reason given"
             unsearched.append(Unsearched(memory_label(str(row.get("name") or row.get("id") or "")), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
     return SearchAnswer(passages, unsearched, none_answered)

@@ -154,7 +154,7 @@ class MembaseGateway:
                 client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
             )
 
-        return parse_search(self._call(search, retry=retry), limit)
+        return parse_search(self._call(search, retry=retry), limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored.

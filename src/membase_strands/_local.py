@@ -20,17 +20,15 @@ from ._background import LOCK
 
 LOCK_NAME = ".membase-strands.lock"
 
-_open: dict[tuple[int, Path], tuple[Future[tuple[membase.Membase, IO[str]]], list[int]]] = {}
+_Opened = tuple[membase.Membase, IO[str]]
+_open: dict[tuple[int, Path], tuple[Future[_Opened], list[int]]] = {}  # (pid, directory) -> engine, users
 
 
 def directory_of(local: str | os.PathLike[str] | bool) -> Path:
-    """The directory ``local`` names (``True``: the engine's default), checked; ``ValueError`` if it is not one."""
+    """The directory ``local`` names (``True``: the engine's default); ``ValueError`` if it is a file."""
     path = Path("~/.membase" if local is True else os.fspath(local)).expanduser().resolve()  # type: ignore[arg-type]
     if path.exists() and not path.is_dir():
-        raise ValueError(
-            f"local: {os.fspath(local)!r} is a file; pass the directory local Membase keeps its memory in "  # type: ignore[arg-type]
-            "(a missing one is created)"
-        )
+        raise ValueError(f"local: {os.fspath(path)!r} is a file; pass the directory local Membase keeps its memory in")
     return path
 
 
@@ -75,29 +73,27 @@ def close_engine(directory: Path) -> None:
             lock_file.close()  # lets go of the lock
 
 
-def _start(directory: Path) -> tuple[membase.Membase, IO[str]]:
+def _start(directory: Path) -> _Opened:
     directory.mkdir(parents=True, exist_ok=True)
     lock_file = (directory / LOCK_NAME).open("a+")
     try:
-        _lock(lock_file)
-    except OSError:
+        try:
+            _lock(lock_file)
+        except OSError:
+            lock_file.seek(0)
+            raise RuntimeError(
+                f"local Membase in {os.fspath(directory)!r} is in use by another process (pid "
+                f"{lock_file.read().strip() or 'unknown'}); its engine serves one process per directory. For several "
+                "processes or workers, use hosted Membase (an API key), or route each user to one worker."
+            ) from None
         lock_file.seek(0)
-        holder = lock_file.read().strip() or "unknown"
-        lock_file.close()
-        raise RuntimeError(
-            f"local Membase in {os.fspath(directory)!r} is in use by another process (pid {holder}); its engine serves "
-            "one process per directory. For several processes or workers, use hosted Membase (an API key), or route "
-            "each user to one worker."
-        ) from None
-    lock_file.seek(0)
-    lock_file.truncate()
-    lock_file.write(str(os.getpid()))
-    lock_file.flush()
-    try:
-        return membase.Membase(local=directory), lock_file
-    except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
-        lock_file.close()
-        raise membase.MissingDependencyError(unavailable()) from error
+        lock_file.truncate()
+        lock_file.write(str(os.getpid()))
+        lock_file.flush()
+        try:
+            return membase.Membase(local=directory), lock_file
+        except membase.MissingDependencyError as error:  # the SDK names its own package, not this one's extra
+            raise membase.MissingDependencyError(unavailable()) from error
     except BaseException:
         lock_file.close()
         raise
@@ -117,10 +113,9 @@ def _lock(lock_file: IO[str]) -> None:
 
 def unavailable() -> str:
     """What to do when local Membase cannot start here."""
-    major, minor = sys.version_info[:2]
-    if (major, minor) < (3, 12):
+    if sys.version_info < (3, 12):
         return (
-            f"local Membase needs Python 3.12+; this is Python {major}.{minor}. "
+            f"local Membase needs Python 3.12+; this is Python {sys.version_info[0]}.{sys.version_info[1]}. "
             "With a key (MEMBASE_API_KEY), hosted Membase works on Python 3.10+."
         )
     return 'local Membase needs its engine: pip install "membase-strands[local]"'

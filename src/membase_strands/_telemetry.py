@@ -88,7 +88,7 @@ class Ledger:
         if level is not None and logger.isEnabledFor(level):
             fields = {"store": self.store_name, **attributes}
             if error is not None:
-                fields["reason"] = self._redact(detail_of(error, self._redact))
+                fields["reason"] = detail_of(error, self._redact)
             logger.log(level, "%s | %s", ", ".join(f"{name}=<{value}>" for name, value in fields.items()), message)
 
     def late(self, span: str, linked: SpanContext | None, outcome: str, *counted: str, **record: Any) -> None:

@@ -2,31 +2,42 @@
 
 Run it as ``membase-strands check`` (``--json`` for scripts) or call :func:`run_check`. It never prints the key
 and saves nothing: it tries saving an empty note, which Membase refuses (403 if the key may not write, else 400).
+For local Membase it saves and searches a note in a scratch directory, to show the engine's LLM and embeddings
+providers work, and then opens the user's directory without writing to it.
 """
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import membase
 
 from ._containers import match
 from ._failures import describe_failure
+from ._formatting import parse_search
 from ._gateway import MembaseGateway
+from ._local import unavailable
 from ._options import query_text
 from ._text import clip
 from ._version import __version__
 
 PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
-_LOCAL_LLM_HINT = " (local Membase needs an LLM: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER and MEMBASE_LLM_ENDPOINT)"
+_LOCAL_LLM_HINT = (
+    " (local Membase needs an LLM and an embeddings provider: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER, "
+    "MEMBASE_EMBED_PROVIDER and MEMBASE_LLM_ENDPOINT for an OpenAI-compatible server)"
+)
+_PROBE_NOTE = "membase-strands setup check: the heron flies at dawn"
 _SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
 _KEY_REFUSED = (
     "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
@@ -117,19 +128,51 @@ def run_check(
     Returns:
         The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
     """
+    probe_query = query_text(query or "") or PROBE_QUERY
+    if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
+        report = CheckReport(f"local Membase in {os.fspath(local)}", probe_query=probe_query)
+        report.steps = [*_engine_steps(), Step("directory", True, "none yet; made at first use", required=False)]
+        return report
     try:
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
-    except (ValueError, membase.MembaseError) as error:
+    except (ValueError, RuntimeError, membase.MembaseError) as error:
         return CheckReport("(not configured)", [Step("configuration", False, str(error))])
     with contextlib.closing(gateway):
         where = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
         target = gateway.base_url if gateway.hosted else f"local Membase {where}"
-        report = CheckReport(target, probe_query=query_text(query or "") or PROBE_QUERY)
+        report = CheckReport(target, probe_query=probe_query)
         needed = {"profile": need_profile, "save": need_save}
-        for step in _steps(gateway, report, container, clock):
+        steps = _steps(gateway, report, container, clock)
+        for step in steps if gateway.hosted else itertools.chain(_engine_steps(), steps):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
         report.probe_query = gateway.redact(report.probe_query)
     return report
+
+
+def _engine_steps() -> Iterator[Step]:
+    """A real save and search by the local engine, in a scratch directory: whether its LLM and embeddings work."""
+    with tempfile.TemporaryDirectory(prefix="membase-check-") as scratch:
+        try:
+            engine = membase.Membase(local=scratch)
+        except membase.MembaseError:
+            yield Step("engine", False, unavailable())
+            return
+        with contextlib.closing(engine):
+            try:
+                engine.memories.add(_PROBE_NOTE)
+                answer = parse_search(engine.search("heron dawn", limit=5), 5)
+            except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
+                yield Step(
+                    "engine", False, f"a note could not be saved and searched: {_fix_for(error)}{_LOCAL_LLM_HINT}"
+                )
+                return
+    if answer.unsearched:
+        reason = "; ".join(failed.reason for failed in answer.unsearched)
+        yield Step("engine", False, f"a note was saved, but search could not run: {reason}{_LOCAL_LLM_HINT}")
+    elif not any(_PROBE_NOTE in passage.content for passage in answer.passages):
+        yield Step("engine", False, f"a note was saved, but a search did not find it{_LOCAL_LLM_HINT}")
+    else:
+        yield Step("engine", True, "a note was saved and found again (in a scratch directory, not yours)")
 
 
 def _steps(
@@ -140,7 +183,7 @@ def _steps(
     try:
         containers = gateway.memories_in_reach()
     except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-        yield Step("reach", False, _fix_for(error))
+        yield Step("reach", False, _fix_for(error, gateway.redact))
         return
     yield Step("reach", True, f"Membase answered in {clock() - started:.2f} s")
     report.memories = [c.name for c in containers]
@@ -159,7 +202,7 @@ def _steps(
         try:
             answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
-            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error)}")
+            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error, gateway.redact)}")
             return
         timings.append(clock() - started)
     report.first_search_seconds, report.second_search_seconds = timings
@@ -177,9 +220,11 @@ def _steps(
     except membase.PermissionDeniedError:
         yield Step("profile", False, "the key may not read the profile (403): its owner did not allow it")
     except Exception as error:  # noqa: BLE001
-        yield Step("profile", False, _fix_for(error))
+        yield Step("profile", False, _fix_for(error, gateway.redact))
     else:
         yield Step("profile", True, "the profile can be read")
+    if not gateway.hosted:
+        return  # the engine's own save was checked in a scratch directory
     # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
     try:
         gateway.save("", container_id or (containers[0].id if containers else None))
@@ -189,14 +234,14 @@ def _steps(
         if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
             yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
         else:
-            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error)}")
+            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error, gateway.redact)}")
     else:
         yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
 
 
-def _fix_for(error: BaseException) -> str:
-    """What went wrong, and what to do about it."""
-    failure = describe_failure(error)
+def _fix_for(error: BaseException, redact: Callable[[str], str] = str) -> str:
+    """What went wrong, and what to do about it (``redact``-ed before anything is cut)."""
+    failure = describe_failure(error, redact=redact)
     if failure.kind == "connection":
         return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
     return {"access": _KEY_REFUSED, "unauthenticated": _NO_KEY}.get(failure.kind, failure.sentence)

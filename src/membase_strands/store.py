@@ -14,7 +14,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import membase
@@ -163,9 +163,7 @@ class MembaseMemoryStore:
         self._tools: list[AgentTool] | None = None
         self._closed = False
         self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
-        self._setup = SetupCheck(
-            functools.partial(gateway.check_setup, self._container), gateway.redact, self.name, lane=self
-        )
+        self._setup = SetupCheck(functools.partial(gateway.check_setup, self._container), self._ledger, lane=self)
         # Dropped unclosed (a pool let go of it), it still finishes its writes and lets go of its local engine.
         self._finalizer = weakref.finalize(self, _close_dropped, self._writes, gateway, self.name)
         self._finalizer.atexit = False  # at exit, the exit wait does it
@@ -217,9 +215,11 @@ class MembaseMemoryStore:
             except MembaseRecallTimeout:
                 raise
             except Exception as error:
-                self._fail("recall", error)
-            operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-        return entries
+                failed = error
+            else:
+                operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
+                return entries
+            raise self._failure("recall", failed)  # outside the except: no context carries the server's text
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
@@ -279,10 +279,10 @@ class MembaseMemoryStore:
         left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
         batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
         counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
-        if not self._begin_close():
+        if self._begin_close():
+            self._finish_closing()
+        else:
             wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-            return
-        self._finish_closing()
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
@@ -297,13 +297,11 @@ class MembaseMemoryStore:
             await wait_for_future(closing, None)
 
     def _finish_closing(self) -> None:
-        """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine, if any (blocking)."""
         self._finalizer.detach()
         try:
-            self._writes.drain()
+            _close(self._writes, self._gateway)
         finally:
             self._close_done.set_result(None)
-            _release(self._writes, self._gateway, self.name)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -350,17 +348,19 @@ class MembaseMemoryStore:
             except MembaseWriteTimeout:
                 raise
             except Exception as error:
-                self._fail("write", error)
-            operation.outcome("saved")
-            return result
+                failed = error
+            else:
+                operation.outcome("saved")
+                return result
+            raise self._failure("write", failed)
 
-    def _fail(self, action: str, error: Exception) -> NoReturn:
-        """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), anything else as it came (or as a masked copy if a server echoed the API key in it)."""
+    def _failure(self, action: str, error: Exception) -> BaseException:
+        """Count a failed recall or write; what to raise for the manager: a 403 as ``MembaseAccessError`` (pausing
+        automatic recall), anything else as it came, or as a masked copy if a server echoed the API key in it."""
         clean = self._gateway.without_secret(error)
         if not isinstance(error, membase.PermissionDeniedError):
             self._ledger.record(None, f"{action}_errors", error=error)
-            raise error if clean is error else clean
+            return clean
         pause = ""
         if action == "recall" and self._access_cooldown is not None:
             self._recall.pause(self._access_cooldown)
@@ -373,34 +373,32 @@ class MembaseMemoryStore:
             message=f"{action} refused: this Membase key was narrowed or revoked by its owner{pause}",
             error=error,
         )
-        raise MembaseAccessError(ACCESS_SENTENCE) from clean
+        refused = MembaseAccessError(ACCESS_SENTENCE)
+        refused.__cause__ = clean
+        return refused
 
 
-def _release(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
-    """Let go of the local engine, once the writes still running end (on a thread, if some do)."""
-    if gateway.local is None:
-        return
+def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
+    """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine once none runs (blocking)."""
+    writes.drain()
     running = writes.running()
-    if not running:
-        gateway.close()
-        return
+    if gateway.local is not None and running:  # a write still uses the engine: close it after, in the background
 
-    def close_after_writes() -> None:
-        wait(running)
-        gateway.close()
+        def close_after_writes() -> None:
+            wait(running)
+            gateway.close()
 
-    _background.submit(close_after_writes, name=f"membase-close[{name}]", kind="close")
+        _background.submit(close_after_writes, name="membase-close", kind="close")
+    else:
+        gateway.close()
 
 
 def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
     """A store collected unclosed: finish its writes and let go of its engine, in the background."""
     if not writes.idle() or gateway.local is not None:
-
-        def finish() -> None:
-            writes.drain()
-            _release(writes, gateway, name)
-
-        closing = _background.submit(finish, name=f"membase-close[{name}]", kind="close")
+        closing = _background.submit(
+            functools.partial(_close, writes, gateway), name=f"membase-close[{name}]", kind="close"
+        )
         with LOCK:
             _closing_dropped.add(closing)
         closing.add_done_callback(_closing_dropped.discard)
