@@ -266,24 +266,32 @@ def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make
     assert (counters["write_timeouts"], counters["writes_deduplicated"], counters["writes_saved"]) == (1, 1, 2)
 
 
-async def test_concurrent_writes_of_one_batch_or_one_fact_send_one_request(fake, make_store, gates):
-    gate, in_flight = gates.new(), threading.Event()
-    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake))))
+async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_retry_sends_what_that_one_failed_to(
+    fake, make_store, gates
+):
+    gates_of, arrived = [gates.new(), gates.new()], [threading.Event(), threading.Event()]
+    answers = [routed(fake), status(500, "internal")]
+    fake.on(*MEMORIES, *(signalling(arrived[n], hang(gates_of[n], then=answers[n])) for n in (0, 1)))
     store = capturing(make_store)
-    messages = [user(GREEN_TEA), assistant("Noted.")]
-    first = asyncio.create_task(store.add_messages(messages, batch([0, 1])))
-    second = asyncio.create_task(store.add_messages(messages, batch([0, 1])))
-    assert await until(in_flight.is_set)  # both calls have started: one sends, the other waits for it
-    gate.set()
-    first, second = await asyncio.gather(first, second)
-    assert first is not None and first["container"] == "ctr_main"
-    assert second is None  # nothing sent by the second call
-
+    for n, (old, new) in enumerate([(GREEN_TEA, None), (LISBON, "Call me Sam")]):
+        messages = [user(old)]
+        first = asyncio.create_task(store.add_messages(messages, batch([0])))
+        # The manager's retry, the same batch (perhaps with a newer message): it waits for the first request.
+        retry = asyncio.create_task(store.add_messages(messages + ([user(new)] if new else []), batch([0, 1][: 1 + n])))
+        assert await until(arrived[n].is_set)  # both calls have started: one sends, the other waits for it
+        gates_of[n].set()
+        outcomes = await asyncio.gather(first, retry, return_exceptions=True)
+        if n == 0:
+            assert outcomes[0]["container"] == "ctr_main" and outcomes[1] is None  # nothing sent by the retry
+        else:  # the first request failed (and says so); the retry, with budget left, sent the words itself
+            assert isinstance(outcomes[0], membase.MembaseError) and not isinstance(outcomes[1], BaseException)
     fake.on(*MEMORIES, delayed(fake, 0.1))
     await asyncio.gather(store.add("Sam likes oolong"), store.add("Sam likes oolong"), store.add("Sam runs"))
 
-    assert Counter(posted(fake)) == {GREEN_TEA: 1, "Sam likes oolong": 1, "Sam runs": 1}
-    assert (store.counters()["writes_saved"], store.counters()["writes_deduplicated"]) == (3, 2)
+    assert held(fake)[:2] == [GREEN_TEA, f"{LISBON}\nCall me Sam"]
+    assert sorted(held(fake)[2:]) == ["Sam likes oolong", "Sam runs"]
+    counters = store.counters()
+    assert (counters["writes_deduplicated"], counters["writes_sent_again"]) == (2, 0)  # nothing kept
 
 
 FACTS = ("Sam prefers green tea", "Sam lives in Lisbon", "Sam works on ledgers")
