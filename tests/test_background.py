@@ -1,8 +1,9 @@
-"""_background: the library's daemon threads, capped and retiring when idle, awaited with a budget from any loop.
+"""Where the library's blocking work runs: daemon threads with a cap per kind of call, awaited from any event loop;
+and the store on them, with many agents, many threads, a burst, a stalled Membase and a refused key.
 
-The first part drives ``submit`` / ``wait_for_future`` as the store does; the second counts threads on a set of
-threads of the test's own (the ``threads`` fixture), with a low cap or a short idle time where that is what is
-tested; the last part runs the store through a real ``strands.Agent`` on top of them.
+The first part drives ``_background.submit`` / ``wait_for_future`` on a set of threads of the test's own (the
+``threads`` fixture); a call shows where it ran through ``threading.current_thread()``. The rest goes through a real
+``strands.Agent`` and counts requests, counters and thread names.
 """
 
 from __future__ import annotations
@@ -11,388 +12,226 @@ import asyncio
 import contextvars
 import functools
 import logging
-import os
 import threading
+import time
 import weakref
+from typing import Any
 
 import httpx
 import pytest
 
-from membase_strands import MembaseRecallTimeout, _background
-from membase_strands._background import IDLE_NAME, submit, threads_alive, wait_for_future
-from membase_strands.testing import InMemoryMembase, hang
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, _background
+from membase_strands._background import IDLE_NAME, submit, wait_for_future
+from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
+from tests.support.loopback import LoopbackMembase
 from tests.support.store_helpers import (
     FACT,
+    LONG,
     QUESTION,
     RECALL_THREAD,
+    delayed,
     make_agent,
     membase_threads,
     routed,
-    run_in_child,
-    set_recall_budget,
     wait_until,
 )
 
-BUDGET = 0.3  # for the tests about a budget: what must happen within it is held back by a gate, not by the clock
-LONG = 30.0  # every other wait: a loaded machine cannot run out of it
+BUDGET = 0.5  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
 KEEP = 10.0  # idle seconds for the threads made here: far longer than any test waits between two calls
 
 request_id: contextvars.ContextVar[object] = contextvars.ContextVar("request_id", default="none")
 
 
 @pytest.fixture
-def threads(monkeypatch: pytest.MonkeyPatch) -> _background._Threads:
+def threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The library's threads, fresh for this test (an earlier test's may still be idle), kept for ``KEEP`` s idle."""
-    fresh = _background._Threads()
-    monkeypatch.setattr(_background, "_threads", fresh)
+    monkeypatch.setattr(_background, "_threads", _background._Threads())
     monkeypatch.setattr(_background, "IDLE_SECONDS", KEEP)
-    return fresh
 
 
-@pytest.fixture
-def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[BaseException]:
-    """Exceptions that escape any thread (they would otherwise only be printed)."""
-    caught: list[BaseException] = []
-    monkeypatch.setattr(threading, "excepthook", lambda args: caught.append(args.exc_value))
-    return caught
+def where() -> threading.Thread:
+    return threading.current_thread()
 
 
-def idle(threads: _background._Threads) -> int:
-    """How many of ``threads`` wait for a call (a call submitted now goes to one of them, no thread is started)."""
-    return len(threads._idle)
+def named(prefix: str) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith(prefix)]
+
+
+def meet(barrier: threading.Barrier) -> threading.Thread:
+    """A call that returns once all the barrier's parties run at the same time; where it ran."""
+    barrier.wait()
+    return threading.current_thread()
+
+
+def held(gate: threading.Event, started: threading.Event | None = None) -> threading.Thread:
+    """A call that runs until ``gate`` opens; where it ran."""
+    if started is not None:
+        started.set()
+    gate.wait(LONG)
+    return threading.current_thread()
 
 
 # --- A call on a thread --------------------------------------------------------------------------
 
 
-def test_a_call_runs_on_a_daemon_thread_named_after_it():
-    seen: dict[str, object] = {}
-
-    def work() -> int:
-        me = threading.current_thread()
-        seen.update(name=me.name, daemon=me.daemon, main=me is threading.main_thread())
-        return 42
-
-    assert submit(work, name="membase-test[unit]").result(timeout=LONG) == 42
-    assert seen == {"name": "membase-test[unit]", "daemon": True, "main": False}
-
-
-def test_a_calls_error_goes_to_its_future_and_escapes_nowhere(thread_errors):
-    future = submit(lambda: 1 / 0, name="membase-test[error]")
-
-    with pytest.raises(ZeroDivisionError):
-        future.result(timeout=LONG)
-    assert thread_errors == []
-
-
-def test_a_call_carries_its_callers_context_variables():
+def test_a_call_runs_on_a_daemon_thread_named_after_it_in_its_callers_context(threads, monkeypatch):
+    escaped: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
     token = request_id.set("turn-7")
     try:
-        future = submit(request_id.get, name="membase-test[context]")
+        ran_on = submit(
+            lambda: (where().name, where().daemon, where() is threading.main_thread()), name="membase-test[unit]"
+        ).result(timeout=LONG)
+        seen = submit(request_id.get, name="membase-test[context]").result(timeout=LONG)
     finally:
         request_id.reset(token)
 
-    assert future.result(timeout=LONG) == "turn-7"
+    assert ran_on == ("membase-test[unit]", True, False)
+    assert seen == "turn-7"
+    with pytest.raises(ZeroDivisionError):
+        submit(lambda: 1 / 0, name="membase-test[error]").result(timeout=LONG)
+    assert escaped == []  # the error went to the future, and nowhere else
 
 
-def test_a_thread_carries_the_name_of_its_call_and_the_idle_name_between_calls(threads, gates):
-    gate = gates.new()
-    running = threading.Event()
-
-    def call() -> str:
-        running.set()
-        gate.wait(LONG)
-        return threading.current_thread().name
-
-    future = submit(call, name="membase-recall[named]")
-    assert running.wait(LONG)
-    (thread,) = [t for t in threading.enumerate() if t.name == "membase-recall[named]"]
-    gate.set()
-
-    assert future.result(timeout=LONG) == "membase-recall[named]"
-    assert wait_until(lambda: idle(threads) == 1, timeout=LONG)
-    assert thread.name == IDLE_NAME
-    assert thread.is_alive() and thread.daemon
-    assert thread not in membase_threads()  # an idle thread does no work for anyone
+def test_a_call_submitted_from_a_context_that_holds_no_variable_runs(threads):
+    """A new thread, or a task started there, begins with an empty context (which is falsy)."""
+    future = contextvars.Context().run(submit, lambda: "ran", name="membase-test[empty]")
+    assert future.result(timeout=5.0) == "ran"
 
 
-def refuse_next_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the next ``threading.Thread.start()`` fail as a process at its thread limit does."""
-    start = threading.Thread.start
-    refused: list[threading.Thread] = []
-
-    def refuse(thread: threading.Thread) -> None:
-        if not refused:
-            refused.append(thread)
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse)
-
-
-def test_a_thread_that_cannot_start_while_none_is_alive_fails_the_call_at_once(threads, monkeypatch):
-    refuse_next_thread(monkeypatch)
-
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        submit(lambda: "never", name="membase-test[refused]")
-
-    assert threads_alive() == 0
-    assert submit(lambda: "next", name="membase-test[after]").result(timeout=LONG) == "next"
-
-
-def test_a_thread_that_cannot_start_leaves_the_call_to_a_thread_already_alive(threads, monkeypatch, gates):
-    gate = gates.new()
-    busy = threading.Event()
-    held = submit(lambda: busy.set() or gate.wait(LONG), name="membase-test[busy]")
-    assert busy.wait(LONG)
-    refuse_next_thread(monkeypatch)
-
-    waiting = submit(lambda: "taken later", name="membase-test[refused]")  # no error: a thread will take it
-    gate.set()
-
-    assert held.result(timeout=LONG) is True
-    assert waiting.result(timeout=LONG) == "taken later"
-    assert threads_alive() == 1
-
-
-# --- Growth, the cap, retirement -----------------------------------------------------------------
-
-
-def test_a_waiting_thread_takes_the_next_call_instead_of_starting_another(threads):
-    first = submit(threading.get_ident, name="membase-test[first]").result(timeout=LONG)
-    assert wait_until(lambda: idle(threads) == 1, timeout=LONG)
-
-    second = submit(threading.get_ident, name="membase-test[second]").result(timeout=LONG)
-
-    assert second == first
-    assert threads_alive() == 1
-
-
-def test_threads_grow_while_every_one_is_busy(threads):
-    # Each call returns only once all four run at the same time: four busy threads, or a broken barrier.
-    together = threading.Barrier(4, timeout=LONG)
-
-    def call() -> int:
-        together.wait()
-        return threading.get_ident()
-
-    futures = [submit(call, name=f"membase-test[grow-{i}]") for i in range(4)]
-
-    assert len({future.result(timeout=LONG) for future in futures}) == 4
-    assert threads_alive() == 4
-
-
-def test_below_the_cap_a_call_never_waits_behind_a_hung_one(threads, gates):
-    gate = gates.new()
-    started = threading.Event()
-
-    def hung() -> str:
-        started.set()
-        gate.wait(LONG)
-        return "late"
-
-    held = submit(hung, name="membase-test[hung]")
-    assert started.wait(LONG)
-
-    assert submit(lambda: "answered", name="membase-test[next]").result(timeout=LONG) == "answered"
-    assert not held.done()
-    assert threads_alive() == 2
-
-    gate.set()
-    assert held.result(timeout=LONG) == "late"
-
-
-def test_threads_grow_only_up_to_the_cap_and_calls_past_it_wait_their_turn_in_order(threads, monkeypatch, gates):
-    monkeypatch.setattr(_background, "MAX_THREADS", 2)
-    gates_of = [gates.new(), gates.new()]
-    running = [threading.Event(), threading.Event()]
-
-    def busy(index: int) -> int:
-        running[index].set()
-        gates_of[index].wait(LONG)
-        return threading.get_ident()
-
-    first = submit(functools.partial(busy, 0), name="membase-test[cap-0]")
-    second = submit(functools.partial(busy, 1), name="membase-test[cap-1]")
-    assert running[0].wait(LONG) and running[1].wait(LONG)
-    ran: list[tuple[int, int]] = []  # (which call, on which thread), in the order they ran
-
-    def in_line(index: int) -> None:
-        ran.append((index, threading.get_ident()))
-
-    waiting = [submit(functools.partial(in_line, i), name=f"membase-test[in-line-{i}]") for i in range(6)]
-
-    # Both threads are busy and the cap is reached: no thread was started for the six, none of them ran.
-    assert threads_alive() == 2
-    assert ran == []
-
-    gates_of[0].set()  # one thread is free: it takes the six, one after another, first come first served
-    freed = first.result(timeout=LONG)
-    for future in waiting:
-        future.result(timeout=LONG)
-    assert [index for index, _ in ran] == list(range(6))
-    assert {thread for _, thread in ran} == {freed}
-    assert not second.done()
-    assert threads_alive() == 2
-
-    gates_of[1].set()
-    assert second.result(timeout=LONG) != freed
-
-
-def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs(threads, monkeypatch, gates):
-    monkeypatch.setattr(_background, "MAX_THREADS", 1)
-    gate = gates.new()
-    busy = threading.Event()
-    held = submit(lambda: busy.set() or gate.wait(LONG), name="membase-test[busy]")
-    assert busy.wait(LONG)
-    ran: list[str] = []
-
-    dropped = submit(lambda: ran.append("dropped"), name="membase-test[dropped]")
-    kept = submit(lambda: ran.append("kept"), name="membase-test[kept]")
-    assert dropped.cancel()  # still in line: nobody has started it
-    gate.set()
-
-    assert held.result(timeout=LONG) is True
-    assert kept.result(timeout=LONG) is None
-    assert ran == ["kept"]
-
-
-async def test_a_recall_whose_budget_runs_out_while_it_waits_for_a_thread_is_never_sent(
-    threads, monkeypatch, fake, make_store, gates
-):
-    monkeypatch.setattr(_background, "MAX_THREADS", 1)
-    fake.remember(FACT)
-    gate = gates.new()
-    busy = threading.Event()
-    held = submit(lambda: busy.set() or gate.wait(LONG), name="membase-test[busy]")
-    assert busy.wait(LONG)  # the one thread there may be is busy until the gate opens
-    store = make_store(name="in-line", recall_timeout=BUDGET)
-
-    with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
-        await store.search(QUESTION)
-    gate.set()
-    assert held.result(timeout=LONG) is True
-    # The line is first come first served: once this call has run, the recall's turn in line has passed.
-    assert submit(lambda: "after", name="membase-test[after]").result(timeout=LONG) == "after"
-
-    assert fake.sent("POST", "/v1/search") == []
-    assert not store._recall.waking  # nothing of it is running, so the next recall is not skipped
-    counters = store.counters()
-    assert (counters["recalls"], counters["recall_timeouts"], counters["recall_late_completions"]) == (1, 1, 0)
-
-
-def test_idle_threads_retire_and_a_later_call_starts_one_again(threads, monkeypatch):
-    monkeypatch.setattr(_background, "IDLE_SECONDS", 0.2)
-    together = threading.Barrier(3, timeout=LONG)
-
-    def call() -> threading.Thread:
-        together.wait()
-        return threading.current_thread()
-
-    futures = [submit(call, name=f"membase-test[retire-{i}]") for i in range(3)]
-    ran_on = [future.result(timeout=LONG) for future in futures]
-    assert len(set(ran_on)) == 3  # three threads, all busy at once
-
-    for thread in ran_on:
-        thread.join(LONG)
-        assert not thread.is_alive()
-    assert threads_alive() == 0
-    assert submit(lambda: "again", name="membase-test[again]").result(timeout=LONG) == "again"
-
-
-def test_a_thread_keeps_nothing_of_a_call_once_it_has_ended(threads):
-    """An idle thread must not keep a store (and its client and sockets) alive through the call it ran."""
-
+def test_an_idle_thread_takes_the_next_call_in_that_calls_own_context_and_keeps_nothing_of_the_last(threads):
     class Store:
         pass
 
     store = Store()
     ref = weakref.ref(store)
 
-    def call(held: Store = store) -> bool:  # the call holds the store, as the store's own calls do
-        return ref() is held
+    def first_call(held: Store = store) -> tuple[threading.Thread, object]:  # holds a store, as the store's calls do
+        request_id.set("set inside the call")  # stays inside that call's copy of the context
+        return where(), ref() is held
 
     token = request_id.set(store)  # the context copy holds it too
     try:
-        future = submit(call, name="membase-test[keep-nothing]")
+        thread, _ = submit(first_call, name="membase-test[first]").result(timeout=LONG)
     finally:
         request_id.reset(token)
-    assert future.result(timeout=LONG) is True
-    assert wait_until(lambda: idle(threads) == 1, timeout=LONG)
-
-    del store, call, future
+    assert wait_until(lambda: thread.name == IDLE_NAME, timeout=LONG)
+    assert thread.is_alive() and thread not in membase_threads()  # an idle thread does no work for anyone
+    del store, first_call
     assert ref() is None  # freed by reference counting alone, while the thread that ran the call waits
-    assert threads_alive() == 1
 
-
-def test_each_call_runs_in_its_own_callers_context_on_a_reused_thread(threads):
-    def read_then_set() -> tuple[object, int]:
-        seen = request_id.get()
-        request_id.set("set inside the call")  # stays inside that call's copy of the context
-        return seen, threading.get_ident()
-
-    token = request_id.set("turn-1")
-    try:
-        first, thread = submit(read_then_set, name="membase-test[ctx-1]").result(timeout=LONG)
-    finally:
-        request_id.reset(token)
-    assert wait_until(lambda: idle(threads) == 1, timeout=LONG)
-    second, same_thread = submit(read_then_set, name="membase-test[ctx-2]").result(timeout=LONG)
-
-    assert (first, second) == ("turn-1", "none")
-    assert same_thread == thread
+    second, seen = submit(lambda: (where(), request_id.get()), name="membase-test[second]").result(timeout=LONG)
+    assert (second, seen) == (thread, "none")
     assert request_id.get() == "none"
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="this platform has no os.fork()")
-@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_parents(threads):
-    submit(lambda: None, name="membase-test[before-fork]").result(timeout=LONG)
-    assert wait_until(lambda: idle(threads) == 1, timeout=LONG)  # waits for a call; in a child it does not exist
+def test_threads_grow_while_every_one_is_busy_and_a_call_never_waits_behind_a_hung_one(threads, gates):
+    together = threading.Barrier(4, timeout=LONG)  # each call returns only once all four run at the same time
+    ran_on = [submit(functools.partial(meet, together), name=f"membase-test[grow-{i}]") for i in range(4)]
+    assert len({future.result(timeout=LONG) for future in ran_on}) == 4
 
-    def child() -> list[object]:
-        return [threads_alive(), submit(lambda: "child", name="membase-test[child]").result(timeout=LONG)]
+    gate, started = gates.new(), threading.Event()
+    hung = submit(functools.partial(held, gate, started), name="membase-test[hung]")
+    assert started.wait(LONG)
+    assert submit(lambda: "answered", name="membase-test[next]").result(timeout=LONG) == "answered"
+    assert not hung.done()
 
-    assert run_in_child(child) == [0, "child"]
-    assert submit(lambda: "parent", name="membase-test[parent]").result(timeout=LONG) == "parent"
+
+def test_past_its_kinds_cap_a_call_waits_its_turn_and_the_lanes_take_turns(threads, gates):
+    gates_of, running = [gates.new() for _ in range(_background.WORK_THREADS)], threading.Event()
+    busy = [
+        submit(functools.partial(held, gate, running if n == 0 else None), name=f"membase-test[busy-{n}]")
+        for n, gate in enumerate(gates_of)
+    ]
+    assert running.wait(LONG) and wait_until(lambda: len(named("membase-test[busy")) == len(busy), timeout=LONG)
+    ran: list[tuple[str, threading.Thread]] = []
+    in_line = [
+        submit(
+            functools.partial(lambda call: ran.append((call, where())), call), name=f"membase-test[{call}]", lane=lane
+        )
+        for call, lane in [("a1", "a"), ("a2", "a"), ("b1", "b"), ("dropped", "c"), ("a3", "a")]
+    ]
+
+    # No thread started for the calls past the cap; recalls and closes have threads of their own all the same.
+    assert named("membase-test[lane") == [] and ran == []
+    assert submit(lambda: "recalled", name="membase-test[recall]", kind="recall").result(timeout=LONG) == "recalled"
+    assert submit(lambda: "closed", name="membase-test[close]", kind="close").result(timeout=LONG) == "closed"
+    assert in_line[3].cancel()  # still in line: nobody has started it, and nobody will
+
+    gates_of[0].set()  # one thread is free: it takes the calls in line, one after another, the lanes taking turns
+    freed = busy[0].result(timeout=LONG)
+    for future in (in_line[0], in_line[1], in_line[2], in_line[4]):
+        future.result(timeout=LONG)
+    assert ran == [(call, freed) for call in ("a1", "b1", "a2", "a3")]
+    assert not any(future.done() for future in busy[1:])
+
+
+def test_a_thread_that_cannot_start_fails_its_call_and_the_next_call_gets_one(threads, monkeypatch):
+    start = threading.Thread.start
+    refused: list[threading.Thread] = []
+
+    def refuse_once(thread: threading.Thread) -> None:
+        if not refused:
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        submit(lambda: "never", name="membase-test[refused]").result(timeout=LONG)
+    assert submit(lambda: "next", name="membase-test[after]").result(timeout=LONG) == "next"
+
+
+def test_idle_threads_retire_and_a_later_call_starts_one_again(threads, monkeypatch):
+    monkeypatch.setattr(_background, "IDLE_SECONDS", 0.2)
+    together = threading.Barrier(3, timeout=LONG)
+    ran_on = [submit(functools.partial(meet, together), name=f"membase-test[r{i}]") for i in range(3)]
+    for thread in [future.result(timeout=LONG) for future in ran_on]:
+        thread.join(LONG)
+        assert not thread.is_alive()
+    assert submit(lambda: "again", name="membase-test[again]").result(timeout=LONG) == "again"
+
+
+async def test_a_recall_whose_budget_runs_out_while_it_waits_for_a_thread_is_never_sent(
+    threads, fake, make_store, gates
+):
+    fake.remember(FACT)
+    gate, running = gates.new(), [threading.Event() for _ in range(_background.RECALL_THREADS)]
+    for n in range(_background.RECALL_THREADS):  # every thread recalls may take is busy until the gate opens
+        submit(functools.partial(held, gate, running[n]), name=f"membase-test[recall-{n}]", kind="recall")
+    assert all(event.wait(LONG) for event in running)
+    store = make_store(name="in-line", recall_timeout=BUDGET)
+
+    with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
+        await store.search(QUESTION)
+    gate.set()
+
+    assert fake.sent("POST", "/v1/search") == []
+    assert [entry.content for entry in await store.search(QUESTION)] == [f"[Main] {FACT}"]  # not skipped
+    counters = store.counters()
+    assert (counters["recalls"], counters["recall_timeouts"], counters["recall_skipped"]) == (2, 1, 0)
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
 
 
-def test_wait_for_future_works_from_two_event_loops_in_turn():
-    first = asyncio.run(wait_for_future(submit(lambda: "one", name="membase-test[1]"), LONG))
-    second = asyncio.run(wait_for_future(submit(lambda: "two", name="membase-test[2]"), LONG))
-
-    assert (first, second) == ("one", "two")
-
-
-def test_two_loops_can_wait_for_the_same_future_at_once(gates):
+def test_wait_for_future_waits_from_any_loop_and_raises_what_the_call_raised(gates):
     gate = gates.new()
-    future = submit(lambda: gate.wait(LONG) and "shared", name="membase-test[shared]")
+    shared = submit(lambda: gate.wait(LONG) and "shared", name="membase-test[shared]")
     results: list[object] = []
-
-    def waiter() -> None:
-        results.append(asyncio.run(wait_for_future(future, LONG)))
-
-    waiters = [threading.Thread(target=waiter) for _ in range(2)]
+    waiters = [
+        threading.Thread(target=lambda: results.append(asyncio.run(wait_for_future(shared, LONG)))) for _ in "ab"
+    ]
     for thread in waiters:
         thread.start()
     gate.set()
     for thread in waiters:
         thread.join(LONG)
+    assert results == ["shared", "shared"]  # two loops waited for one future at once
 
-    assert results == ["shared", "shared"]
+    assert asyncio.run(wait_for_future(shared, 0.001)) == "shared"  # done already: at once, whatever the budget
+    assert asyncio.run(wait_for_future(submit(lambda: "next", name="membase-test[next]"), None)) == "next"
 
-
-def test_an_already_finished_future_is_returned_at_once():
-    future = submit(lambda: "ready", name="membase-test[ready]")
-    future.result(timeout=LONG)
-
-    assert asyncio.run(wait_for_future(future, 0.001)) == "ready"
-
-
-def test_wait_for_future_re_raises_the_calls_error():
     def fail() -> None:
         raise LookupError("not here")
 
@@ -400,151 +239,205 @@ def test_wait_for_future_re_raises_the_calls_error():
         asyncio.run(wait_for_future(submit(fail, name="membase-test[fail]"), LONG))
 
 
-def test_no_timeout_waits_as_long_as_the_call_takes(gates):
-    gate = gates.new()
-    future = submit(lambda: gate.wait(LONG) and "done", name="membase-test[slow]")
-    threading.Timer(0.2, gate.set).start()
-
-    assert asyncio.run(wait_for_future(future, None)) == "done"
-
-
-def test_a_timed_out_wait_leaves_the_call_running_and_its_late_end_raises_nowhere(gates, thread_errors, caplog):
+def test_a_wait_that_times_out_leaves_the_call_running_and_its_late_end_disturbs_nothing(gates, caplog, monkeypatch):
     caplog.set_level(logging.DEBUG)
+    escaped: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
     gate = gates.new()
-    finished = threading.Event()
-
-    def late() -> str:
-        gate.wait(LONG)
-        finished.set()
-        return "late"
-
-    future = submit(late, name="membase-test[late]")
+    late = submit(lambda: gate.wait(LONG) and "late", name="membase-test[late]")
     with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(wait_for_future(future, BUDGET))
-    # asyncio.run returned while the call still waits for its gate: it did not wait for the thread.
-    assert not future.done()
-    assert any(t.name == "membase-test[late]" for t in membase_threads("membase-test"))
+        asyncio.run(wait_for_future(late, BUDGET))
+    assert not late.done()  # asyncio.run returned while the call still runs: it did not wait for the thread
 
-    # It completes after its loop has closed: the wake-up finds the loop gone and stays quiet.
-    gate.set()
-    assert finished.wait(LONG)
-    assert future.result(timeout=LONG) == "late"
-    assert wait_until(lambda: not membase_threads("membase-test[late]"), timeout=LONG)
-    assert thread_errors == []
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    async def cancelled_then_late() -> None:
+        loop = asyncio.get_running_loop()
+        problems: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _, context: problems.append(context))
+        later, ticked = submit(lambda: gate.wait(LONG) and "later", name="membase-test[later]"), threading.Event()
+        waiting = asyncio.create_task(wait_for_future(later, LONG))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        loop.call_soon(ticked.set)
+        assert await wait_for_future(submit(lambda: ticked.wait(LONG), name="membase-test[tick]"), None)
+        gate.set()  # both end now: one after its loop closed, one on this live loop
+        assert await asyncio.wrap_future(later) == "later" and not later.cancelled()
+        await asyncio.sleep(0)
+        assert problems == []
 
-
-async def test_a_timed_out_wait_on_a_live_loop_ignores_the_late_answer(gates, caplog):
-    caplog.set_level(logging.DEBUG)
-    gate = gates.new()
-    future = submit(lambda: gate.wait(LONG) and "late", name="membase-test[live]")
-
-    with pytest.raises(asyncio.TimeoutError):
-        await wait_for_future(future, BUDGET)
-    gate.set()
-    assert await asyncio.wrap_future(future) == "late"
-    await asyncio.sleep(0)  # the thread's wake-up, queued before wrap_future's, has run on this loop
-
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    asyncio.run(cancelled_then_late())
+    assert late.result(timeout=LONG) == "late"
+    assert wait_until(lambda: not membase_threads("membase-test[late"), timeout=LONG)
+    assert escaped == [] and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_waiting_does_not_block_the_event_loop():
-    loop_ran = threading.Event()
-    # The call ends only once this loop has run something while it waits for the call.
-    future = submit(lambda: loop_ran.wait(LONG), name="membase-test[block]")
-    asyncio.get_running_loop().call_soon(loop_ran.set)
+# --- Many agents, many threads, a burst --------------------------------------------------------------
 
-    assert await wait_for_future(future, None) is True
+TOPICS = ["aurora", "basalt", "cobalt", "dynamo", "ember", "fjord", "glacier", "harbor", "iris", "juniper"]
 
 
-async def test_a_wait_cancelled_within_its_budget_leaves_nothing_behind_on_the_loop(gates):
-    loop = asyncio.get_running_loop()
-    problems: list[dict[str, object]] = []
-    loop.set_exception_handler(lambda _, context: problems.append(context))
-    gate = gates.new()
-    future = submit(lambda: gate.wait(LONG) and "late", name="membase-test[cancelled]")
+class InFlight:
+    """Wraps a responder, records the most requests it served at once and the threads that sent them."""
 
-    waiting = asyncio.create_task(wait_for_future(future, 0.1))
-    await asyncio.sleep(0)  # the task is now waiting
-    waiting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    await asyncio.sleep(0.3)  # past the budget: its timer, had it stayed, would have fired by now
-    gate.set()
-    assert await asyncio.wrap_future(future) == "late"
-    await asyncio.sleep(0)  # the thread's wake-up reaches this loop
+    def __init__(self, responder: Responder) -> None:
+        self._responder, self._lock = responder, threading.Lock()
+        self.now = self.peak = 0
+        self.senders: list[threading.Thread] = []
 
-    assert problems == []
-    assert not future.cancelled()
-
-
-# --- The store on the threads, through a real Agent ----------------------------------------------
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.senders.append(threading.current_thread())
+        try:
+            return self._responder(request)
+        finally:
+            with self._lock:
+                self.now -= 1
 
 
-def serving_threads(fake: InMemoryMembase) -> list[threading.Thread]:
-    """Records the thread that sends each search; the fake answers as usual."""
-    seen: list[threading.Thread] = []
-
-    def respond(request: httpx.Request) -> httpx.Response:
-        seen.append(threading.current_thread())
-        return fake.answer(request)
-
-    fake.always("POST", "/v1/search", respond)
-    return seen
+def topic_agents(fake: InMemoryMembase, store: MembaseMemoryStore, topics: list[str]) -> dict[str, Any]:
+    for topic in topics:
+        fake.remember(f"The {topic} project keeps its records in {topic}db.")
+    return {topic: make_agent(store, ["ok"] * 5) for topic in topics}
 
 
-def test_consecutive_recalls_run_on_one_reused_thread_not_a_thread_each(threads, fake, make_store):
+def assert_own_passages(model: ScriptedModel, topic: str) -> None:
+    """Every call of this agent's model saw its own topic's passage and no other topic's."""
+    assert len(model.calls) == 5
+    for index in range(5):
+        block = model.memory_block(index) or ""
+        assert f"[Main] The {topic} project keeps its records in {topic}db." in block, (topic, index)
+        assert [other for other in TOPICS if other != topic and other in block] == []
+
+
+async def test_ten_agents_sharing_one_store_async_on_a_loop_and_sync_from_threads_each_recall_their_own(
+    fake, make_store
+):
+    """Each agent runs its turns in order (Strands refuses concurrent calls on one agent); the ten run at once: five
+    on this event loop, five synchronously, each from a thread of its own."""
+    in_flight = InFlight(delayed(fake, 0.05))
+    fake.always("POST", "/v1/search", in_flight)
+    store = make_store()
+    agents = topic_agents(fake, store, TOPICS)
+
+    async def turns(topic: str) -> list[str]:
+        agent, _ = agents[topic]
+        if topic in TOPICS[:5]:
+            return [str(await agent.invoke_async(f"What about {topic}, turn {turn}?")).strip() for turn in range(5)]
+        return await asyncio.to_thread(lambda: [str(agent(f"What about {topic}, call {n}?")).strip() for n in range(5)])
+
+    assert await asyncio.gather(*(turns(topic) for topic in TOPICS)) == [["ok"] * 5] * 10
+    for topic, (_, model) in agents.items():
+        assert_own_passages(model, topic)
+    assert len(fake.sent("POST", "/v1/search")) == 50  # one per turn: none doubled, none lost
+    assert in_flight.peak >= 2  # healthy recalls ran side by side
+    counters = store.counters()
+    assert (counters["recalls"], counters["recall_hits"], counters["recall_skipped"]) == (50, 50, 0)
+
+
+def test_consecutive_recalls_run_on_one_reused_thread_named_after_the_store(threads, fake, make_store):
     fake.remember(FACT)
-    seen = serving_threads(fake)
-    store = make_store(recall_timeout=LONG)
-    agent, model = make_agent(store)
-
+    in_flight = InFlight(routed(fake))
+    fake.always("POST", "/v1/search", in_flight)
+    agent, model = make_agent(make_store(name="reused"))
     for turn in range(5):
         agent(QUESTION)
         assert f"[Main] {FACT}" in (model.memory_block(turn) or "")
-        assert wait_until(lambda: idle(threads) == 1, timeout=LONG)  # waiting for the next call before the next turn
-
-    assert len(seen) == 5
-    assert len(set(seen)) == 1, f"{len(set(seen))} threads served 5 recalls one after another"
-    assert threads_alive() == 1
+        assert wait_until(lambda: in_flight.senders[-1].name == IDLE_NAME, timeout=LONG)  # waits for the next call
+    assert len(set(in_flight.senders)) == 1, f"{len(set(in_flight.senders))} threads served 5 recalls in turn"
 
 
-def test_a_late_request_never_holds_a_synchronous_agent_call(fake, make_store, gates):
+def test_three_hundred_recalls_at_once_on_one_store_all_return_memory(monkeypatch):
+    """A burst past the recall threads' cap: the calls past it wait their turn inside their budget, none is dropped.
+    Over a loopback server that answers in 20 ms; how fast the burst goes is measured in the benchmarks."""
+    burst = 300
+    monkeypatch.setattr(_background, "IDLE_SECONDS", LONG)  # no thread retires (closing its connection) meanwhile
+    with LoopbackMembase() as server:
+        server.fake.remember(FACT)
+        server.latency = 0.02
+        store = MembaseMemoryStore(api_key=API_KEY, base_url=server.url, name="burst", recall_timeout=120.0)
+        agents = [make_agent(store, ["ok"]) for _ in range(burst)]  # several agents share one store, as users do
+
+        async def all_at_once() -> list[object]:
+            return await asyncio.gather(
+                *(agent.invoke_async(f"{QUESTION} ({i})") for i, (agent, _) in enumerate(agents))
+            )
+
+        try:
+            answers = asyncio.run(all_at_once())
+        finally:
+            store.close()
+
+        assert [str(answer).strip() for answer in answers] == ["ok"] * burst
+        assert all(f"[Main] {FACT}" in (model.memory_block() or "") for _, model in agents)
+        assert len(server.fake.sent("POST", "/v1/search")) == burst  # each sent once: none dropped, none doubled
+        counters = store.counters()
+        assert (counters["recalls"], counters["recall_hits"], counters["recall_errors"]) == (burst, burst, 0)
+        # At most one request per recall thread was ever in flight, each thread on a connection of its own that
+        # stayed open: none was closed under the burst.
+        assert server.peak_in_flight <= _background.RECALL_THREADS
+        assert server.open_connections == server.connections <= _background.RECALL_THREADS
+
+
+# --- A stalled Membase, a refused key ---------------------------------------------------------------------
+
+
+def test_a_stalled_membase_holds_no_turn_and_leaves_at_most_one_recall_thread_per_store(fake, make_store, gates):
     fake.remember(FACT)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", routed(fake), hang(stall, then=routed(fake)))
-    store = make_store(name="never-holds", recall_timeout=LONG)
-    agent, model = make_agent(store)
-    agent(QUESTION)  # a healthy turn first: its thread waits for the next call
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
+    gate = gates.new()
+    fake.always("POST", "/v1/search", hang(gate, then=routed(fake)))
+    stores = [make_store(name="first", recall_timeout=BUDGET), make_store(name="second", recall_timeout=BUDGET)]
+    agents = [make_agent(store, ["ok"] * 10)[0] for store in stores]
 
-    set_recall_budget(store, BUDGET)
-    agent(QUESTION)  # asyncio.run of this call must not wait for the thread that runs the late request
+    def recall_threads() -> list[threading.Thread]:
+        return [t for t in membase_threads(RECALL_THREAD) if t.name.endswith(("[first]", "[second]"))]
 
-    # The call returned while the gate still holds that request: it is still running on its thread.
-    assert model.memory_block() is None
-    assert not stall.is_set()
-    assert len(membase_threads(f"{RECALL_THREAD}{store.name}]")) == 1
-    assert store.counters()["recall_late_completions"] == 0
-    stall.set()
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
-    set_recall_budget(store, LONG)
-    agent(QUESTION)
-    assert f"[Main] {FACT}" in (model.memory_block() or "")
+    peak = 0
+    for turn in range(20):  # each turn returns while the gate holds the request: none waits for the thread
+        agents[turn % 2](f"{QUESTION} ({turn})")
+        peak = max(peak, len(recall_threads()))
+
+    assert peak <= len(stores)
+    assert len(fake.sent("POST", "/v1/search")) == len(stores)  # one late request per store, the rest skipped
+    assert [(s.counters()["recall_timeouts"], s.counters()["recall_skipped"]) for s in stores] == [(1, 9), (1, 9)]
+    gate.set()
+    assert wait_until(lambda: not recall_threads(), timeout=LONG)
+    fake.heal()
+    agent, model = make_agent(stores[0], ["ok"])
+    agent(QUESTION)  # the stall is over: recall resumes at once
+    assert FACT in (model.memory_block() or "")
 
 
-def test_after_a_stall_ends_the_threads_retire_and_none_is_left(threads, monkeypatch, fake, make_store, gates):
-    monkeypatch.setattr(_background, "IDLE_SECONDS", 0.2)
+async def test_after_a_403_automatic_recall_pauses_for_the_cooldown_while_the_tools_still_try(fake, make_store, caplog):
+    caplog.set_level(logging.DEBUG)
     fake.remember(FACT)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    store = make_store(name="stalled", recall_timeout=BUDGET)
-    agent, _ = make_agent(store)
-    agent(QUESTION)
-    assert threads_alive() == 1  # the late request's
+    fake.always("POST", "/v1/search", status(403, "key revoked"))
+    store = make_store(access_cooldown=0.3)
+    agent, model = make_agent(store, ["ok", "ok", ToolCall("membase_search", {"query": "ledger"}), "ok"])
 
-    stall.set()
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=LONG)
+    await agent.invoke_async(QUESTION)
+    await agent.invoke_async("And the ledger backups?")
+    assert len(fake.sent("POST", "/v1/search")) == 1  # one refusal; the next turn sent nothing
+    assert await store.search(QUESTION) == []  # skipped while paused: not a failure, so the manager stays quiet
+    assert store.counters()["recall_skipped"] == 2
+    await agent.invoke_async("Search the ledger for me")  # the tools still try, and the model hears why they failed
+    assert len(fake.sent("POST", "/v1/search")) == 2
+    assert model.tool_results()[-1]["status"] == "error"
+    assert "narrowed or revoked" in model.tool_result_text()
 
-    assert wait_until(lambda: threads_alive() == 0, timeout=LONG)
-    assert not membase_threads(f"{RECALL_THREAD}{store.name}]")
+    fake.heal()  # the key is restored: after the cool-down, automatic recall resumes
+    deadline = time.monotonic() + LONG
+    while not (found := await store.search(QUESTION)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert [entry.content for entry in found] == [f"[Main] {FACT}"]
+    paused = [line for line in caplog.messages if "automatic recall paused" in line]
+    assert len(paused) == 1 and "0.3 s" in paused[0]
+
+    unpaused = make_store(access_cooldown=None)
+    fake.always("POST", "/v1/search", status(403))
+    for _ in range(3):
+        with pytest.raises(MembaseAccessError):
+            await unpaused.search(QUESTION)
+    assert len(fake.sent("POST", "/v1/search")) == 3 + 3  # without a cool-down every recall tries again

@@ -1,33 +1,44 @@
-"""Helpers the tests share: agents over a store, responders, waits, gates, a clock, timers and forked children."""
+"""Helpers the tests share: agents over a store, responders, waits, gates, captured writes and forked children.
+
+Everything here goes through the library's public API: a test watches what a user could watch (requests that
+reached Membase, counters, log lines, thread names), never a store's private state.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import select
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
-import membase
+import pytest
 from strands import Agent
 from strands.memory import MemoryManager
+from strands.types.content import Message
 
 from membase_strands import MembaseMemoryStore
 from membase_strands._background import IDLE_NAME
 from membase_strands.testing import InMemoryMembase, Responder, ScriptedModel, Step
 
-T = TypeVar("T")
-
 RECALL_THREAD = "membase-recall["
+WRITE_THREAD = "membase-write["
 QUESTION = "Which database did we choose for the ledger?"
 FACT = "We chose Postgres for the ledger."
+GREEN_TEA = "I like green tea."
+LISBON = "I live in Lisbon."
+MEMORIES = ("POST", "/v1/memories")
+
+LONG = 30.0
+"""A budget (seconds) a slow, loaded machine cannot run out of, for what a test does not time out on purpose."""
 
 
 def routed(fake: InMemoryMembase) -> Responder:
@@ -42,6 +53,17 @@ def delayed(fake: InMemoryMembase, seconds: float) -> Responder:
     def respond(request: httpx.Request) -> httpx.Response:
         time.sleep(seconds)
         return answer(request)
+
+    return respond
+
+
+def signalling(event: threading.Event, then: Responder) -> Responder:
+    """A responder that sets ``event`` once the request is in (the fake has recorded it), then answers with
+    ``then``: a test waits for that moment instead of sleeping."""
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        event.set()
+        return then(request)
 
     return respond
 
@@ -102,38 +124,104 @@ def make_agent(
     return agent, model
 
 
-def client_of(store: MembaseMemoryStore) -> membase.Membase:
-    """The SDK client behind a store's tools, through its gateway: the tests' one window into a store's insides."""
-    return store._gateway._client(retry=True)
-
-
 def result_text(result: dict[str, Any]) -> str:
     """The text of a tool result, its blocks joined by newlines."""
     return "\n".join(item["text"] for item in result["content"] if "text" in item)
 
 
-def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
-    """Call ``fn(*args)``; return its result and the seconds it took."""
-    started = time.monotonic()
-    result = fn(*args)
-    return result, time.monotonic() - started
+# --- Captured writes --------------------------------------------------------------------------------
 
 
-class Clock:
-    """A monotonic clock the test moves by hand: call it, or patch it in as a module's ``time``."""
+def user(text: str) -> Message:
+    return {"role": "user", "content": [{"text": text}]}
 
-    def __init__(self, start: float | None = None) -> None:
-        self.start = time.monotonic() if start is None else start
-        self.offset = 0.0
 
-    def __call__(self) -> float:
-        return self.start + self.offset
+def assistant(text: str) -> Message:
+    return {"role": "assistant", "content": [{"text": text}]}
 
-    def monotonic(self) -> float:
-        return self()
 
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
+def posted(fake: InMemoryMembase) -> list[str]:
+    """The content of every POST /v1/memories this account's key sent, failed or not."""
+    return [r.body["content"] for r in fake.sent(*MEMORIES)]
+
+
+def lines(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG, source: str = "") -> list[str]:
+    """The messages of the log records at ``level`` or above (of loggers named ``source``...), in order."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= level and r.name.startswith(source)]
+
+
+def logged(caplog: pytest.LogCaptureFixture, words: str, level: int = logging.DEBUG) -> Callable[[], int]:
+    """How many of the library's log records at ``level`` or above say ``words`` (a predicate for a wait)."""
+    return lambda: sum(words in line for line in lines(caplog, level, "membase_strands"))
+
+
+async def turn_and_flush(agent: Agent, text: str) -> None:
+    """One async turn and the flush an async caller owes the manager, as a web handler does it."""
+    await agent.invoke_async(text)
+    await agent.memory_manager.flush()
+
+
+async def cancelled_once_sent(write: Awaitable[Any], in_flight: threading.Event) -> None:
+    """Run ``write`` and cancel it once its request is in (``in_flight``), as a web server whose client hung up
+    would: nobody waits for that request any more, and it goes on in the background."""
+    task = asyncio.ensure_future(write)
+    assert await until(in_flight.is_set, timeout=LONG)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def drain_began(caplog: pytest.LogCaptureFixture) -> Callable[[], bool]:
+    """Whether a close (or the exit wait) has reached its wait for the writes still running (caplog at INFO)."""
+    return lambda: logged(caplog, "waiting for writes still running")() > 0
+
+
+async def close_then_release(store: MembaseMemoryStore, caplog: pytest.LogCaptureFixture, release: threading.Event):
+    """``store.close()`` on a thread; ``release`` (the held write's gate) once close() waits for that write, so the
+    write ends during the close, never before it; returns once close() has."""
+    caplog.set_level(logging.INFO)
+    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    assert await until(drain_began(caplog), timeout=LONG)
+    release.set()
+    await closing
+
+
+class Ticker:
+    """A task that ticks every 10 ms while the test awaits something else, and calls ``release`` at tick
+    ``release_after``. Only a loop that is not blocked runs it."""
+
+    def __init__(self, release_after: int | None = None, release: Callable[[], None] = lambda: None) -> None:
+        self.ticks = 0
+        self._release_after, self._release = release_after, release
+        self._task: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            self.ticks += 1
+            if self.ticks == self._release_after:
+                self._release()
+
+
+def unreferenced(work: Callable[[], Awaitable[Any]]) -> threading.Event:
+    """Run ``work()`` in a task that nothing references (a server's lifespan task, say); the event is set once
+    ``work()`` has returned. The task is not kept here: only what it waits on can keep it alive."""
+    done = threading.Event()
+
+    async def run() -> None:
+        await work()
+        done.set()
+
+    asyncio.get_running_loop().create_task(run())
+    return done
 
 
 # --- Forked children --------------------------------------------------------------------------------
@@ -227,67 +315,3 @@ def _reap(pid: int, deadline: float) -> None:
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)  # our own child, by its pid
     os.waitpid(pid, 0)
-
-
-def set_recall_budget(store: MembaseMemoryStore, seconds: float | None) -> None:
-    """Give ``store`` another recall budget from its next recall on (the store's own setting, reached directly).
-
-    For a test whose one part is about a short budget and whose other parts are not: a healthy recall that must
-    return memory gets a budget a loaded machine cannot run out of.
-    """
-    store._recall_timeout = seconds
-
-
-# --- Write budgets and the writes still running ----------------------------------------------------
-
-LONG = 30.0
-"""A budget (seconds) a slow, loaded machine cannot run out of, for what a test does not time out on purpose."""
-
-
-def set_write_budget(target: Any, seconds: float | None) -> None:
-    """Give the captured writes of a store (or of a ``WriteRecord``) a new budget from now on.
-
-    For a test that runs one write out of a short budget (the request held by the server) and then needs the
-    manager's retry, or a close, to run under a budget a loaded machine cannot run out of.
-    """
-    record = getattr(target, "_writes", target)
-    record._budget = seconds
-    if record is not target:
-        target._write_timeout = seconds
-
-
-def settle(futures: Any, timeout: float = LONG) -> None:
-    """Wait (bounded) for the futures of writes (``record.running()``, taken while they ran): each settles only
-    once its outcome is on record, counted and logged."""
-    from concurrent.futures import wait  # here, not at the top: this block is appended to the module
-
-    _, not_done = wait(list(futures), timeout=timeout)
-    assert not not_done, f"{len(not_done)} writes still running after {timeout:g} s"
-
-
-def signalling(event: threading.Event, then: Responder) -> Responder:
-    """A responder that sets ``event`` once the request is in (the fake has recorded it), then answers with
-    ``then``: a test waits for that moment instead of sleeping."""
-
-    def respond(request: httpx.Request) -> httpx.Response:
-        event.set()
-        return then(request)
-
-    return respond
-
-
-def drain_began(caplog: Any) -> Callable[[], bool]:
-    """Whether a close (or the exit wait) has reached its wait for the writes still running (caplog at INFO)."""
-    return lambda: any("waiting for writes still running" in record.getMessage() for record in caplog.records)
-
-
-async def close_then_release(store: MembaseMemoryStore, caplog: Any, release: threading.Event) -> None:
-    """``store.close()`` on a thread; ``release`` (the held write's gate) once close() waits for that write, so the
-    write ends during the close, never before it; returns once close() has."""
-    import logging  # here, not at the top: this block is appended to the module
-
-    caplog.set_level(logging.INFO)
-    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
-    assert await until(drain_began(caplog), timeout=LONG)
-    release.set()
-    await closing
