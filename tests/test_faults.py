@@ -169,6 +169,7 @@ FAULTS = [
     Fault("200_not_json", answer(b"not json {", "text/plain"), **UNREADABLE),
     Fault("200_empty", answer(b""), **UNREADABLE),
     Fault("200_html", answer(f"<html>{SERVER_TEXT}</html>".encode(), "text/html"), **UNREADABLE),
+    Fault("200_cut_mid_character", answer(b'{"a": "\xe2\x82'), **UNREADABLE),  # not valid UTF-8
     Fault("200_no_results", json_200({"containers": []}), search="bad_response"),
     Fault("200_results_not_list", json_200({"results": {"content": SERVER_TEXT}}), search="bad_response"),
     Fault("200_hit_without_content", json_200({"results": [{"container": "ctr_main", "score": 1.0}]})),
@@ -550,6 +551,15 @@ def test_the_sdk_honours_retry_after_for_the_tools_but_recall_and_saves_never_re
     assert outcome("membase_search", "429").hints == [None, None]
     for path in ("recall", "search", "membase_save", "add"):
         assert outcome(path, "429_retry_after").hints == [], path
+
+
+def test_a_2xx_save_answer_that_cannot_be_read_counts_as_saved_and_a_read_one_says_why() -> None:
+    for path in ("add", "add_memory", "add_messages", "membase_save"):
+        [warned] = [
+            r for r in outcome(path, "200_cut_mid_character").records if "counting it as saved" in r.getMessage()
+        ]
+        assert "reason=<2xx answer is not valid UTF-8" in warned.getMessage(), path
+    assert "not valid UTF-8" in outcome("membase_search", "200_cut_mid_character").text
 
 
 def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late() -> None:
