@@ -1,8 +1,7 @@
 """OpenTelemetry: the spans and metrics that show what memory did, through a real Agent over the fake Membase.
 
-OpenTelemetry's global providers can be set once per process: a session fixture sets an SDK tracer and
-meter provider (or joins the SDK tracer provider already set), and a switch makes the exporter keep
-spans only while a test of this module runs, so the rest of the suite is unaffected.
+OpenTelemetry's global providers can be set once per process: conftest's ``spans`` keeps the spans that end during
+a test (on the SDK tracer provider it sets or joins), and a session fixture sets the meter provider.
 """
 
 from __future__ import annotations
@@ -10,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _telemetry
@@ -30,16 +28,6 @@ SAID = "I like green tea"
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 
 
-class _Switch(SimpleSpanProcessor):
-    """Exports spans only while on: the provider is global and stays set for the rest of the session."""
-
-    on = False
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.on:
-            super().on_end(span)
-
-
 class Telemetry:
     def __init__(self, exporter: InMemorySpanExporter, reader: InMemoryMetricReader) -> None:
         self.exporter = exporter
@@ -49,60 +37,35 @@ class Telemetry:
         return list(self.exporter.get_finished_spans())
 
     def ours(self, store: str, name: str | None = None) -> list[ReadableSpan]:
-        return [
-            s
-            for s in self.spans()
-            if (s.attributes or {}).get("membase.store") == store and (name is None or s.name == name)
-        ]
+        spans = self.spans()
+        return [s for s in spans if (s.attributes or {}).get("membase.store") == store and name in (None, s.name)]
 
     def one(self, store: str, name: str) -> ReadableSpan:
         assert wait_until(lambda: len(self.ours(store, name)) >= 1, timeout=30.0), f"no {name} span"
-        found = self.ours(store, name)
-        assert len(found) == 1, [s.name for s in found]
-        return found[0]
+        [found] = self.ours(store, name)
+        return found
 
     def parent_name(self, span: ReadableSpan) -> str | None:
-        if span.parent is None:
-            return None
         by_id = {s.context.span_id: s.name for s in self.spans()}
-        return by_id.get(span.parent.span_id, "<not exported>")
+        return None if span.parent is None else by_id.get(span.parent.span_id, "<not exported>")
 
     def metric_points(self, name: str) -> list[Any]:
         data = self.reader.get_metrics_data()
-        points: list[Any] = []
-        for resource in data.resource_metrics if data else []:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        points.extend(metric.data.data_points)
-        return points
+        metrics_ = [m for r in (data.resource_metrics if data else []) for s in r.scope_metrics for m in s.metrics]
+        return [point for metric in metrics_ if metric.name == name for point in metric.data.data_points]
 
 
 @pytest.fixture(scope="session")
-def _providers() -> Iterator[tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]]:
-    exporter = InMemorySpanExporter()
-    switch = _Switch(exporter)
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider), "another tracer provider was set for this process"
-    provider.add_span_processor(switch)
+def reader() -> InMemoryMetricReader:
+    """The process's meter provider (set once), read in memory."""
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-    yield switch, exporter, reader
+    return reader
 
 
 @pytest.fixture
-def otel(_providers: tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]) -> Iterator[Telemetry]:
-    switch, exporter, reader = _providers
-    exporter.clear()
-    switch.on = True
-    try:
-        yield Telemetry(exporter, reader)
-    finally:
-        switch.on = False
-        exporter.clear()
+def otel(spans: InMemorySpanExporter, reader: InMemoryMetricReader) -> Telemetry:
+    return Telemetry(spans, reader)
 
 
 def values(span: ReadableSpan) -> list[str]:
