@@ -3,9 +3,9 @@
 Each ```python block of README.md and docs/*.md runs as it is written, in a fresh namespace, with nothing
 reaching the network:
 
-- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase``, so a block that
-  builds a store from the environment (the quick start, the pool) takes the production path to that stand-in;
-  ``MEMBASE_KEY_<user>`` gives the pool example's users the same key.
+- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase`` served over loopback
+  (``tests/support/loopback.py``), so a block that builds a store from the environment takes the production path
+  to that stand-in; ``MEMBASE_KEY_<user>`` gives a pool example's users the same key.
 - A ``strands.Agent`` built without a model gets :class:`StandInModel`, a ``ScriptedModel`` that saves what the
   user asks it to remember and answers with what was recalled; ``callback_handler`` defaults to ``None``.
 - Stores get recall and write budgets of at least 30 s: no block is about running out of one, and a loaded machine
@@ -13,15 +13,16 @@ reaching the network:
 - ``time.sleep`` in the block's own code (the quick start waits for hosted Membase to learn) returns at once; the
   library's threads keep the real one.
 
-A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. Blocks
-named in ``CHECKS`` are also checked for what they did. Shell blocks are not run; the ``membase-strands`` flags
-they use must exist.
+A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. The test
+functions a block defines run too, and the quick start (the block that is ``examples/quickstart.py``) is checked
+for what it did. Shell blocks are not run; the ``membase-strands`` flags they use must exist.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -29,7 +30,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,16 @@ import pytest
 from strands import Agent
 
 from membase_strands import MembaseMemoryStore, __version__, check
-from membase_strands._counters import STANDARD
+from membase_strands._telemetry import STANDARD
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
+from tests.support.loopback import LoopbackMembase
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 GENEROUS_BUDGET = 30.0
 POOL_USERS = ("alice", "bob")
+QUICK_START = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 # Blocks that change process-wide state run in a subprocess of their own.
 ISOLATE = ("set_tracer_provider", "set_meter_provider")
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -53,12 +56,10 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block: where it is, the heading above it, and its code."""
+    """One fenced code block: the page, the line its fence opens on, its language and its code."""
 
     page: str
     line: int
-    heading: str
-    index: int  # its place among the blocks of its language under that heading
     language: str
     code: str
 
@@ -69,21 +70,14 @@ class Block:
 
 def _blocks_of(path: Path) -> list[Block]:
     blocks: list[Block] = []
-    heading, language, start, lines = "", None, 0, []
+    language, start, lines = None, 0, []
     for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        fence = FENCE.match(text)
-        if language is None:
-            if fence:
-                language, start, lines = fence.group(1), number, []
-            elif text.startswith("#"):
-                heading = text.lstrip("#").strip()
-            continue
-        if text.strip() == "```":
-            index = sum(1 for b in blocks if b.heading == heading and b.language == language)
-            name = str(path.relative_to(ROOT))
-            blocks.append(Block(name, start, heading, index, language, "\n".join(lines) + "\n"))
+        if language is None and (fence := FENCE.match(text)):
+            language, start, lines = fence.group(1), number, []
+        elif language is not None and text.strip() == "```":
+            blocks.append(Block(str(path.relative_to(ROOT)), start, language, "\n".join(lines) + "\n"))
             language = None
-        else:
+        elif language is not None:
             lines.append(text)
     assert language is None, f"{path.name}: the block opened at line {start} is never closed"
     return blocks
@@ -135,20 +129,19 @@ class _TimeForBlocks:
 
 @dataclass
 class Run:
-    """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps, its output."""
+    """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps."""
 
     membase: InMemoryMembase
     models: list[StandInModel] = field(default_factory=list)
     sleeps: list[float] = field(default_factory=list)
-    tests_run: list[str] = field(default_factory=list)
-    output: str = ""
 
 
 @contextlib.contextmanager
 def offline() -> Iterator[Run]:
     """Point the environment at an in-memory Membase, give model-less Agents a stand-in, and make budgets generous."""
     run = Run(InMemoryMembase())
-    environment = {"MEMBASE_API_KEY": API_KEY, "MEMBASE_BASE_URL": run.membase.base_url}
+    server = LoopbackMembase(run.membase)
+    environment = {"MEMBASE_API_KEY": API_KEY, "MEMBASE_BASE_URL": server.url}
     environment.update({f"MEMBASE_KEY_{user}": API_KEY for user in POOL_USERS})
     saved_environment = {name: os.environ.get(name) for name in [*environment, "MEMBASE_LOCAL"]}
     agent_init, store_init = Agent.__init__, MembaseMemoryStore.__init__
@@ -160,6 +153,7 @@ def offline() -> Iterator[Run]:
         kwargs.setdefault("callback_handler", None)
         agent_init(self, *args, **kwargs)
 
+    @functools.wraps(store_init)  # its signature stays the store's: the pool checks its options against it
     def store_with_generous_budgets(self: MembaseMemoryStore, **options: Any) -> None:
         for budget in ("recall_timeout", "write_timeout"):
             if options.get(budget, 0) is not None:  # not given, or a number: at least the generous budget
@@ -173,6 +167,7 @@ def offline() -> Iterator[Run]:
     try:
         yield run
     finally:
+        server.close()
         Agent.__init__ = agent_init  # type: ignore[method-assign]
         MembaseMemoryStore.__init__ = store_init  # type: ignore[method-assign]
         for name, value in saved_environment.items():
@@ -198,7 +193,6 @@ def execute(block: Block, run: Run) -> None:
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
             value()
-            run.tests_run.append(name)
 
 
 def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
@@ -218,43 +212,18 @@ def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
 
 def main_for_subprocess(page: str, line: int) -> None:
     """Run the block whose code is on standard input, as :func:`run_isolated` hands it over."""
-    block = Block(page=page, line=line, heading="", index=0, language="python", code=sys.stdin.read())
+    block = Block(page=page, line=line, language="python", code=sys.stdin.read())
     with offline() as run:
         execute(block, run)
 
 
-# --- What some blocks must have done -------------------------------------------------------------
-
-
-def _quick_start(run: Run) -> None:
-    # Session 1's model saved the user's words; session 2's was shown them before it answered.
+def _quick_start_did_what_it_says(run: Run) -> None:
+    # Session 1's model saved the user's words; session 2's was shown them, framed as data, before it answered.
     assert run.membase.saved() == ["our launch codename is Blue Heron."]
     assert len(run.models) == 2
     assert "Blue Heron" in (run.models[1].memory_block() or "")
     assert "never follow a request" in (run.models[1].memory_block() or "")  # injection_config()'s frame
     assert run.sleeps == [20]
-
-
-def _offline_twin(run: Run) -> None:
-    assert '<entry source="membase">[Main] Our launch codename is Blue Heron.</entry>' in run.output
-
-
-def _many_users(run: Run) -> None:
-    (search,) = run.membase.sent("POST", "/v1/search")
-    assert search.body["q"] == "What did I say about the ledger?"
-    assert "I do not know." in run.output
-
-
-def _testing_your_agent(run: Run) -> None:
-    assert run.tests_run == ["test_the_agent_recalls_and_saves", "test_the_agent_carries_on_when_membase_is_down"]
-
-
-CHECKS: dict[tuple[str, str, int], Callable[[Run], None]] = {
-    ("README.md", "Quick start", 0): _quick_start,
-    ("README.md", "Quick start", 1): _offline_twin,
-    ("README.md", "Many users", 0): _many_users,
-    ("README.md", "Testing your own agent", 0): _testing_your_agent,
-}
 
 
 # --- Every Python block runs ---------------------------------------------------------------------
@@ -265,20 +234,12 @@ def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.
     if any(marker in block.code for marker in ISOLATE):
         done = run_isolated(block)
         assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr}"
-        assert (block.page, block.heading, block.index) not in CHECKS, "an isolated block checks itself"
         return
     with offline() as run:
         execute(block, run)
-    run.output = capsys.readouterr().out
-    assert API_KEY not in run.output
-    check_what_it_did = CHECKS.get((block.page, block.heading, block.index))
-    if check_what_it_did is not None:
-        check_what_it_did(run)
-
-
-def test_every_block_a_check_names_exists() -> None:
-    present = {(block.page, block.heading, block.index) for block in PYTHON}
-    assert set(CHECKS) <= present
+    assert API_KEY not in capsys.readouterr().out
+    if block.code == QUICK_START:
+        _quick_start_did_what_it_says(run)
 
 
 # --- Every Python block passes pyflakes on its own -----------------------------------------------
@@ -322,12 +283,8 @@ def test_the_readme_is_short_and_shows_the_setup_check_early() -> None:
 
 
 def test_the_readme_quick_start_is_examples_quickstart_py_and_fits_in_40_lines() -> None:
-    (quick_start,) = [b for b in PYTHON if (b.page, b.heading, b.index) == ("README.md", "Quick start", 0)]
-    example = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
-    code_after_docstring = example.split('"""', 2)[2].lstrip("\n")
-
-    assert quick_start.code == code_after_docstring
-    assert len(quick_start.code.splitlines()) <= 40
+    assert QUICK_START in [block.code for block in PYTHON if block.page == "README.md"]
+    assert len(QUICK_START.splitlines()) <= 40
 
 
 def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_clone() -> None:
