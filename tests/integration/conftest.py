@@ -45,7 +45,7 @@ def llm(standin: StandInLLM) -> Iterator[StandInLLM]:
     standin.start()
     standin.set_failing(None)
     standin.reset()
-    previous = configure_engine_env(standin.url)
+    previous = configure_engine_env(standin)
     try:
         yield standin
     finally:
