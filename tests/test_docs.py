@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from strands import Agent
@@ -47,7 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 GENEROUS_BUDGET = 30.0
-POOL_USERS = ("alice", "bob")
 QUICK_START = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 # Blocks that change process-wide state run in a subprocess of their own.
 ISOLATE = ("set_tracer_provider", "set_meter_provider")
@@ -140,10 +140,6 @@ class Run:
 def offline() -> Iterator[Run]:
     """Point the environment at an in-memory Membase, give model-less Agents a stand-in, and make budgets generous."""
     run = Run(InMemoryMembase())
-    server = LoopbackMembase(run.membase)
-    environment = {"MEMBASE_API_KEY": API_KEY, "MEMBASE_BASE_URL": server.url}
-    environment.update({f"MEMBASE_KEY_{user}": API_KEY for user in POOL_USERS})
-    saved_environment = {name: os.environ.get(name) for name in [*environment, "MEMBASE_LOCAL"]}
     agent_init, store_init = Agent.__init__, MembaseMemoryStore.__init__
 
     def agent_with_a_model(self: Agent, *args: Any, **kwargs: Any) -> None:
@@ -160,21 +156,14 @@ def offline() -> Iterator[Run]:
                 options[budget] = max(options.get(budget, 0), GENEROUS_BUDGET)
         store_init(self, **options)
 
-    os.environ.pop("MEMBASE_LOCAL", None)
-    os.environ.update(environment)
-    Agent.__init__ = agent_with_a_model  # type: ignore[method-assign]
-    MembaseMemoryStore.__init__ = store_with_generous_budgets  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(LoopbackMembase(run.membase))
+        keys = {name: API_KEY for name in ("MEMBASE_API_KEY", "MEMBASE_KEY_alice", "MEMBASE_KEY_bob")}  # a pool's users
+        stack.enter_context(mock.patch.dict(os.environ, {**keys, "MEMBASE_BASE_URL": server.url}))
+        os.environ.pop("MEMBASE_LOCAL", None)
+        stack.enter_context(mock.patch.object(Agent, "__init__", agent_with_a_model))
+        stack.enter_context(mock.patch.object(MembaseMemoryStore, "__init__", store_with_generous_budgets))
         yield run
-    finally:
-        server.close()
-        Agent.__init__ = agent_init  # type: ignore[method-assign]
-        MembaseMemoryStore.__init__ = store_init  # type: ignore[method-assign]
-        for name, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def execute(block: Block, run: Run) -> None:
