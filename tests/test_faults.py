@@ -1,17 +1,14 @@
 """The fault matrix: every path of the store through every fault a Membase host or its network can bring.
 
-Paths: automatic recall (an agent turn), the manager's ``search_memory`` tool, ``store.search`` called directly, the
-four Membase tools (``membase_forget`` opted in), and the captured writes (``await store.add``, the manager's
-``add_memory`` tool, ``add_messages`` with extraction on a synchronous turn). Faults: a host that never answers,
-connections refused or reset, 5xx, 429 with and without ``Retry-After``, 4xx, 2xx answers that cannot be read or have
-the wrong shape, a 10 MB answer, an endless one, and the Memory list failing while a pinned name is resolved.
-
-Every error text a fault sends echoes the key (the ``Authorization`` header and the key itself, across the
-300-character cut of a server's message), so every case also shows that no :data:`PIECE` consecutive characters of
-it reach a log record (every logger at DEBUG, tracebacks included), the model, an error raised to the caller or a
-span. Each case has its own fake, store and agent (``fake.store()``: built from the key, as in production). Nothing
-is timed: a budget holds when the path returns while the host still holds its request, and every other bound is
-shown by counting requests and bytes.
+Paths: automatic recall (an agent turn), the manager's ``search_memory``, ``store.search``, the four tools
+(``membase_forget`` opted in) and the captured writes (``store.add``, the manager's ``add_memory``, ``add_messages``
+with extraction). Faults: a host that never answers, refused or reset connections, 5xx, 429, 4xx, 2xx answers that
+cannot be read or have the wrong shape, 10 MB, an endless answer, and the Memory list failing while a pinned name is
+resolved. Every fault's text echoes the key (across the 300th character, where a server's message is cut): no
+:data:`PIECE` consecutive characters of it may reach a log record (every logger at DEBUG, tracebacks too), the model,
+an error raised to the caller or a span. Each case has its own fake, store (``fake.store()``: from the key, as in
+production) and agent. Nothing is timed: a budget holds when the path returns while the host still holds its
+request; every other bound is shown by counting requests and bytes.
 """
 
 from __future__ import annotations

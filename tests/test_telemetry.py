@@ -82,9 +82,6 @@ def values(span: ReadableSpan) -> list[str]:
     return found
 
 
-# --- One turn: a timed-out recall, a skipped one, a captured write, the late completion ---------
-
-
 def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, gates, otel):
     fake.remember(FACT)
     stall = gates.new()
@@ -166,24 +163,6 @@ def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, o
     assert "membase.note.text" not in otel.one("opted", "membase.write").attributes
 
 
-def test_a_memory_that_could_not_answer_is_counted_on_the_recall_span(fake, make_store, otel):
-    fake.remember(FACT)
-    fake.add_memory("Archive")
-    fake.cannot_answer("Archive")
-    store = make_store(name="partial")
-    agent, _ = make_agent(store, ["ok"])
-
-    agent(QUESTION)
-
-    recall = otel.one("partial", "membase.recall")
-    assert recall.attributes["membase.outcome"] == "hit"
-    assert recall.attributes["membase.unanswered"] == 1
-    assert recall.attributes["membase.passages"] == 1
-
-
-# --- Writes: the dedupe decision, a late outcome ------------------------------------------------
-
-
 async def test_a_write_already_saved_is_not_sent_and_its_span_says_so(fake, make_store, otel):
     store = make_store(name="dedupe", capture=True, container="Main")
 
@@ -231,9 +210,6 @@ async def test_a_failed_write_records_the_kind_never_the_servers_text(fake, make
     assert not any(API_KEY in text or "boom" in text for text in values(write))
 
 
-# --- Tools --------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("route", "outcome", "kind"),
     [(None, "hit", None), (status(403), "error", "access")],
@@ -258,27 +234,29 @@ def test_each_tool_call_gets_a_span_under_the_tool_span(fake, make_store, otel, 
         assert otel.parent_name(span).startswith("execute_tool")
 
 
-# --- Metrics and the cost of being off -----------------------------------------------------------
-
-
-def test_counters_are_metrics_when_a_meter_provider_is_set(fake, make_store, otel):
+def test_counters_are_metrics_the_recall_span_counts_memories_that_could_not_answer_and_no_store_is_kept_alive(
+    fake, make_store, otel
+):
+    fake.remember(FACT)
+    fake.add_memory("Archive")
+    fake.cannot_answer("Archive")
     store = make_store(name="metered")
     agent, _ = make_agent(store, ["ok", "ok"])
     agent(QUESTION)
     agent(QUESTION)
 
+    recall = otel.ours("metered", "membase.recall")[-1]
+    assert (recall.attributes["membase.outcome"], recall.attributes["membase.passages"]) == ("hit", 1)
+    assert recall.attributes["membase.unanswered"] == 1
     recalls = [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "metered"]
     assert [p.value for p in recalls] == [store.counters()["recalls"]] == [2]
 
-
-def test_the_metrics_registry_never_keeps_a_store_alive(fake, otel):
-    store = MembaseMemoryStore(client=fake.client(), name="dropped")
-    store.close()
-    gone = weakref.ref(store)
-    del store
+    dropped = MembaseMemoryStore(client=fake.client(), name="dropped")
+    dropped.close()
+    gone = weakref.ref(dropped)
+    del dropped
     gc.collect()
-
-    assert gone() is None
+    assert gone() is None  # the metrics' registry holds no store
     assert not [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "dropped"]
 
 
