@@ -231,34 +231,22 @@ def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.
         _quick_start_did_what_it_says(run)
 
 
-# --- Every Python block passes pyflakes on its own -----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pyflakes_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    """``ruff check --select F`` over each block as a file of its own: the findings per block name."""
+def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
+    """``ruff check --select F`` over each block as a file of its own."""
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff (a dev dependency) is not installed here")
-    directory = tmp_path_factory.mktemp("blocks")
-    files = {}
-    for number, block in enumerate(PYTHON):
-        path = directory / f"block_{number}.py"
-        path.write_text(block.code, encoding="utf-8")
-        files[str(path)] = block
+    files = {str(tmp_path / f"block_{number}.py"): block for number, block in enumerate(PYTHON)}
+    for path, block in files.items():
+        Path(path).write_text(block.code, encoding="utf-8")
     command = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "F"]
-    command += ["--target-version", "py310", "--output-format", "json", "--exit-zero", str(directory)]
+    command += ["--target-version", "py310", "--output-format", "json", "--exit-zero", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    findings: dict[str, list[str]] = {block.name: [] for block in PYTHON}
-    for finding in json.loads(done.stdout):
-        block = files[finding["filename"]]
-        line = block.line + finding["location"]["row"]
-        findings[block.name].append(f"{block.page}:{line}: {finding['code']} {finding['message']}")
-    return findings
-
-
-@pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
-def test_each_python_block_passes_pyflakes_on_its_own(block: Block, pyflakes_findings: dict[str, list[str]]) -> None:
-    assert pyflakes_findings[block.name] == []
+    findings = [
+        f"{files[found['filename']].page}:{files[found['filename']].line + found['location']['row']}: "
+        f"{found['code']} {found['message']}"
+        for found in json.loads(done.stdout)
+    ]
+    assert findings == []
 
 
 # --- The README's shape and the facts it names ---------------------------------------------------

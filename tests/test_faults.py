@@ -322,17 +322,11 @@ def _outcome(path: str, fault_id: str, pinned: bool) -> Outcome:
     fake, host = InMemoryMembase(), Host(fault.respond, TOOL_HANG if path in TOOL_PATHS else GENEROUS)
     note_id = fake.remember(FACT)
     fake.always(*(("GET", "/v1/containers") if pinned else ROUTE[path]), host)
-    short = budgeted(path, fault)
-    options: dict[str, Any] = {
-        "name": STORE,
-        "recall_timeout": HANG_BUDGET if short and path in RECALL_PATHS else GENEROUS,
-        "write_timeout": HANG_BUDGET if short and path in WRITE_PATHS else GENEROUS,
-        "capture": path in WRITE_PATHS,
-        "extraction": True if path == "add_messages" else None,
-        "tools": ("search", "save", "profile", "forget"),
-        "container": "Main" if pinned else None,
-        **fault.options,
-    }
+    short, tools = budgeted(path, fault), ("search", "save", "profile", "forget")
+    options: dict[str, Any] = {"name": STORE, "tools": tools, "container": "Main" if pinned else None, **fault.options}
+    options["recall_timeout"] = HANG_BUDGET if short and path in RECALL_PATHS else GENEROUS
+    options["write_timeout"] = HANG_BUDGET if short and path in WRITE_PATHS else GENEROUS
+    options |= {"capture": path in WRITE_PATHS, "extraction": True if path == "add_messages" else None}
     o = Outcome(path, fault, pinned)
     with recorded(o.hints) as handler:
         store = fake.store(**options)
@@ -366,19 +360,15 @@ def _drive(path: str, store: MembaseMemoryStore, o: Outcome, note_id: str) -> No
     query = {"query": "ledger database"}
     args = {"membase_save": {"content": NOTE}, "membase_profile": {"topic": "ledger"}, "search_memory": query}
     args |= {"membase_forget": {"memory_id": note_id}, "add_memory": {"entries": [NOTE]}, "membase_search": query}
-    call = ToolCall(path, args[path]) if path in args else None
-    if call is not None:
-        script.insert(0, call)
-    if path == "add_memory":
-        manager["add_tool_config"] = True
+    script = [ToolCall(path, args[path]), *script] if path in args else script
+    manager |= {"add_tool_config": True} if path == "add_memory" else {}
     agent, model = make_agent(store, script, **manager)
     agent(NOTE if path == "add_messages" else QUESTION)
     o.memory_block = model.memory_block(0)
     calls = range(len(model.calls))  # everything the model was sent, tool results included
     o.model_saw = "\n".join(model.sent_text(i) + json.dumps(model.tool_results(i)) for i in calls)
-    if model.tool_results():
-        result = model.tool_results()[-1]
-        o.status, o.text = result["status"], result_text(result)
+    if results := model.tool_results():
+        o.status, o.text = results[-1]["status"], result_text(results[-1])
 
 
 # --- What every case must show --------------------------------------------------------------------
@@ -411,10 +401,7 @@ def check_recall(o: Outcome) -> None:
     counted = {"ok": "recall_hits" if o.fault.id == "200_10mb" else "recall_empty", "timeout": "recall_timeouts"}
     assert o.counters["recalls"] == o.counters[counted.get(kind, "recall_errors")] == 1, o.counters
     if o.path == "search":
-        if kind == "ok":
-            assert o.raised is None
-        else:
-            assert isinstance(o.raised, KINDS[kind][1]), repr(o.raised)
+        assert o.raised is None if kind == "ok" else isinstance(o.raised, KINDS[kind][1]), repr(o.raised)  # type: ignore[arg-type]
         return
     if o.path == "search_memory":  # the manager's own tool skips a failing store: success, no entries
         assert o.status == "success"

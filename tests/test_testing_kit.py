@@ -9,16 +9,14 @@ from typing import Any
 import pytest
 from membase import Membase
 from strands import Agent
-from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, refuse_connection, status
+from tests.support.store_helpers import make_agent
 
 
 def _agent(store: MembaseMemoryStore, script: list[Any]) -> tuple[Agent, ScriptedModel]:
-    model = ScriptedModel(script)
-    manager = MemoryManager(stores=[store], search_tool_config=False)
-    return Agent(model=model, memory_manager=manager, callback_handler=None), model
+    return make_agent(store, script, search_tool_config=False)
 
 
 def test_search_finds_notes_by_shared_words_across_several_memories() -> None:
