@@ -15,14 +15,17 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import http.cookiejar
 import os
+import socket
 import ssl
 import time
 import urllib.parse
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -32,6 +35,8 @@ from ._failures import BadResponseError
 # One connection per thread and host, kept alive less long than common servers keep theirs (uvicorn and Node 5 s).
 _LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
 _SENT_AGAIN_ON = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # a kept-alive connection, closed
+_CONNECTED = "connection.connect_tcp.started"  # httpcore's trace of a connection made for the request
+_NAME = "membase-request"
 
 _clients: weakref.WeakValueDictionary[tuple[int, Route], httpx.Client] = weakref.WeakValueDictionary()
 
@@ -99,39 +104,43 @@ class MembaseTransport(httpx.BaseTransport):
         seconds = self._route.seconds
         deadline = time.monotonic() + seconds
         if _background.worker_resources() is not None:  # recall and writes: already on a library thread
-            return self._attempt(request, deadline)
-        attempt = functools.partial(self._attempt, request, deadline)
+            return self._attempt(request, deadline, _Attempt())
+        attempt = _Attempt()
         lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
-        future = _background.submit(attempt, name="membase-request", lane=lane)
+        future = _background.submit(functools.partial(self._attempt, request, deadline, attempt), name=_NAME, lane=lane)
         try:
             return future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
-            future.cancel()  # one still in line is never sent
+            if not future.cancel():  # one still in line is never sent; one sent is hung up on, freeing its thread
+                attempt.hang_up()
             raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
 
-    def _attempt(self, request: httpx.Request, deadline: float) -> httpx.Response:
-        for last in (False, True):
-            steps: list[str] = []
-            request.extensions["trace"] = functools.partial(_trace, steps)  # httpx's public trace extension
-            try:
-                response = self._transport().handle_request(request)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
-                if last:
-                    raise
-                continue
-            except _SENT_AGAIN_ON:
-                reused = (
-                    "http11.send_request_headers.started" in steps and "connection.connect_tcp.started" not in steps
-                )
-                if last or not reused or "http11.receive_response_headers.complete" in steps:
-                    raise
-                continue
-            try:
-                content = self._read(response, deadline)
-            finally:
-                response.close()
-            return httpx.Response(response.status_code, headers=response.headers, content=content)
-        raise AssertionError("unreachable")  # pragma: no cover
+    def _attempt(self, request: httpx.Request, deadline: float, attempt: _Attempt) -> httpx.Response:
+        transport, attempt.streams = self._transport()
+        try:
+            for last in (False, True):
+                steps: list[str] = []
+                request.extensions["trace"] = functools.partial(_trace, steps, attempt.streams)  # httpx's public API
+                try:
+                    response = transport.handle_request(request)
+                except (httpx.ConnectError, httpx.ConnectTimeout):
+                    if last:
+                        raise
+                    continue
+                except _SENT_AGAIN_ON:
+                    reused = "http11.send_request_headers.started" in steps and _CONNECTED not in steps
+                    if last or attempt.over or not reused or "http11.receive_response_headers.complete" in steps:
+                        raise
+                    continue
+                try:
+                    content = self._read(response, deadline)
+                finally:
+                    response.close()
+                return httpx.Response(response.status_code, headers=response.headers, content=content)
+            raise AssertionError("unreachable")  # pragma: no cover
+        finally:
+            with _background.LOCK:
+                attempt.over = True
 
     def _read(self, response: httpx.Response, deadline: float) -> bytes:
         """The body, whole, within the deadline and the size bound; a body whole by its length is kept however late."""
@@ -154,22 +163,52 @@ class MembaseTransport(httpx.BaseTransport):
             overdue = time.monotonic() > deadline and (length is None or received < length)
         return b"".join(chunks)
 
-    def _transport(self) -> httpx.BaseTransport:
-        """The caller's transport, or this thread's own connections to the host."""
+    def _transport(self) -> tuple[httpx.BaseTransport, list[Any]]:
+        """The caller's transport, or this thread's own connection to the host; and the streams connected for it."""
         if self._route.transport is not None:
-            return self._route.transport
+            return self._route.transport, []
         resources = _background.worker_resources()
         assert resources is not None  # every attempt runs on a library thread
-        transport = resources.get(self)
-        if transport is None:
+        if self not in resources:
             proxy = httpx.Proxy(self._route.proxy) if self._route.proxy else None
             verify = self._route.verify or True
-            transport = resources[self] = httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS)
-        return transport
+            resources[self] = _Owned(httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS))
+        owned: _Owned = resources[self]
+        return owned.transport, owned.streams
 
 
-def _trace(steps: list[str], step: str, info: object) -> None:
+class _Owned:
+    """A library thread's own connection to a host, and the streams opened for it (the last one in use)."""
+
+    def __init__(self, transport: httpx.HTTPTransport) -> None:
+        self.transport = transport
+        self.streams: list[Any] = []
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class _Attempt:
+    """One attempt: whether it is over, and the connection it is on, for a caller who stops waiting to hang up."""
+
+    def __init__(self) -> None:
+        self.streams: list[Any] = []
+        self.over = False
+
+    def hang_up(self) -> None:
+        """Shut the attempt's connection down, so a server that keeps it going holds no thread (once, if running)."""
+        with _background.LOCK:  # the thread cannot end the attempt and take another meanwhile
+            if not self.over and self.streams:
+                self.over = True
+                with contextlib.suppress(Exception):
+                    self.streams[-1].get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+
+
+def _trace(steps: list[str], streams: list[Any], step: str, info: dict[str, Any]) -> None:
+    """Note what httpcore did for a request, and the network stream of each connection it made (its ``socket``)."""
     steps.append(step)
+    if step in (_CONNECTED.replace("started", "complete"), "connection.start_tls.complete"):
+        streams[:] = [info.get("return_value")]
 
 
 @functools.lru_cache(maxsize=8)

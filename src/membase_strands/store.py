@@ -14,7 +14,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import membase
@@ -215,9 +215,11 @@ class MembaseMemoryStore:
             except MembaseRecallTimeout:
                 raise
             except Exception as error:
-                self._fail("recall", error)
-            operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-        return entries
+                failed = error
+            else:
+                operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
+                return entries
+            raise self._failure("recall", failed)  # outside the except: no context carries the server's text
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
@@ -346,17 +348,19 @@ class MembaseMemoryStore:
             except MembaseWriteTimeout:
                 raise
             except Exception as error:
-                self._fail("write", error)
-            operation.outcome("saved")
-            return result
+                failed = error
+            else:
+                operation.outcome("saved")
+                return result
+            raise self._failure("write", failed)
 
-    def _fail(self, action: str, error: Exception) -> NoReturn:
-        """Count a failed recall or write and raise it for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), anything else as it came (or as a masked copy if a server echoed the API key in it)."""
+    def _failure(self, action: str, error: Exception) -> BaseException:
+        """Count a failed recall or write; what to raise for the manager: a 403 as ``MembaseAccessError`` (pausing
+        automatic recall), anything else as it came, or as a masked copy if a server echoed the API key in it."""
         clean = self._gateway.without_secret(error)
         if not isinstance(error, membase.PermissionDeniedError):
             self._ledger.record(None, f"{action}_errors", error=error)
-            raise error if clean is error else clean
+            return clean
         pause = ""
         if action == "recall" and self._access_cooldown is not None:
             self._recall.pause(self._access_cooldown)
@@ -369,7 +373,9 @@ class MembaseMemoryStore:
             message=f"{action} refused: this Membase key was narrowed or revoked by its owner{pause}",
             error=error,
         )
-        raise MembaseAccessError(ACCESS_SENTENCE) from clean
+        refused = MembaseAccessError(ACCESS_SENTENCE)
+        refused.__cause__ = clean
+        return refused
 
 
 def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
