@@ -335,11 +335,12 @@ def _outcome(path: str, fault_id: str, pinned: bool) -> Outcome:
             o.held = host.holding
         finally:
             host.gate.set()
+            settled = wait_until(lambda: not own_threads(), timeout=GENEROUS)  # late outcomes first: then the close
             # Closed from a thread of its own, with no context variables set, as a server's shutdown hook may close it.
             closing = threading.Thread(target=store.close)
             closing.start()
             closing.join(GENEROUS)
-            settled = wait_until(lambda: not own_threads(), timeout=GENEROUS)  # a batch the close sent again too
+            settled = settled and wait_until(lambda: not own_threads(), timeout=GENEROUS)  # what the close sent
             o.counters = store.counters()
     assert settled, f"{path} under {fault.id}: the store's threads were still at work {GENEROUS:g} s later"
     o.records, o.requests, o.streamed = list(handler.buffer), fake.sent(), host.streamed
