@@ -3,9 +3,9 @@
 Each ```python block of README.md and docs/*.md runs as it is written, in a fresh namespace, with nothing
 reaching the network:
 
-- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase``, so a block that
-  builds a store from the environment (the quick start, the pool) takes the production path to that stand-in;
-  ``MEMBASE_KEY_<user>`` gives the pool example's users the same key.
+- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase`` served over loopback
+  (``tests/support/loopback.py``), so a block that builds a store from the environment takes the production path
+  to that stand-in; ``MEMBASE_KEY_<user>`` gives a pool example's users the same key.
 - A ``strands.Agent`` built without a model gets :class:`StandInModel`, a ``ScriptedModel`` that saves what the
   user asks it to remember and answers with what was recalled; ``callback_handler`` defaults to ``None``.
 - Stores get recall and write budgets of at least 30 s: no block is about running out of one, and a loaded machine
@@ -13,15 +13,16 @@ reaching the network:
 - ``time.sleep`` in the block's own code (the quick start waits for hosted Membase to learn) returns at once; the
   library's threads keep the real one.
 
-A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. Blocks
-named in ``CHECKS`` are also checked for what they did. Shell blocks are not run; the ``membase-strands`` flags
-they use must exist.
+A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. The test
+functions a block defines run too, and the quick start (the block that is ``examples/quickstart.py``) is checked
+for what it did. Shell blocks are not run; the ``membase-strands`` flags they use must exist.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -29,23 +30,26 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from strands import Agent
 
 from membase_strands import MembaseMemoryStore, __version__, check
-from membase_strands._counters import STANDARD
+from membase_strands._telemetry import STANDARD
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
+from tests.support.loopback import LoopbackMembase
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 GENEROUS_BUDGET = 30.0
-POOL_USERS = ("alice", "bob")
+QUICK_START = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
+SERVED = (ROOT / "examples" / "server.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 # Blocks that change process-wide state run in a subprocess of their own.
 ISOLATE = ("set_tracer_provider", "set_meter_provider")
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -53,12 +57,10 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block: where it is, the heading above it, and its code."""
+    """One fenced code block: the page, the line its fence opens on, its language and its code."""
 
     page: str
     line: int
-    heading: str
-    index: int  # its place among the blocks of its language under that heading
     language: str
     code: str
 
@@ -69,21 +71,14 @@ class Block:
 
 def _blocks_of(path: Path) -> list[Block]:
     blocks: list[Block] = []
-    heading, language, start, lines = "", None, 0, []
+    language, start, lines = None, 0, []
     for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        fence = FENCE.match(text)
-        if language is None:
-            if fence:
-                language, start, lines = fence.group(1), number, []
-            elif text.startswith("#"):
-                heading = text.lstrip("#").strip()
-            continue
-        if text.strip() == "```":
-            index = sum(1 for b in blocks if b.heading == heading and b.language == language)
-            name = str(path.relative_to(ROOT))
-            blocks.append(Block(name, start, heading, index, language, "\n".join(lines) + "\n"))
+        if language is None and (fence := FENCE.match(text)):
+            language, start, lines = fence.group(1), number, []
+        elif language is not None and text.strip() == "```":
+            blocks.append(Block(str(path.relative_to(ROOT)), start, language, "\n".join(lines) + "\n"))
             language = None
-        else:
+        elif language is not None:
             lines.append(text)
     assert language is None, f"{path.name}: the block opened at line {start} is never closed"
     return blocks
@@ -135,13 +130,11 @@ class _TimeForBlocks:
 
 @dataclass
 class Run:
-    """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps, its output."""
+    """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps."""
 
     membase: InMemoryMembase
     models: list[StandInModel] = field(default_factory=list)
     sleeps: list[float] = field(default_factory=list)
-    tests_run: list[str] = field(default_factory=list)
-    output: str = ""
     namespace: dict[str, Any] = field(default_factory=dict)  # what the block defined
 
 
@@ -149,9 +142,6 @@ class Run:
 def offline() -> Iterator[Run]:
     """Point the environment at an in-memory Membase, give model-less Agents a stand-in, and make budgets generous."""
     run = Run(InMemoryMembase())
-    environment = {"MEMBASE_API_KEY": API_KEY, "MEMBASE_BASE_URL": run.membase.base_url}
-    environment.update({f"MEMBASE_KEY_{user}": API_KEY for user in POOL_USERS})
-    saved_environment = {name: os.environ.get(name) for name in [*environment, "MEMBASE_LOCAL"]}
     agent_init, store_init = Agent.__init__, MembaseMemoryStore.__init__
 
     def agent_with_a_model(self: Agent, *args: Any, **kwargs: Any) -> None:
@@ -161,26 +151,21 @@ def offline() -> Iterator[Run]:
         kwargs.setdefault("callback_handler", None)
         agent_init(self, *args, **kwargs)
 
+    @functools.wraps(store_init)  # its signature stays the store's: the pool checks its options against it
     def store_with_generous_budgets(self: MembaseMemoryStore, **options: Any) -> None:
         for budget in ("recall_timeout", "write_timeout"):
             if options.get(budget, 0) is not None:  # not given, or a number: at least the generous budget
                 options[budget] = max(options.get(budget, 0), GENEROUS_BUDGET)
         store_init(self, **options)
 
-    os.environ.pop("MEMBASE_LOCAL", None)
-    os.environ.update(environment)
-    Agent.__init__ = agent_with_a_model  # type: ignore[method-assign]
-    MembaseMemoryStore.__init__ = store_with_generous_budgets  # type: ignore[method-assign]
-    try:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(LoopbackMembase(run.membase))
+        keys = {name: API_KEY for name in ("MEMBASE_API_KEY", "MEMBASE_KEY_alice", "MEMBASE_KEY_bob")}  # a pool's users
+        stack.enter_context(mock.patch.dict(os.environ, {**keys, "MEMBASE_BASE_URL": server.url}))
+        os.environ.pop("MEMBASE_LOCAL", None)
+        stack.enter_context(mock.patch.object(Agent, "__init__", agent_with_a_model))
+        stack.enter_context(mock.patch.object(MembaseMemoryStore, "__init__", store_with_generous_budgets))
         yield run
-    finally:
-        Agent.__init__ = agent_init  # type: ignore[method-assign]
-        MembaseMemoryStore.__init__ = store_init  # type: ignore[method-assign]
-        for name, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def execute(block: Block, run: Run) -> None:
@@ -197,7 +182,6 @@ def execute(block: Block, run: Run) -> None:
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
             value()
-            run.tests_run.append(name)
 
 
 def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
@@ -217,16 +201,13 @@ def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
 
 def main_for_subprocess(page: str, line: int) -> None:
     """Run the block whose code is on standard input, as :func:`run_isolated` hands it over."""
-    block = Block(page=page, line=line, heading="", index=0, language="python", code=sys.stdin.read())
+    block = Block(page=page, line=line, language="python", code=sys.stdin.read())
     with offline() as run:
         execute(block, run)
 
 
-# --- What some blocks must have done -------------------------------------------------------------
-
-
-def _quick_start(run: Run) -> None:
-    # Session 1's model saved the user's words; session 2's was shown them before it answered.
+def _quick_start_did_what_it_says(run: Run) -> None:
+    # Session 1's model saved the user's words; session 2's was shown them, framed as data, before it answered.
     assert run.membase.saved() == ["our launch codename is Blue Heron."]
     assert len(run.models) == 2
     assert "Blue Heron" in (run.models[1].memory_block() or "")
@@ -234,21 +215,7 @@ def _quick_start(run: Run) -> None:
     assert run.sleeps == [20]
 
 
-def _offline_twin(run: Run) -> None:
-    assert '<entry source="membase">[Main] Our launch codename is Blue Heron.</entry>' in run.output
-
-
-def _many_users(run: Run) -> None:
-    (search,) = run.membase.sent("POST", "/v1/search")
-    assert search.body["q"] == "What did I say about the ledger?"
-    assert "I do not know." in run.output
-
-
-def _testing_your_agent(run: Run) -> None:
-    assert run.tests_run == ["test_the_agent_recalls_and_saves", "test_the_agent_carries_on_when_membase_is_down"]
-
-
-def _served_app(run: Run) -> None:
+def _served_app_did_what_it_says(run: Run) -> None:
     # The example's lifespan opens the pool and closes it; each user's turn is answered and its words captured.
     from fastapi.testclient import TestClient
 
@@ -262,71 +229,42 @@ def _served_app(run: Run) -> None:
         run.namespace["app"].state.pool.store_for("alice")
 
 
-CHECKS: dict[tuple[str, str, int], Callable[[Run], None]] = {
-    ("README.md", "Quick start", 0): _quick_start,
-    ("README.md", "Quick start", 1): _offline_twin,
-    ("README.md", "Many users", 0): _many_users,
-    ("README.md", "Testing your own agent", 0): _testing_your_agent,
-    ("docs/servers.md", "A served app: FastAPI under uvicorn or gunicorn", 0): _served_app,
-}
-# Blocks that need a dev dependency the oldest/newest version pairs of CI do not install.
-NEEDS = {"fastapi": "fastapi"}
-
-
 # --- Every Python block runs ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
 def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.CaptureFixture[str]) -> None:
-    for module in (module for name, module in NEEDS.items() if f"from {name}" in block.code):
-        pytest.importorskip(module, reason=f"{block.name} needs {module} (a dev dependency)")
     if any(marker in block.code for marker in ISOLATE):
         done = run_isolated(block)
         assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr}"
-        assert (block.page, block.heading, block.index) not in CHECKS, "an isolated block checks itself"
         return
-    with offline() as run:  # checked in there too: a check may drive what the block built (the served app)
+    if "from fastapi" in block.code:  # CI's oldest and newest version pairs do not install the dev dependencies
+        pytest.importorskip("fastapi")
+    with offline() as run:  # checked in there too: the served app's check drives what the block built
         execute(block, run)
-        run.output = capsys.readouterr().out
-        assert API_KEY not in run.output
-        check_what_it_did = CHECKS.get((block.page, block.heading, block.index))
-        if check_what_it_did is not None:
-            check_what_it_did(run)
+        assert API_KEY not in capsys.readouterr().out
+        if block.code == QUICK_START:
+            _quick_start_did_what_it_says(run)
+        if block.code == SERVED:
+            _served_app_did_what_it_says(run)
 
 
-def test_every_block_a_check_names_exists() -> None:
-    present = {(block.page, block.heading, block.index) for block in PYTHON}
-    assert set(CHECKS) <= present
-
-
-# --- Every Python block passes pyflakes on its own -----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pyflakes_findings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
-    """``ruff check --select F`` over each block as a file of its own: the findings per block name."""
+def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
+    """``ruff check --select F`` over each block as a file of its own."""
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff (a dev dependency) is not installed here")
-    directory = tmp_path_factory.mktemp("blocks")
-    files = {}
-    for number, block in enumerate(PYTHON):
-        path = directory / f"block_{number}.py"
-        path.write_text(block.code, encoding="utf-8")
-        files[str(path)] = block
+    files = {str(tmp_path / f"block_{number}.py"): block for number, block in enumerate(PYTHON)}
+    for path, block in files.items():
+        Path(path).write_text(block.code, encoding="utf-8")
     command = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "F"]
-    command += ["--target-version", "py310", "--output-format", "json", "--exit-zero", str(directory)]
+    command += ["--target-version", "py310", "--output-format", "json", "--exit-zero", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    findings: dict[str, list[str]] = {block.name: [] for block in PYTHON}
-    for finding in json.loads(done.stdout):
-        block = files[finding["filename"]]
-        line = block.line + finding["location"]["row"]
-        findings[block.name].append(f"{block.page}:{line}: {finding['code']} {finding['message']}")
-    return findings
-
-
-@pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
-def test_each_python_block_passes_pyflakes_on_its_own(block: Block, pyflakes_findings: dict[str, list[str]]) -> None:
-    assert pyflakes_findings[block.name] == []
+    findings = [
+        f"{files[found['filename']].page}:{files[found['filename']].line + found['location']['row']}: "
+        f"{found['code']} {found['message']}"
+        for found in json.loads(done.stdout)
+    ]
+    assert findings == []
 
 
 # --- The README's shape and the facts it names ---------------------------------------------------
@@ -340,23 +278,12 @@ def test_the_readme_is_short_and_shows_the_setup_check_early() -> None:
 
 
 def test_the_readme_quick_start_is_examples_quickstart_py_and_fits_in_40_lines() -> None:
-    (quick_start,) = [b for b in PYTHON if (b.page, b.heading, b.index) == ("README.md", "Quick start", 0)]
-    example = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
-    code_after_docstring = example.split('"""', 2)[2].lstrip("\n")
-
-    assert quick_start.code == code_after_docstring
-    assert len(quick_start.code.splitlines()) <= 40
+    assert QUICK_START in [block.code for block in PYTHON if block.page == "README.md"]
+    assert len(QUICK_START.splitlines()) <= 40
 
 
 def test_the_served_app_in_docs_servers_md_is_examples_server_py() -> None:
-    (served,) = [
-        b
-        for b in PYTHON
-        if (b.page, b.heading) == ("docs/servers.md", "A served app: FastAPI under uvicorn or gunicorn")
-    ]
-    example = (ROOT / "examples" / "server.py").read_text(encoding="utf-8")
-
-    assert served.code == example.split('"""', 2)[2].lstrip("\n")
+    assert SERVED in [block.code for block in PYTHON if block.page == "docs/servers.md"]
 
 
 def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_clone() -> None:

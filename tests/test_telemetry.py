@@ -1,43 +1,35 @@
-"""OpenTelemetry: the spans and metrics that show what memory did, through a real Agent over the fake Membase.
+"""What a store did, recorded once (``_telemetry``): ``store.counters()`` and ``pool.counters()``, and the spans and
+metrics of OpenTelemetry, through a real Agent over the fake Membase. The counts of each failure kind on each path
+are asserted by the fault matrix (``test_faults.py``).
 
-OpenTelemetry's global providers can be set once per process: a session fixture sets an SDK tracer and
-meter provider (or joins the SDK tracer provider already set), and a switch makes the exporter keep
-spans only while a test of this module runs, so the rest of the suite is unaffected.
+OpenTelemetry's global providers can be set once per process: conftest's ``spans`` keeps the spans that end during
+a test (on the SDK tracer provider it sets or joins), and a session fixture sets the meter provider.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from opentelemetry import metrics, trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _telemetry
+from membase_strands._telemetry import STANDARD
 from membase_strands.testing import API_KEY, ToolCall, hang, status
 from tests.support.store_helpers import FACT, QUESTION, make_agent, routed, wait_until
 
 BUDGET = 0.3
 SAID = "I like green tea"
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
-
-
-class _Switch(SimpleSpanProcessor):
-    """Exports spans only while on: the provider is global and stays set for the rest of the session."""
-
-    on = False
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.on:
-            super().on_end(span)
 
 
 class Telemetry:
@@ -49,60 +41,35 @@ class Telemetry:
         return list(self.exporter.get_finished_spans())
 
     def ours(self, store: str, name: str | None = None) -> list[ReadableSpan]:
-        return [
-            s
-            for s in self.spans()
-            if (s.attributes or {}).get("membase.store") == store and (name is None or s.name == name)
-        ]
+        spans = self.spans()
+        return [s for s in spans if (s.attributes or {}).get("membase.store") == store and name in (None, s.name)]
 
     def one(self, store: str, name: str) -> ReadableSpan:
         assert wait_until(lambda: len(self.ours(store, name)) >= 1, timeout=30.0), f"no {name} span"
-        found = self.ours(store, name)
-        assert len(found) == 1, [s.name for s in found]
-        return found[0]
+        [found] = self.ours(store, name)
+        return found
 
     def parent_name(self, span: ReadableSpan) -> str | None:
-        if span.parent is None:
-            return None
         by_id = {s.context.span_id: s.name for s in self.spans()}
-        return by_id.get(span.parent.span_id, "<not exported>")
+        return None if span.parent is None else by_id.get(span.parent.span_id, "<not exported>")
 
     def metric_points(self, name: str) -> list[Any]:
         data = self.reader.get_metrics_data()
-        points: list[Any] = []
-        for resource in data.resource_metrics if data else []:
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name == name:
-                        points.extend(metric.data.data_points)
-        return points
+        metrics_ = [m for r in (data.resource_metrics if data else []) for s in r.scope_metrics for m in s.metrics]
+        return [point for metric in metrics_ if metric.name == name for point in metric.data.data_points]
 
 
 @pytest.fixture(scope="session")
-def _providers() -> Iterator[tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]]:
-    exporter = InMemorySpanExporter()
-    switch = _Switch(exporter)
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider), "another tracer provider was set for this process"
-    provider.add_span_processor(switch)
+def reader() -> InMemoryMetricReader:
+    """The process's meter provider (set once), read in memory."""
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-    yield switch, exporter, reader
+    return reader
 
 
 @pytest.fixture
-def otel(_providers: tuple[_Switch, InMemorySpanExporter, InMemoryMetricReader]) -> Iterator[Telemetry]:
-    switch, exporter, reader = _providers
-    exporter.clear()
-    switch.on = True
-    try:
-        yield Telemetry(exporter, reader)
-    finally:
-        switch.on = False
-        exporter.clear()
+def otel(spans: InMemorySpanExporter, reader: InMemoryMetricReader) -> Telemetry:
+    return Telemetry(spans, reader)
 
 
 def values(span: ReadableSpan) -> list[str]:
@@ -117,9 +84,6 @@ def values(span: ReadableSpan) -> list[str]:
             many = isinstance(value, Sequence) and not isinstance(value, str)
             found.extend(str(v) for v in value) if many else found.append(str(value))
     return found
-
-
-# --- One turn: a timed-out recall, a skipped one, a captured write, the late completion ---------
 
 
 def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, gates, otel):
@@ -203,24 +167,6 @@ def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, o
     assert "membase.note.text" not in otel.one("opted", "membase.write").attributes
 
 
-def test_a_memory_that_could_not_answer_is_counted_on_the_recall_span(fake, make_store, otel):
-    fake.remember(FACT)
-    fake.add_memory("Archive")
-    fake.cannot_answer("Archive")
-    store = make_store(name="partial")
-    agent, _ = make_agent(store, ["ok"])
-
-    agent(QUESTION)
-
-    recall = otel.one("partial", "membase.recall")
-    assert recall.attributes["membase.outcome"] == "hit"
-    assert recall.attributes["membase.unanswered"] == 1
-    assert recall.attributes["membase.passages"] == 1
-
-
-# --- Writes: the dedupe decision, a late outcome ------------------------------------------------
-
-
 async def test_a_write_already_saved_is_not_sent_and_its_span_says_so(fake, make_store, otel):
     store = make_store(name="dedupe", capture=True, container="Main")
 
@@ -268,9 +214,6 @@ async def test_a_failed_write_records_the_kind_never_the_servers_text(fake, make
     assert not any(API_KEY in text or "boom" in text for text in values(write))
 
 
-# --- Tools --------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("route", "outcome", "kind"),
     [(None, "hit", None), (status(403), "error", "access")],
@@ -295,27 +238,29 @@ def test_each_tool_call_gets_a_span_under_the_tool_span(fake, make_store, otel, 
         assert otel.parent_name(span).startswith("execute_tool")
 
 
-# --- Metrics and the cost of being off -----------------------------------------------------------
-
-
-def test_counters_are_metrics_when_a_meter_provider_is_set(fake, make_store, otel):
+def test_counters_are_metrics_the_recall_span_counts_memories_that_could_not_answer_and_no_store_is_kept_alive(
+    fake, make_store, otel
+):
+    fake.remember(FACT)
+    fake.add_memory("Archive")
+    fake.cannot_answer("Archive")
     store = make_store(name="metered")
     agent, _ = make_agent(store, ["ok", "ok"])
     agent(QUESTION)
     agent(QUESTION)
 
+    recall = otel.ours("metered", "membase.recall")[-1]
+    assert (recall.attributes["membase.outcome"], recall.attributes["membase.passages"]) == ("hit", 1)
+    assert recall.attributes["membase.unanswered"] == 1
     recalls = [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "metered"]
     assert [p.value for p in recalls] == [store.counters()["recalls"]] == [2]
 
-
-def test_the_metrics_registry_never_keeps_a_store_alive(fake, otel):
-    store = MembaseMemoryStore(client=fake.client(), name="dropped")
-    store.close()
-    gone = weakref.ref(store)
-    del store
+    dropped = MembaseMemoryStore(client=fake.client(), name="dropped")
+    dropped.close()
+    gone = weakref.ref(dropped)
+    del dropped
     gc.collect()
-
-    assert gone() is None
+    assert gone() is None  # the metrics' registry holds no store
     assert not [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "dropped"]
 
 
@@ -335,3 +280,149 @@ def test_without_a_tracer_the_store_records_nothing_and_recalls_as_before(fake, 
 async def _link_in_a_task() -> object:
     with _telemetry.operation(_telemetry.RECALL, "untraced"):
         return _telemetry.link_here()
+
+
+# --- Counters ------------------------------------------------------------------------------------
+
+
+def changed(counts: dict[str, int]) -> dict[str, int]:
+    """Only the counts that are not zero."""
+    return {name: value for name, value in counts.items() if value}
+
+
+def test_a_new_store_counts_every_standard_name_at_zero_and_hands_out_a_copy(make_store):
+    store = make_store()
+    counts = store.counters()
+    counts["recalls"] = 99
+
+    assert type(counts) is dict and set(STANDARD) <= set(counts)
+    assert {"writes_sent_again", "writes_lost"} <= set(STANDARD)
+    assert changed(store.counters()) == {}
+    assert all(type(value) is int for value in store.counters().values())
+
+
+def test_a_conversation_counts_recalls_hits_and_empty_recalls(fake, make_store):
+    fake.remember(FACT)
+    store = make_store()
+    agent, model = make_agent(store, ["Postgres.", "Hello.", "Postgres again."])
+
+    agent(QUESTION)
+    agent("Good morning, how are you")
+    agent(QUESTION)
+
+    assert changed(store.counters()) == {"recalls": 3, "recall_hits": 2, "recall_empty": 1}
+    assert len(fake.sent("POST", "/v1/search")) == 3
+
+
+def test_a_stalled_recall_counts_a_timeout_then_skips_then_a_late_completion(fake, make_store, gates):
+    fake.remember(FACT)
+    stall = gates.new()
+    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
+    # The first recall's budget runs out on the stall whatever it is; the last must fit a whole recall in it.
+    store = make_store(recall_timeout=1.0)
+    agent, model = make_agent(store, ["a", "b", "c", "d"])
+
+    agent(QUESTION)
+    assert changed(store.counters()) == {"recalls": 1, "recall_timeouts": 1}
+    agent(QUESTION)
+    agent(QUESTION)
+    assert changed(store.counters()) == {"recalls": 3, "recall_timeouts": 1, "recall_skipped": 2}
+
+    stall.set()
+    # Counted last, once the guard is down and the outcome logged: the next recall is sent.
+    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=30.0)
+    agent(QUESTION)
+    assert FACT in (model.memory_block() or "")
+    assert changed(store.counters()) == {
+        "recalls": 4,
+        "recall_hits": 1,
+        "recall_timeouts": 1,
+        "recall_skipped": 2,
+        "recall_late_completions": 1,
+    }
+
+
+def test_a_refused_recall_counts_an_access_error_then_skips_while_paused(fake, make_store):
+    fake.always("POST", "/v1/search", status(403))
+    store = make_store()
+    agent, model = make_agent(store, ["a", "b"])
+
+    agent(QUESTION)
+    agent(QUESTION)
+
+    assert changed(store.counters()) == {"recalls": 2, "recall_errors": 1, "errors.access": 1, "recall_skipped": 1}
+    assert len(fake.sent("POST", "/v1/search")) == 1
+    assert model.memory_block() is None
+
+
+def test_tool_calls_are_counted_per_tool_and_never_as_recalls(fake, make_store):
+    fake.remember(FACT)
+    fake.on("POST", "/v1/search", routed(fake), status(403))
+    store = make_store()
+    script = [
+        ToolCall("membase_search", {"query": "ledger database"}),
+        ToolCall("membase_search", {"query": "postgres"}),
+        ToolCall("membase_profile", {}),
+        ToolCall("membase_save", {"content": "I prefer green tea."}),
+        "done",
+    ]
+    agent, model = make_agent(store, script, injection=False)
+
+    agent("Look things up and remember that I prefer green tea.")
+
+    assert changed(store.counters()) == {
+        "tool_calls.membase_search": 2,
+        "tool_calls.membase_profile": 1,
+        "tool_calls.membase_save": 1,
+        "errors.access": 1,
+    }
+
+
+async def test_a_write_sent_again_is_counted_as_deduplicated(fake, make_store):
+    store = make_store(capture=True, container="Main")
+
+    await store.add("I prefer green tea.")
+    await store.add("I prefer green tea.")
+
+    assert changed(store.counters()) == {"writes_saved": 1, "writes_deduplicated": 1}
+    assert len(fake.sent("POST", "/v1/memories")) == 1
+
+
+def test_counts_from_many_threads_and_event_loops_add_up_exactly(fake, make_store):
+    fake.remember(FACT)
+    store = make_store()
+    threads, searches = 8, 25
+    start = threading.Barrier(threads)
+    failures: list[BaseException] = []
+
+    async def recall_many() -> None:
+        for _ in range(searches):
+            assert await store.search(QUESTION)
+
+    def in_own_loop() -> None:
+        start.wait()
+        try:
+            asyncio.run(recall_many())
+        except BaseException as failure:  # noqa: BLE001 - reported below
+            failures.append(failure)
+
+    workers = [threading.Thread(target=in_own_loop) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+
+    assert failures == []
+    assert changed(store.counters()) == {"recalls": threads * searches, "recall_hits": threads * searches}
+
+
+def test_a_pool_counts_what_every_store_it_built_did(fake):
+    fake.account("key-bob").remember(FACT)
+    with fake.pool(lambda user: f"key-{user}", recall_timeout=30.0) as pool:
+        for user, turns in (("alice", 1), ("bob", 2)):
+            agent, _ = make_agent(pool.store_for(user), ["ok"] * turns)
+            for _ in range(turns):
+                agent(QUESTION)
+
+        assert changed(pool.store_for("bob").counters()) == {"recalls": 2, "recall_hits": 2}
+        assert changed(pool.counters()) == {"recalls": 3, "recall_hits": 2, "recall_empty": 1}

@@ -1,45 +1,22 @@
-"""The public testing kit, ``membase_strands.testing``: the README's example runs, and each feature works."""
+"""The public testing kit, ``membase_strands.testing``: each feature at work. (The README's example, which uses it,
+runs in ``test_docs.py`` with its test functions.)"""
 
 from __future__ import annotations
 
-import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
 from membase import Membase
 from strands import Agent
-from strands.memory import MemoryManager
 
-from membase_strands import MembaseMemoryStore
-from membase_strands.testing import InMemoryMembase, ScriptedModel, ToolCall, hang, refuse_connection, status
-
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _readme_section_code(heading: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1, f"expected one python block under '{heading}'"
-    return blocks[0]
+from membase_strands import MembaseMemoryStore, MembaseStorePool
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, refuse_connection, status
+from tests.support.store_helpers import make_agent
 
 
 def _agent(store: MembaseMemoryStore, script: list[Any]) -> tuple[Agent, ScriptedModel]:
-    model = ScriptedModel(script)
-    manager = MemoryManager(stores=[store], search_tool_config=False)
-    return Agent(model=model, memory_manager=manager, callback_handler=None), model
-
-
-def test_the_readme_example_runs_and_its_tests_pass() -> None:
-    namespace: dict[str, Any] = {}
-    exec(compile(_readme_section_code("Testing your own agent"), "README.md", "exec"), namespace)  # noqa: S102
-    tests = [name for name in namespace if name.startswith("test_")]
-
-    assert tests == ["test_the_agent_recalls_and_saves", "test_the_agent_carries_on_when_membase_is_down"]
-    for name in tests:
-        namespace[name]()
+    return make_agent(store, script, search_tool_config=False)
 
 
 def test_search_finds_notes_by_shared_words_across_several_memories() -> None:
@@ -50,10 +27,11 @@ def test_search_finds_notes_by_shared_words_across_several_memories() -> None:
     client = membase.client()
 
     hits = client.search("ledger postgres")["results"]
-    scoped = client.search("dinner", container=work)["results"]
 
-    assert [(h["container_name"], h["content"]) for h in hits] == [("Work", "We chose Postgres for the ledger.")]
-    assert scoped == []
+    assert [(h["container_name"], h["content"], h["source"]) for h in hits] == [
+        ("Work", "We chose Postgres for the ledger.", f"episode:{work}:1")
+    ]
+    assert client.search("dinner", container=work)["results"] == []
 
 
 def test_a_memory_that_cannot_answer_is_reported_to_the_model() -> None:
@@ -80,17 +58,24 @@ def test_saved_lists_notes_saved_through_the_api_and_standing_facts_go_to_the_pr
 
     agent("Remember these.")
 
-    assert membase.saved() == ["I like green tea."]
-    assert membase.saved("Main") == ["I like green tea."]
+    assert membase.saved() == membase.saved("Main") == ["I like green tea."]
     assert membase.standing == ["My name is Ada."]
     assert "Standing facts:\n- My name is Ada." in model.tool_result_text()
 
 
-@pytest.mark.parametrize(
-    ("responder", "counter"),
-    [(status(429), "errors.rate_limited"), (refuse_connection, "errors.connection")],
-)
-def test_faults_are_injected_per_route(responder: Any, counter: str) -> None:
+def test_a_note_is_forgotten_only_when_confirmed() -> None:
+    membase = InMemoryMembase()
+    note = membase.remember("The launch is in May.")
+    client = membase.client()
+
+    assert client.memories.forget(note, confirm=False)["status"] == "confirmation_required"
+    assert membase.forgotten == []
+    assert client.memories.forget(note, confirm=True)["status"] == "forgotten"
+    assert [n.content for n in membase.forgotten] == ["The launch is in May."] and membase.notes == []
+
+
+@pytest.mark.parametrize(("responder", "counter"), [(status(429), "errors.rate_limited"), (refuse_connection, None)])
+def test_faults_are_injected_per_route_until_healed(responder: Any, counter: str | None) -> None:
     membase = InMemoryMembase()
     membase.always("POST", "/v1/search", responder)
     store = membase.store(recall_timeout=30.0)
@@ -99,7 +84,7 @@ def test_faults_are_injected_per_route(responder: Any, counter: str) -> None:
     agent("What did we decide?")
 
     assert model.memory_block() is None
-    assert store.counters()[counter] == 1
+    assert store.counters()[counter or "errors.connection"] == 1
     membase.heal()
     assert membase.client().search("anything")["results"] == []
 
@@ -126,3 +111,23 @@ def test_the_store_helper_passes_options_and_the_client_is_the_real_sdk() -> Non
     assert isinstance(membase.client(), Membase)
     assert store.max_search_results == 3
     assert "container='Main'" in repr(store)
+
+
+def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_its_key() -> None:
+    alice = InMemoryMembase()
+    bob = alice.account("bob-key")
+    bob.remember("Bob rides a green Brompton bicycle.")
+    assert alice.account("bob-key") is bob and (bob.base_url, bob.transport) == (alice.base_url, alice.transport)
+
+    with alice.pool(lambda user: {"alice": API_KEY, "bob": "bob-key"}[user]) as pool:
+        assert isinstance(pool, MembaseStorePool)
+        for user in ("alice", "bob"):
+            agent, model = _agent(pool.store_for(user), ["ok"])
+            agent("What bicycle do I ride?")
+            assert ("Brompton" in (model.memory_block() or "")) is (user == "bob")
+        agent, _ = _agent(pool.store_for("alice"), [ToolCall("membase_save", {"content": "Alice walks."}), "ok"])
+        agent("Remember that I walk.")
+
+    assert (alice.saved(), bob.saved()) == (["Alice walks."], [])
+    assert [r.path for r in alice.sent()] == ["/v1/search", "/v1/search", "/v1/memories"]  # its own key's only
+    assert [r.key for r in alice.requests] == [API_KEY, "bob-key", API_KEY, API_KEY]  # the host's, each with its key

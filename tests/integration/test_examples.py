@@ -1,7 +1,13 @@
-"""The examples, run as a user would (``python examples/...``), offline."""
+"""The examples, run as a user would (``python examples/...``), offline, against the real engine.
+
+Each new Python process pays seconds to import Strands and the engine, so the demo's three ways of running (with a
+key against ``membase serve``'s server, offline with local Membase, and on a Python too old for local Membase) share
+one child process. ``examples/quickstart.py`` is the README's quick start, run by ``tests/test_docs.py``.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,89 +15,71 @@ from pathlib import Path
 import pytest
 
 from membase_strands.testing import StandInLLM
-from tests.support.local_engine import EngineServer, engine_unavailable, offline_env
+from tests.support.local_engine import HTTP_KEY, EngineServer, engine_unavailable, offline_env
 
 pytestmark = pytest.mark.integration
+needs_engine = pytest.mark.skipif(
+    engine_unavailable() is not None, reason=f"needs local Membase: {engine_unavailable()}"
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ENGINE_UNAVAILABLE = engine_unavailable()
-needs_engine = pytest.mark.skipif(ENGINE_UNAVAILABLE is not None, reason=f"needs local Membase: {ENGINE_UNAVAILABLE}")
+# Runs each (example, environment, as Python 3.11) in turn in this one process, and prints what each did as JSON.
+RUN_IN_TURN = """
+import contextlib, io, json, os, runpy, sys
 
-# Runs the quick start with a scripted model in place of Strands' default (a cloud model), no pause, and a recall
-# budget a loaded machine cannot run out of (the store's default, 8 s, is not what this test is about).
-QUICKSTART_WITH_SCRIPTED_MODEL = """
-import functools, runpy, sys, time
-import membase_strands, strands
-from membase_strands.testing import ScriptedModel, ToolCall
-
-models = iter([
-    ScriptedModel([ToolCall("membase_save", {"content": "Our launch codename is Blue Heron."}), "Saved."]),
-    ScriptedModel([lambda sent: "It is Blue Heron." if "Blue Heron" in sent else "I do not know."]),
-])
-real_init = strands.Agent.__init__
-
-def init(self, *args, **kwargs):
-    kwargs.setdefault("model", next(models))
-    kwargs.setdefault("callback_handler", None)
-    real_init(self, *args, **kwargs)
-    self.__class__.last = self
-
-strands.Agent.__init__ = init
-time.sleep = lambda seconds: None
-membase_strands.MembaseMemoryStore = functools.partial(membase_strands.MembaseMemoryStore, recall_timeout=30.0)
-runpy.run_path(sys.argv[1], run_name="__main__")
-agent = strands.Agent.last
-print("tools:", sorted(agent.tool_names))
-print("answer:", agent.messages[-1]["content"][0]["text"])
+done = []
+for path, environment, old_python in json.loads(sys.argv[1]):
+    saved, version, out, err = dict(os.environ), sys.version_info, io.StringIO(), io.StringIO()
+    os.environ.update(environment)
+    if old_python:
+        sys.version_info = (3, 11, 9, "final", 0)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(path, run_name="__main__")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    os.environ.clear()
+    os.environ.update(saved)
+    sys.version_info = version
+    done.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(done))
 """
 
 
-def _run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    # No MEMBASE_API_KEY and no LLM key; the working directory is empty, so no .env can point the engine elsewhere.
+    return subprocess.run(command, env=offline_env(), cwd=cwd, capture_output=True, text=True, timeout=180)
 
 
 @needs_engine
-def test_the_demo_runs_offline_and_recalls_the_fact_in_a_new_session(tmp_path: Path) -> None:
-    # No MEMBASE_API_KEY and no LLM key: local Membase, the stand-in LLM, the scripted model. The working
-    # directory is empty so no .env can point the engine elsewhere.
-    done = _run([sys.executable, str(EXAMPLES / "demo.py")], offline_env(), tmp_path)
-
+def test_the_demo_recalls_the_fact_in_a_new_session_with_a_key_and_offline_and_says_what_an_old_python_needs(
+    llm: StandInLLM, tmp_path: Path
+):
+    demo = str(EXAMPLES / "demo.py")
+    with EngineServer(tmp_path / "membase") as server:  # the hosted API's routes, on this process's engine
+        hosted = {"MEMBASE_API_KEY": HTTP_KEY, "MEMBASE_BASE_URL": server.base_url}
+        scenarios = json.dumps([(demo, hosted, False), (demo, {}, False), (demo, {}, True)])
+        done = _run([sys.executable, "-c", RUN_IN_TURN, scenarios], tmp_path)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert "a deterministic stand-in on http://127.0.0.1:" in done.stdout
-    assert "membase_save -> Saved to Membase." in done.stdout
-    assert "[default] The launch codename for our team is Blue Heron." in done.stdout
-    assert "agent: From your memory: The launch codename for our team is Blue Heron." in done.stdout
+    with_key, offline, old_python = json.loads(done.stdout.splitlines()[-1])
+
+    answer = "agent: From your memory: The launch codename for our team is Blue Heron."
+    assert with_key["code"] == 0, with_key
+    assert "Memory: your hosted Membase (MEMBASE_API_KEY)" in with_key["stdout"] and answer in with_key["stdout"]
+    assert HTTP_KEY not in with_key["stdout"] + with_key["stderr"]  # the key is never printed
+    assert offline["code"] == 0, offline
+    assert "a deterministic stand-in on http://127.0.0.1:" in offline["stdout"]
+    assert "membase_save -> Saved to Membase." in offline["stdout"] and answer in offline["stdout"]
+    assert "[default] The launch codename for our team is Blue Heron." in offline["stdout"]
+    assert old_python["code"] == 1 and "Session 1" not in old_python["stdout"]
+    assert "Local mode needs Python 3.12 or newer" in old_python["stderr"]
+    assert "uv run --python 3.12 examples/demo.py" in old_python["stderr"] and "MEMBASE_API_KEY" in old_python["stderr"]
 
 
 @needs_engine
-def test_with_a_key_the_demo_uses_the_membase_api_at_the_base_url(llm: StandInLLM, tmp_path: Path) -> None:
-    # `membase serve`'s server answers the hosted API's routes, so the key path runs offline too.
-    with EngineServer(tmp_path / "membase") as server:
-        env = {**offline_env(), "MEMBASE_API_KEY": "local-test", "MEMBASE_BASE_URL": server.base_url}
-        done = _run([sys.executable, str(EXAMPLES / "demo.py")], env, tmp_path)
-
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert "Memory: your hosted Membase (MEMBASE_API_KEY)" in done.stdout
-    assert "agent: From your memory: The launch codename for our team is Blue Heron." in done.stdout
-    assert "local-test" not in done.stdout + done.stderr  # the key is never printed
-
-
-@needs_engine
-def test_the_quick_start_saves_in_one_session_and_recalls_in_the_next(llm: StandInLLM, tmp_path: Path) -> None:
-    with EngineServer(tmp_path / "membase") as server:
-        env = {**offline_env(), "MEMBASE_API_KEY": "local-test", "MEMBASE_BASE_URL": server.base_url}
-        script = [sys.executable, "-c", QUICKSTART_WITH_SCRIPTED_MODEL, str(EXAMPLES / "quickstart.py")]
-        done = _run(script, env, tmp_path)
-
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert "answer: It is Blue Heron." in done.stdout
-    # The recommended manager: the model gets membase_search, not the manager's search_memory beside it.
-    assert "tools: ['membase_profile', 'membase_save', 'membase_search']" in done.stdout
-
-
-@needs_engine
-def test_many_users_runs_offline_and_each_user_recalls_only_their_own(tmp_path: Path) -> None:
-    done = _run([sys.executable, str(EXAMPLES / "many_users.py")], offline_env(), tmp_path)
+def test_many_users_runs_offline_and_each_user_recalls_only_their_own(tmp_path: Path):
+    done = _run([sys.executable, str(EXAMPLES / "many_users.py")], tmp_path)
 
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     alice, bob = done.stdout.split("--- bob, turn 1")
@@ -100,21 +88,9 @@ def test_many_users_runs_offline_and_each_user_recalls_only_their_own(tmp_path: 
     assert "alice: 2 recalls, 2 with memory" in done.stdout
 
 
-def test_without_a_key_on_python_before_3_12_the_demo_says_how_to_run_it(tmp_path: Path) -> None:
-    if sys.version_info >= (3, 12):  # play an older Python: local mode checks the version first
-        command = [
-            sys.executable,
-            "-c",
-            "import runpy, sys; sys.version_info = (3, 11, 9, 'final', 0); sys.argv = [sys.argv[1]]; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')",
-            str(EXAMPLES / "demo.py"),
-        ]
-    else:
-        command = [sys.executable, str(EXAMPLES / "demo.py")]
-    done = _run(command, offline_env(), tmp_path)
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="on Python 3.12+ the demo plays an older Python above")
+def test_on_a_python_before_3_12_the_demo_says_how_to_run_it(tmp_path: Path):
+    done = _run([sys.executable, str(EXAMPLES / "demo.py")], tmp_path)
 
-    assert done.returncode == 1
-    assert "Local mode needs Python 3.12 or newer" in done.stderr
-    assert "uv run --python 3.12 examples/demo.py" in done.stderr
-    assert "MEMBASE_API_KEY" in done.stderr
-    assert "Session 1" not in done.stdout
+    assert done.returncode == 1 and "Session 1" not in done.stdout
+    assert "Local mode needs Python 3.12 or newer" in done.stderr and "MEMBASE_API_KEY" in done.stderr

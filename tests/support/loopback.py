@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import socket
 import ssl
 import struct
@@ -259,7 +260,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, body: bytes) -> None:
         owner = self.server.owner
-        target = self.path.removeprefix(owner._prefix)  # the path the SDK asked for, below the server's own
+        # The path the SDK asked for, below the server's own; a proxy is sent the whole URL, and answers as the fake.
+        target = re.sub(r"^(https?://[^/]+)?/loopback-\d+", "", self.path)
         path = target.split("?")[0]
         request = httpx.Request(
             self.command, f"http://loopback{target}", headers=dict(self.headers.items()), content=body
