@@ -176,7 +176,7 @@ FAULTS = [
     Fault(
         "200_endless",
         lambda host, request: httpx.Response(200, content=host.endless()),
-        "bad_response",
+        **UNREADABLE,  # a save's 2xx is a save: Membase took the note, however long its answer
         options={"max_response_bytes": CAP},
     ),
 ]

@@ -169,8 +169,8 @@ class MembaseGateway:
                 except (*_UNREADABLE, BadResponseError) as error:
                     if isinstance(error, BadResponseError) and not 200 <= (error.status or 0) < 300:
                         raise
-                    why = _unreadable(error) if isinstance(error, ValueError) else error.message
-                    message = "store=<%s>, reason=<2xx answer: %s> | Membase accepted the note; counting it as saved"
+                    why = _unreadable(error) if isinstance(error, ValueError) else "larger than max_response_bytes"
+                    message = "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved"
                     logger.warning(message, self._store_name, why)
                     return None
 

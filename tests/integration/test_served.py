@@ -50,7 +50,6 @@ import httpx
 import pytest
 
 from membase_strands.testing import API_KEY, InMemoryMembase
-from tests.support.local_engine import free_port
 from tests.support.loopback import LoopbackMembase, _Handler, as_usual
 from tests.support.store_helpers import wait_until
 
@@ -142,6 +141,13 @@ class Accounts:
 
     def queries(self, key: str) -> list[str]:
         return [str(r.body.get("q", "")) for r in self.account(key).sent("POST", "/v1/search")]
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _key_of(request: httpx.Request) -> str:
