@@ -20,6 +20,7 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.check import main, run_check
 from membase_strands.testing import StandInLLM
 from tests.support.local_engine import engine_unavailable, offline_env
+from tests.support.store_helpers import LONG
 
 _REASON = engine_unavailable()
 if _REASON:
@@ -64,8 +65,8 @@ def test_a_second_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_path: P
 def test_stores_in_one_process_share_the_directorys_engine_and_the_last_close_lets_go(
     tmp_path: Path, llm: StandInLLM
 ) -> None:
-    first = MembaseMemoryStore(local=tmp_path, capture=True)
-    second = MembaseMemoryStore(local=tmp_path)
+    first = MembaseMemoryStore(local=tmp_path, capture=True, write_timeout=LONG)
+    second = MembaseMemoryStore(local=tmp_path, recall_timeout=LONG)
     asyncio.run(first.add("Our billing ledger runs on Postgres 16."))
     first.close()
     entries = asyncio.run(second.search("Which database does the billing ledger run on?"))
