@@ -19,8 +19,9 @@ from typing import Any
 
 from . import _background
 from ._background import LOCK
+from ._closing import dropped_stores_closing
 from ._telemetry import Ledger
-from .store import MembaseMemoryStore, dropped_stores_closing, ledger_of
+from .store import MembaseMemoryStore, ledger_of
 
 logger = logging.getLogger(__name__)
 
