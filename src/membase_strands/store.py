@@ -201,7 +201,7 @@ class MembaseMemoryStore:
             if not isinstance(query, str) or not query.strip():
                 self._ledger.record("skipped", reason="blank query")
                 return []
-            _telemetry.current_text(_telemetry.QUERY_TEXT, query)
+            operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
             self._ledger.record(None, "recalls")
