@@ -50,11 +50,7 @@ def names_in_reach(containers: list[Container]) -> str:
 
 
 def match(wanted: str, containers: list[Container]) -> Container:
-    """The Memory ``wanted`` names: an exact id, else a name in any case.
-
-    Raises:
-        ValueError: No Memory matches (the message lists the names in reach), or several do (it names each).
-    """
+    """The Memory ``wanted`` names: an exact id, else a name in any case; ``ValueError`` when none or several do."""
     for container in containers:
         if container.id == wanted:
             return container

@@ -286,9 +286,8 @@ def _numbered(passages: list[Passage], ids: bool = False) -> list[str]:
     lines = []
     for rank, passage in enumerate(passages, 1):
         known = passage_id(passage.metadata) if ids else None
-        lines.append(
-            f"{rank}. {passage.label}{passage.text}{f' (id: {known})' if known else ''}".replace("\n", "\n   ")
-        )
+        line = f"{rank}. {passage.label}{passage.text}{f' (id: {known})' if known else ''}"
+        lines.append(line.replace("\n", "\n   "))
     return lines
 
 

@@ -44,11 +44,8 @@ _UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
 
 
 class MembaseGateway:
-    """One store's access to one person's Membase: its clients, its calls, and what their answers mean.
-
-    Attributes: ``hosted`` (reached over HTTP with a key, not a local engine), ``base_url``, ``local`` (the local
-    directory, if any), and ``location`` (for messages and ``repr``; never the key).
-    """
+    """One store's access to one person's Membase. ``hosted``: reached with a key, not a local engine; ``local``: the
+    local directory, if any; ``location``: where, for messages and ``repr`` (never the key)."""
 
     def __init__(
         self,
@@ -89,8 +86,7 @@ class MembaseGateway:
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
         self.hosted = bool(self._key or (client is not None and client.api_key))
         self.base_url = self._route.base_url if self._route else str(client.base_url) if client is not None else ""
-        where = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        self.location = where
+        self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
         self._resolver = ContainerResolver()
         self._pid = 0  # the process the clients below were built in
         self._clients: tuple[membase.Membase, membase.Membase] | None = None
@@ -143,11 +139,7 @@ class MembaseGateway:
 
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
-
-        Raises:
-            ValueError: ``container`` names no Memory in reach, or several.
-            membase.MembaseError: The call failed, or the answer could not be read.
-        """
+        ``ValueError`` when ``container`` names no Memory in reach, or several."""
 
         def search(client: membase.Membase) -> Any:
             return self._resolver.call(
@@ -157,10 +149,8 @@ class MembaseGateway:
         return parse_search(self._call(search, retry=retry), limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored.
-
-        A 2xx whose body cannot be read means Membase took the note: it counts as saved (``None``).
-        """
+        """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored. A 2xx
+        whose body cannot be read means Membase took the note: it counts as saved (``None``)."""
 
         def save(client: membase.Membase) -> Any:
             def send(container_id: str | None) -> Any:
@@ -183,9 +173,8 @@ class MembaseGateway:
         return self._call(lambda client: client.profile(q=sendable(topic) if topic else None), retry=retry)
 
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
-        """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it: a learned memory,
-        or ``document:<id>``); without ``confirm``, Membase only says what would be forgotten. ``BadResponseError``
-        when the answer is not an object."""
+        """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it); without
+        ``confirm``, Membase only says what would be forgotten."""
         document = passage_id.removeprefix("document:") if passage_id.startswith("document:") else None
 
         def forget(client: membase.Membase) -> Any:

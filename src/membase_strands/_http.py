@@ -24,7 +24,7 @@ import ssl
 import time
 import urllib.parse
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -182,23 +182,23 @@ class MembaseTransport(httpx.BaseTransport):
         return owned.transport, owned.streams
 
 
+@dataclass
 class _Owned:
     """A library thread's own connection to a host, and the streams opened for it (the last one in use)."""
 
-    def __init__(self, transport: httpx.HTTPTransport) -> None:
-        self.transport = transport
-        self.streams: list[Any] = []
+    transport: httpx.HTTPTransport
+    streams: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
         self.transport.close()
 
 
+@dataclass
 class _Attempt:
     """One attempt: whether it is over, and the connection it is on, for a caller who stops waiting to hang up."""
 
-    def __init__(self) -> None:
-        self.streams: list[Any] = []
-        self.over = False
+    streams: list[Any] = field(default_factory=list)
+    over: bool = False
 
     def hang_up(self) -> None:
         """Shut the attempt's connection down, so a server that keeps it going holds no thread (once, if running)."""

@@ -34,11 +34,7 @@ def directory_of(local: str | os.PathLike[str] | bool) -> Path:
 
 def open_engine(directory: Path) -> membase.Membase:
     """This process's engine for ``directory``, opened (and the directory locked) by its first user.
-
-    Raises:
-        RuntimeError: Another process holds the directory.
-        membase.MissingDependencyError: The engine cannot run here.
-    """
+    ``RuntimeError`` when another process holds the directory; ``membase.MissingDependencyError`` when it cannot run."""
     key = (os.getpid(), directory)
     with LOCK:
         first = key not in _open

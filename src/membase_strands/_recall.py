@@ -42,8 +42,7 @@ class Recall:
         max_chars: int | None,
         profile_ttl: float | None,
     ) -> None:
-        """``hold_limit``: the longest a late request holds the guard (one attempt); ``profile_ttl``: how long the
-        standing facts read are used (``None``: no profile in recall)."""
+        """``hold_limit``: the longest a late request holds the guard; ``profile_ttl``: ``None`` for no profile."""
         self._gateway, self._ledger, self._container = gateway, ledger, container
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
@@ -58,35 +57,27 @@ class Recall:
         self._paused_until = time.monotonic() + seconds
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
-        """The entries for ``query``: the profile's (if asked for), up to ``limit`` passages best first, a notice per
-        Memory that could not answer; ``[]`` while the guard is up or recall is paused.
-
-        Raises:
-            MembaseRecallTimeout: The budget ran out; the request goes on in the background holding the guard.
-            membase.MembaseError, ValueError: The search failed.
-        """
+        """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
+        per Memory that could not answer; ``[]`` while the guard is up or recall is paused. ``MembaseRecallTimeout``
+        when the budget runs out (the request goes on, holding the guard)."""
         if skip := self._skip():
             self._ledger.record("skipped", "recall_skipped", level=logging.DEBUG, message="recall skipped", reason=skip)
             return []
         started = time.monotonic()
         search = functools.partial(self._gateway.search, query, limit, self._container, retry=self._budget is None)
-        searching = _background.submit(
-            search, name=f"membase-recall[{self._ledger.store_name}]", kind="recall", lane=self
-        )
+        name = f"membase-recall[{self._ledger.store_name}]"
+        searching = _background.submit(search, name=name, kind="recall", lane=self)
         profile = self._read_profile()
         try:
             answer = await wait_for_future(searching, self._budget)
         except asyncio.TimeoutError:
             if not searching.cancel():  # it was sent; one still waiting for a thread never will be
                 self._hold_guard(searching, started)
-            self._ledger.record(
-                None,
-                "recall_timeouts",
-                level=logging.INFO,  # not WARNING: the manager logs the exception below as one, once is enough
-                message="recall ran out of time; the turn goes on without memory and the request finishes in the "
-                "background",
-                budget=self._budget,
+            message = (
+                "recall ran out of time; the turn goes on without memory and the request finishes in the background"
             )
+            # INFO, not WARNING: the manager logs the exception below as one, once is enough.
+            self._ledger.record(None, "recall_timeouts", level=logging.INFO, message=message, budget=self._budget)
             raise MembaseRecallTimeout(
                 f"Membase recall ran out of time after {self._budget:g} s; it goes on in the background"
             ) from None
@@ -102,10 +93,8 @@ class Recall:
         most = max(0, limit - len(answer.unsearched) - (entry is not None))
         shown = arrange(answer, most, min_score=self._min_score, budget=budget)
         entries = ([entry] if entry else []) + memory_entries(shown)
-        for counter, count in (
-            ("recall_passages_folded", shown.folded),
-            ("recall_passages_below_floor", shown.below_floor),
-        ):
+        left_out = {"recall_passages_folded": shown.folded, "recall_passages_below_floor": shown.below_floor}
+        for counter, count in left_out.items():
             if count:
                 self._ledger.record(None, counter, amount=count)
         self._ledger.record(

@@ -102,14 +102,6 @@ class Ledger:
             return dict(self.counts)
 
 
-def content_allowed(attribute: str) -> bool:
-    """Whether the user opted in to recording ``attribute`` (a text attribute) on spans."""
-    tokens = [token.strip() for token in os.getenv("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")]
-    value = next((token.partition("=")[2] for token in tokens if token.startswith("gen_ai_unredacted_attributes=")), "")
-    names = [name.strip() for name in value.split(";") if name.strip()]
-    return attribute in names or any(name.endswith("*") and attribute.startswith(name[:-1]) for name in names)
-
-
 @dataclass
 class Operation:
     """One span of the store's work; nothing is recorded on a span that is not recording."""
@@ -127,8 +119,15 @@ class Operation:
 
     def text(self, attribute: str, value: str | Sequence[str]) -> None:
         """Record the user's words under ``attribute``, only if they opted in to it."""
-        if self.span.is_recording() and content_allowed(attribute):
+        if self.span.is_recording() and _opted_in(attribute):
             self.span.set_attribute(attribute, value if isinstance(value, str) else list(value))
+
+
+def _opted_in(attribute: str) -> bool:
+    tokens = [token.strip() for token in os.getenv("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")]
+    value = next((token.partition("=")[2] for token in tokens if token.startswith("gen_ai_unredacted_attributes=")), "")
+    names = [name.strip() for name in value.split(";") if name.strip()]
+    return attribute in names or any(name.endswith("*") and attribute.startswith(name[:-1]) for name in names)
 
 
 # The operation running in this context: where there is none, one that records nothing.
@@ -163,11 +162,6 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
             _current.reset(token)
             if made.outcome_set in ("error", "timeout"):
                 span.set_status(Status(StatusCode.ERROR, made.outcome_set))
-
-
-def current_text(attribute: str, value: str | Sequence[str]) -> None:
-    """Record the user's words on the current operation, only if they opted in to ``attribute``."""
-    _current.get(_NOWHERE).text(attribute, value)
 
 
 def link_here() -> SpanContext | None:

@@ -184,7 +184,6 @@ class WriteRecord:
             self._ledger.record(None, level=logging.WARNING, message=message, writes=left)
 
     def _finish_at_exit(self) -> None:
-        """At interpreter exit: :meth:`drain` within the budget."""
         if not self.idle():
             message = f"the interpreter is exiting; waiting up to {self._wait_budget:g} s for writes still running"
             self._ledger.record(None, level=logging.INFO, message=message)
@@ -195,7 +194,7 @@ class WriteRecord:
         return self._budget or _options.WAIT_WITHOUT_BUDGET
 
     def _wait_running(self, until: float | None) -> None:
-        """Wait while writes run, up to the budget (or ``until``): a daemon thread may start one meanwhile."""
+        """Wait while writes run, up to the budget (or ``until``): a thread may start one meanwhile."""
         deadline = time.monotonic() + self._wait_budget if until is None else until
         announced: set[Future[None]] = set()
         while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
@@ -233,8 +232,7 @@ class WriteRecord:
 
     def _sending(self) -> dict[Hashable, _Request]:
         """This process's running requests, by the keys of their parts (lock held)."""
-        pid = os.getpid()
-        return {p.key: r for r in self._unsettled if not r.ended and r.pid == pid for p in r.parts}
+        return {p.key: r for r in self._unsettled if not r.ended and r.pid == os.getpid() for p in r.parts}
 
     def _start(self, request: _Request) -> None:
         name = f"membase-write[{self._ledger.store_name}]"
@@ -271,29 +269,18 @@ class WriteRecord:
         """Log, count and trace the outcome of a request nobody waits for; keep a failed one to send it again."""
         why = request.abandoned or "timeout"
         error, what = request.error, f"a write {_WHY[why]}"
-        if error is None:
-            message = f"{what} finished; it is saved"
-            self._ledger.late(
-                _telemetry.WRITE_LATE, request.linked, "saved", level=logging.INFO, message=message, reason=why
-            )
-            return
-        lost = request.again or _background.exiting() or request.size > RECORD_BYTES
-        if lost:
-            self._ledger.record(None, "writes_lost", amount=len(request.parts))
-        else:
-            self._keep(request)
-        then = "it is not saved, and nothing will send it again" if lost else _SENT_AGAIN[self._phase]
-        message = f"{what} failed; {then}"
-        self._ledger.late(
-            _telemetry.WRITE_LATE,
-            request.linked,
-            "saved",
-            "write_errors",
-            level=logging.WARNING,
-            message=message,
-            error=error,
-            reason=why,
-        )
+        counted: tuple[str, ...] = ()
+        level, message = logging.INFO, f"{what} finished; it is saved"
+        if error is not None:
+            lost = request.again or _background.exiting() or request.size > RECORD_BYTES
+            if lost:
+                self._ledger.record(None, "writes_lost", amount=len(request.parts))
+            else:
+                self._keep(request)
+            then = "it is not saved, and nothing will send it again" if lost else _SENT_AGAIN[self._phase]
+            counted, level, message = ("write_errors",), logging.WARNING, f"{what} failed; {then}"
+        late = {"level": level, "message": message, "error": error, "reason": why}
+        self._ledger.late(_telemetry.WRITE_LATE, request.linked, "saved", *counted, **late)
 
     def _keep(self, request: _Request) -> None:
         """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
@@ -307,8 +294,7 @@ class WriteRecord:
             self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> int:
-        """Send each kept batch once more, in the background, leaving out parts on record or a caller is sending;
-        how many requests that took."""
+        """Send each kept batch once more, but parts saved or being sent, in the background; how many requests."""
         with LOCK:
             kept = [request for request in self._kept if request.pid == os.getpid()]  # a parent sends its own
             self._kept = []

@@ -123,7 +123,9 @@ def run_check(
         client: A ready client instead of the three above.
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
+        need_profile: Whether reading the profile must be allowed for the check to pass.
         query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
+        clock: The clock the timings are read from (in seconds).
 
     Returns:
         The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
@@ -139,8 +141,7 @@ def run_check(
         return CheckReport("(not configured)", [Step("configuration", False, str(error))])
     with contextlib.closing(gateway):
         where = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
-        target = gateway.base_url if gateway.hosted else f"local Membase {where}"
-        report = CheckReport(target, probe_query=probe_query)
+        report = CheckReport(gateway.base_url if gateway.hosted else f"local Membase {where}", probe_query=probe_query)
         needed = {"profile": need_profile, "save": need_save}
         steps = _steps(gateway, report, container, clock)
         for step in steps if gateway.hosted else itertools.chain(_engine_steps(), steps):

@@ -19,8 +19,9 @@ from typing import Any
 
 from . import _background
 from ._background import LOCK
+from ._closing import dropped_stores_closing
 from ._telemetry import Ledger
-from .store import MembaseMemoryStore, dropped_stores_closing, ledger_of
+from .store import MembaseMemoryStore, ledger_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,14 @@ class MembaseStorePool:
             raise ValueError(f"max_stores must be a whole number of at least 1, got {max_stores!r}")
         if not callable(credential_for):
             raise ValueError(f"credential_for must be a function of the user id, got {type(credential_for).__name__}")
-        shared = [option for option in ("client", "api_key", "local") if option in store_options]
-        if shared:
+        if shared := [option for option in ("client", "api_key", "local") if option in store_options]:
             raise ValueError(f"{', '.join(shared)}: comes from credential_for for each user, not shared by the pool")
         known = inspect.signature(MembaseMemoryStore).parameters
         if unknown := sorted(set(store_options) - set(known)):
             raise ValueError(f"unknown store option(s) {unknown}; MembaseMemoryStore takes {', '.join(known)}")
         # Every value checked now, by the store's own checks, rather than at every user's first turn.
         MembaseMemoryStore(api_key="membase-pool-option-check", **store_options).close()
-        self._credential_for = credential_for
-        self._max_stores = max_stores
-        self._store_options = store_options
+        self._credential_for, self._max_stores, self._store_options = credential_for, max_stores, store_options
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
@@ -163,8 +161,7 @@ class MembaseStorePool:
 
     def _keep(self, user_id: str, store: MembaseMemoryStore) -> None:
         """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held."""
-        self._alive[user_id] = store
-        self._stores[user_id] = store
+        self._alive[user_id] = self._stores[user_id] = store
         self._stores.move_to_end(user_id)
         while len(self._stores) > self._max_stores:
             old_user, _ = self._stores.popitem(last=False)  # not closed: an agent may be mid-turn on it

@@ -6,23 +6,20 @@ writes, the set-up check), so a slow or unreachable Membase costs a turn at most
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
-import weakref
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
-from . import _background, _options, _telemetry
-from ._background import LOCK, wait_for_future
+from . import _options, _telemetry
+from ._background import LOCK
+from ._closing import Closing
 from ._containers import SetupCheck
 from ._failures import ACCESS_SENTENCE
 from ._gateway import MembaseGateway
@@ -36,6 +33,7 @@ if TYPE_CHECKING:
     from strands.memory import ExtractionConfig, MemoryStore
     from strands.types.tools import AgentTool
 
+T = TypeVar("T")
 _RETRYING_CLIENT = (
     "the client passed in retries (max_retries={}), so a captured write that timed out may be saved twice; build it "
     "with max_retries=0, or pass api_key= instead"
@@ -157,16 +155,13 @@ class MembaseMemoryStore:
             default_limit=lambda: self._default_limit,
             max_recall_chars=max_recall_chars,
             min_score=min_score,
-            is_closed=lambda: self._closed,
+            is_closed=lambda: self._closing.closed,
             ids=("forget" in self._tool_names),
         )
         self._tools: list[AgentTool] | None = None
-        self._closed = False
-        self._close_done: Future[None] = Future()  # settled once the first close() or aclose() has finished
         self._setup = SetupCheck(functools.partial(gateway.check_setup, self._container), self._ledger, lane=self)
-        # Dropped unclosed (a pool let go of it), it still finishes its writes and lets go of its local engine.
-        self._finalizer = weakref.finalize(self, _close_dropped, self._writes, gateway, self.name)
-        self._finalizer.atexit = False  # at exit, the exit wait does it
+        wait_budget = self._write_timeout or _options.WAIT_WITHOUT_BUDGET
+        self._closing = Closing(self, self._writes, gateway, self.name, wait_budget)
 
     def __repr__(self) -> str:
         return (
@@ -206,20 +201,13 @@ class MembaseMemoryStore:
             if not isinstance(query, str) or not query.strip():
                 self._ledger.record("skipped", reason="blank query")
                 return []
-            _telemetry.current_text(_telemetry.QUERY_TEXT, query)
+            operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
             self._ledger.record(None, "recalls")
-            try:
-                entries = await self._recall.run(_options.query_text(query), limit)
-            except MembaseRecallTimeout:
-                raise
-            except Exception as error:
-                failed = error
-            else:
-                operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-                return entries
-            raise self._failure("recall", failed)  # outside the except: no context carries the server's text
+            entries = await self._await_or_report("recall", self._recall.run(_options.query_text(query), limit))
+            operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
+            return entries
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
@@ -279,29 +267,12 @@ class MembaseMemoryStore:
         left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
         batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
         counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
-        if self._begin_close():
-            self._finish_closing()
-        else:
-            wait([self._close_done], timeout=self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
+        self._closing.close()
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
         closing goes on in the background (each outcome is logged when its write ends)."""
-        if not self._begin_close():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for_future(self._close_done, self._write_timeout or _options.WAIT_WITHOUT_BUDGET)
-        elif self._writes.idle() and self._gateway.local is None:
-            self._finish_closing()  # nothing to wait for
-        else:
-            closing = _background.submit(self._finish_closing, name=f"membase-close[{self.name}]", kind="close")
-            await wait_for_future(closing, None)
-
-    def _finish_closing(self) -> None:
-        self._finalizer.detach()
-        try:
-            _close(self._writes, self._gateway)
-        finally:
-            self._close_done.set_result(None)
+        await self._closing.aclose()
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -315,18 +286,12 @@ class MembaseMemoryStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _begin_close(self) -> bool:
-        """Mark the store closed; whether this caller is the first (and so closes it)."""
-        with LOCK:
-            first, self._closed = not self._closed, True
-            return first
-
     @property
     def _default_limit(self) -> int:
         return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS  # a plain attribute: a user may set None
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing.closed:
             raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
 
     def _require_capture(self, method: str) -> None:
@@ -343,24 +308,24 @@ class MembaseMemoryStore:
                 operation.outcome("empty", decision="nothing to send")
                 return None
             operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
-            try:
-                result = await self._writes.write(parts, send)
-            except MembaseWriteTimeout:
-                raise
-            except Exception as error:
-                failed = error
-            else:
-                operation.outcome("saved")
-                return result
-            raise self._failure("write", failed)
+            result = await self._await_or_report("write", self._writes.write(parts, send))
+            operation.outcome("saved")
+            return result
 
-    def _failure(self, action: str, error: Exception) -> BaseException:
-        """Count a failed recall or write; what to raise for the manager: a 403 as ``MembaseAccessError`` (pausing
-        automatic recall), anything else as it came, or as a masked copy if a server echoed the API key in it."""
-        clean = self._gateway.without_secret(error)
-        if not isinstance(error, membase.PermissionDeniedError):
-            self._ledger.record(None, f"{action}_errors", error=error)
-            return clean
+    async def _await_or_report(self, action: str, running: Awaitable[T]) -> T:
+        """Await a recall or write; a failure but a time-out is counted and raised for the manager: a 403 as
+        ``MembaseAccessError`` (pausing automatic recall), anything else as it came, masked if it echoes the key."""
+        try:
+            return await running
+        except (MembaseRecallTimeout, MembaseWriteTimeout):
+            raise
+        except Exception as error:
+            failed = error
+        # Raised outside the except: no context carries the server's text.
+        clean = self._gateway.without_secret(failed)
+        if not isinstance(failed, membase.PermissionDeniedError):
+            self._ledger.record(None, f"{action}_errors", error=failed)
+            raise clean
         pause = ""
         if action == "recall" and self._access_cooldown is not None:
             self._recall.pause(self._access_cooldown)
@@ -371,51 +336,16 @@ class MembaseMemoryStore:
             # The manager logs a failed recall as a warning: the store's own line would be a second one.
             level=logging.INFO if action == "recall" else logging.WARNING,
             message=f"{action} refused: this Membase key was narrowed or revoked by its owner{pause}",
-            error=error,
+            error=failed,
         )
         refused = MembaseAccessError(ACCESS_SENTENCE)
         refused.__cause__ = clean
-        return refused
-
-
-def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
-    """Wait for the writes (:meth:`WriteRecord.drain`), then let go of the local engine once none runs (blocking)."""
-    writes.drain()
-    running = writes.running()
-    if gateway.local is not None and running:  # a write still uses the engine: close it after, in the background
-
-        def close_after_writes() -> None:
-            wait(running)
-            gateway.close()
-
-        _background.submit(close_after_writes, name="membase-close", kind="close")
-    else:
-        gateway.close()
-
-
-def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
-    """A store collected unclosed: finish its writes and let go of its engine, in the background."""
-    if not writes.idle() or gateway.local is not None:
-        closing = _background.submit(
-            functools.partial(_close, writes, gateway), name=f"membase-close[{name}]", kind="close"
-        )
-        with LOCK:
-            _closing_dropped.add(closing)
-        closing.add_done_callback(_closing_dropped.discard)
-
-
-_closing_dropped: set[Future[Any]] = set()
+        raise refused
 
 
 def ledger_of(store: MembaseMemoryStore) -> Ledger:
     """The store's record of what it did (it outlives the store while a write of its runs)."""
     return store._ledger
-
-
-def dropped_stores_closing() -> list[Future[Any]]:
-    """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
-    with LOCK:
-        return list(_closing_dropped)
 
 
 if TYPE_CHECKING:

@@ -1,0 +1,93 @@
+"""Closing a store: once, by its first caller (later callers wait for it), and a store collected unclosed too.
+
+Closing waits for the store's captured writes (:meth:`WriteRecord.drain`), then lets go of its local engine once
+no write uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import weakref
+from concurrent.futures import Future, wait
+from typing import Any
+
+from . import _background
+from ._background import LOCK, wait_for_future
+from ._gateway import MembaseGateway
+from ._writes import WriteRecord
+
+_dropped_closing: set[Future[Any]] = set()
+
+
+class Closing:
+    """One store's closing; ``budget``: the seconds a later caller waits for the first one's."""
+
+    def __init__(self, store: object, writes: WriteRecord, gateway: MembaseGateway, name: str, budget: float) -> None:
+        self.closed = False
+        self._writes, self._gateway, self._name, self._budget = writes, gateway, name, budget
+        self._done: Future[None] = Future()  # settled once the first close() or aclose() has finished
+        # Dropped unclosed (a pool let go of it), the store still finishes its writes and lets go of its local engine.
+        self._finalizer = weakref.finalize(store, _close_dropped, writes, gateway, name)
+        self._finalizer.atexit = False  # at exit, the exit wait does it
+
+    def close(self) -> None:
+        if self._begin():
+            self._finish()
+        else:
+            wait([self._done], timeout=self._budget)
+
+    async def aclose(self) -> None:
+        if not self._begin():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for_future(self._done, self._budget)
+        elif self._writes.idle() and self._gateway.local is None:
+            self._finish()  # nothing to wait for
+        else:
+            closing = _background.submit(self._finish, name=f"membase-close[{self._name}]", kind="close")
+            await wait_for_future(closing, None)
+
+    def _begin(self) -> bool:
+        """Mark the store closed; whether this caller is the first (and so closes it)."""
+        with LOCK:
+            first, self.closed = not self.closed, True
+            return first
+
+    def _finish(self) -> None:
+        self._finalizer.detach()
+        try:
+            _close(self._writes, self._gateway)
+        finally:
+            self._done.set_result(None)
+
+
+def dropped_stores_closing() -> list[Future[Any]]:
+    """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
+    with LOCK:
+        return list(_dropped_closing)
+
+
+def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
+    """Wait for the writes, then let go of the local engine once none runs (blocking)."""
+    writes.drain()
+    running = writes.running()
+    if gateway.local is not None and running:  # a write still uses the engine: close it after, in the background
+
+        def close_after_writes() -> None:
+            wait(running)
+            gateway.close()
+
+        _background.submit(close_after_writes, name="membase-close", kind="close")
+    else:
+        gateway.close()
+
+
+def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
+    if not writes.idle() or gateway.local is not None:
+        closing = _background.submit(
+            functools.partial(_close, writes, gateway), name=f"membase-close[{name}]", kind="close"
+        )
+        with LOCK:
+            _dropped_closing.add(closing)
+        closing.add_done_callback(_dropped_closing.discard)
