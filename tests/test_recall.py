@@ -160,7 +160,10 @@ def test_a_failing_recall_costs_the_turn_its_memory_only_and_never_logs_the_key(
         store.close()
 
 
-def test_a_hundred_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_store, gates, caplog):
+TURNS_IN_OUTAGE = 25  # far more than three: a warning a turn would show
+
+
+def test_many_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_store, gates, caplog):
     caplog.set_level(logging.DEBUG)
     outage = gates.new()
     for fault in ("stall", "403"):
@@ -170,9 +173,9 @@ def test_a_hundred_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, 
         else:
             fake.always("POST", "/v1/search", status(403, "key revoked"))
             store = make_store(name=fault, access_cooldown=600.0)
-        agent, model = make_agent(store, ["ok"] * 100)
+        agent, model = make_agent(store, ["ok"] * TURNS_IN_OUTAGE)
 
-        for turn in range(100):
+        for turn in range(TURNS_IN_OUTAGE):
             agent(f"{QUESTION} ({turn})")
         outage.set()
         if fault == "stall":
@@ -188,12 +191,15 @@ def test_a_hundred_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, 
             assert sum("narrowed or revoked" in w for w in warned) == 1
             paused = [m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]
             assert len(paused) == 1
-        assert sum(f"store=<{store.name}>" in m and "recall skipped" in m for m in logged(caplog, store.name)) == 99
+        assert (
+            sum(f"store=<{store.name}>" in m and "recall skipped" in m for m in logged(caplog, store.name))
+            == TURNS_IN_OUTAGE - 1
+        )
         # The model saw what it saw before: no memory, the same tools.
-        assert all(model.memory_block(turn) is None for turn in range(100))
+        assert all(model.memory_block(turn) is None for turn in range(TURNS_IN_OUTAGE))
         assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
         failed = "recall_timeouts" if fault == "stall" else "recall_errors"
-        assert counted(store, "recalls", failed, "recall_skipped") == (100, 1, 99)
+        assert counted(store, "recalls", failed, "recall_skipped") == (TURNS_IN_OUTAGE, 1, TURNS_IN_OUTAGE - 1)
         assert len(fake.sent("POST", "/v1/search")) == 1
         fake.requests.clear()
         caplog.clear()
