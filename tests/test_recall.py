@@ -95,6 +95,9 @@ def test_a_stalled_recall_costs_one_turn_its_budget_and_recalls_skip_until_it_en
     agent(QUESTION)
     assert searches(fake) == 2  # one attempt for the late one: not retried while it held the guard
     assert f"[Main] {FACT}" in (model.memory_block() or "")
+    if late == "finished":  # every counter that moved, and by how much
+        late_outcome = {"recall_timeouts": 1, "recall_skipped": 3, "recall_late_completions": 1}
+        assert {name: n for name, n in store.counters().items() if n} == {"recalls": 5, "recall_hits": 1} | late_outcome
 
 
 async def test_a_late_request_holds_the_guard_for_one_request_timeout_at_most(fake, make_store, gates):
@@ -198,8 +201,11 @@ def test_many_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_
         # The model saw what it saw before: no memory, the same tools.
         assert all(model.memory_block(turn) is None for turn in range(TURNS_IN_OUTAGE))
         assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
-        failed = "recall_timeouts" if fault == "stall" else "recall_errors"
-        assert counted(store, "recalls", failed, "recall_skipped") == (TURNS_IN_OUTAGE, 1, TURNS_IN_OUTAGE - 1)
+        failed = {"recall_timeouts": 1} if fault == "stall" else {"recall_errors": 1, "errors.access": 1}
+        if fault == "stall":
+            failed |= {"recall_late_completions": 1, "errors.timeout": 1}
+        moved = {name: n for name, n in store.counters().items() if n}
+        assert moved == {"recalls": TURNS_IN_OUTAGE, "recall_skipped": TURNS_IN_OUTAGE - 1} | failed
         assert len(fake.sent("POST", "/v1/search")) == 1
         fake.requests.clear()
         caplog.clear()
