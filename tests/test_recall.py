@@ -120,22 +120,6 @@ async def test_a_late_request_holds_the_guard_for_one_request_timeout_at_most(fa
     assert not held.is_set() and searches(fake) == 2
 
 
-async def test_two_healthy_recalls_at_once_on_one_store_both_run(fake, make_store):
-    fake.remember(FACT)
-    fake.remember("Deploys happen on Tuesdays.")
-    barrier = threading.Barrier(2, timeout=LONG)
-    fake.always("POST", "/v1/search", lambda request: (barrier.wait(), fake.answer(request))[1])
-    store = make_store()
-    first, first_model = make_agent(store, ["Postgres."])
-    second, second_model = make_agent(store, ["Tuesdays."])
-
-    await asyncio.gather(first.invoke_async(QUESTION), second.invoke_async("When do deploys happen?"))
-
-    assert f"[Main] {FACT}" in (first_model.memory_block() or "")
-    assert "[Main] Deploys happen on Tuesdays." in (second_model.memory_block() or "")
-    assert searches(fake) == 2 and counted(store, "recall_skipped", "recall_timeouts") == (0, 0)
-
-
 def test_without_a_budget_recall_waits_for_the_sdk_and_its_retries(fake, make_store, caplog):
     fake.remember(FACT)
     fake.on("POST", "/v1/search", status(503), delayed(fake, 0.2))
