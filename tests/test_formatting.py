@@ -3,6 +3,7 @@ the rule read plainly, and the work a large answer costs, counted."""
 
 from __future__ import annotations
 
+import functools
 import random
 import unicodedata
 from typing import Any
@@ -320,17 +321,19 @@ def reference_entries(
 
 
 def random_text(rnd: random.Random, size: int, words: list[str] = WORDS, noise: float = 0.15) -> str:
-    """Words and separators, a ``noise`` share of the separators control characters or lone surrogates."""
+    """Words and separators, a ``noise`` share of the separators control characters or lone surrogates. Past its
+    first 2,000 characters a text repeats them (cheap to make); a longer text starts as the shorter one does."""
     parts: list[str] = []
     length = 0
-    while length < size:
-        n = 64  # a fixed batch: a longer text starts as the shorter one of the same generator does
+    while length < min(size, 2000):
+        n = 64
         noisy = rnd.choices([True, False], weights=[noise, 1 - noise], k=n)
         gaps = [rnd.choice(NOISE) if bad else space for bad, space in zip(noisy, rnd.choices(SPACES, k=n), strict=True)]
         for word, gap in zip(rnd.choices(words, k=n), gaps, strict=True):
             parts += [word, gap]
             length += len(word) + len(gap)
-    return "".join(parts)[:size]
+    start = "".join(parts)
+    return (start * (size // len(start) + 1))[:size]
 
 
 def respaced(rnd: random.Random, text: str) -> str:
@@ -419,9 +422,15 @@ def words(seed: int, size: int, vocabulary: list[str]) -> str:
     return " ".join(rnd.choice(vocabulary) for _ in range(size // 3))[:size]
 
 
+@functools.cache
+def large_texts(size: int) -> tuple[str, str, str]:
+    """The texts the large answers are made of (made once: making them takes longer than reading them)."""
+    return words(0, size, ASCII), words(1, size, NON_ASCII), random_text(random.Random(2), size)
+
+
 def large_answer(shape: str, size: int) -> dict[str, Any]:
     """50 passages of ``size`` characters each (far more than the budget), in one of a few shapes."""
-    text, foreign, hostile = words(0, size, ASCII), words(1, size, NON_ASCII), random_text(random.Random(2), size)
+    text, foreign, hostile = large_texts(size)
     makers = {
         "distinct": lambda i: f"Passage {i}: {text}",
         "distinct, no scores": lambda i: f"Passage {i}: {text}",

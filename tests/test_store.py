@@ -234,8 +234,9 @@ def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake):
         with pytest.raises(ValueError, match="client") as raised:
             MembaseMemoryStore(**options)
         assert API_KEY not in str(raised.value)
-    with pytest.raises(ValueError, match="extraction needs capture=True"):
-        MembaseMemoryStore(client=fake.client(), extraction=True)
+    for extraction in (True, {}):
+        with pytest.raises(ValueError, match="extraction needs capture=True"):
+            MembaseMemoryStore(client=fake.client(), extraction=extraction)
     with pytest.raises(TypeError):
         MembaseMemoryStore(fake.client())  # type: ignore[misc]  # options are keyword only
 

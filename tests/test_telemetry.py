@@ -301,60 +301,6 @@ def test_a_new_store_counts_every_standard_name_at_zero_and_hands_out_a_copy(mak
     assert all(type(value) is int for value in store.counters().values())
 
 
-def test_a_conversation_counts_recalls_hits_and_empty_recalls(fake, make_store):
-    fake.remember(FACT)
-    store = make_store()
-    agent, model = make_agent(store, ["Postgres.", "Hello.", "Postgres again."])
-
-    agent(QUESTION)
-    agent("Good morning, how are you")
-    agent(QUESTION)
-
-    assert changed(store.counters()) == {"recalls": 3, "recall_hits": 2, "recall_empty": 1}
-    assert len(fake.sent("POST", "/v1/search")) == 3
-
-
-def test_a_stalled_recall_counts_a_timeout_then_skips_then_a_late_completion(fake, make_store, gates):
-    fake.remember(FACT)
-    stall = gates.new()
-    fake.on("POST", "/v1/search", hang(stall, then=routed(fake)))
-    # The first recall's budget runs out on the stall whatever it is; the last must fit a whole recall in it.
-    store = make_store(recall_timeout=1.0)
-    agent, model = make_agent(store, ["a", "b", "c", "d"])
-
-    agent(QUESTION)
-    assert changed(store.counters()) == {"recalls": 1, "recall_timeouts": 1}
-    agent(QUESTION)
-    agent(QUESTION)
-    assert changed(store.counters()) == {"recalls": 3, "recall_timeouts": 1, "recall_skipped": 2}
-
-    stall.set()
-    # Counted last, once the guard is down and the outcome logged: the next recall is sent.
-    assert wait_until(lambda: store.counters()["recall_late_completions"] == 1, timeout=30.0)
-    agent(QUESTION)
-    assert FACT in (model.memory_block() or "")
-    assert changed(store.counters()) == {
-        "recalls": 4,
-        "recall_hits": 1,
-        "recall_timeouts": 1,
-        "recall_skipped": 2,
-        "recall_late_completions": 1,
-    }
-
-
-def test_a_refused_recall_counts_an_access_error_then_skips_while_paused(fake, make_store):
-    fake.always("POST", "/v1/search", status(403))
-    store = make_store()
-    agent, model = make_agent(store, ["a", "b"])
-
-    agent(QUESTION)
-    agent(QUESTION)
-
-    assert changed(store.counters()) == {"recalls": 2, "recall_errors": 1, "errors.access": 1, "recall_skipped": 1}
-    assert len(fake.sent("POST", "/v1/search")) == 1
-    assert model.memory_block() is None
-
-
 def test_tool_calls_are_counted_per_tool_and_never_as_recalls(fake, make_store):
     fake.remember(FACT)
     fake.on("POST", "/v1/search", routed(fake), status(403))
@@ -376,16 +322,6 @@ def test_tool_calls_are_counted_per_tool_and_never_as_recalls(fake, make_store):
         "tool_calls.membase_save": 1,
         "errors.access": 1,
     }
-
-
-async def test_a_write_sent_again_is_counted_as_deduplicated(fake, make_store):
-    store = make_store(capture=True, container="Main")
-
-    await store.add("I prefer green tea.")
-    await store.add("I prefer green tea.")
-
-    assert changed(store.counters()) == {"writes_saved": 1, "writes_deduplicated": 1}
-    assert len(fake.sent("POST", "/v1/memories")) == 1
 
 
 def test_counts_from_many_threads_and_event_loops_add_up_exactly(fake, make_store):

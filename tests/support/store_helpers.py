@@ -176,16 +176,6 @@ def drain_began(caplog: pytest.LogCaptureFixture) -> Callable[[], bool]:
     return lambda: logged(caplog, "waiting for writes still running")() > 0
 
 
-async def close_then_release(store: MembaseMemoryStore, caplog: pytest.LogCaptureFixture, release: threading.Event):
-    """``store.close()`` on a thread; ``release`` (the held write's gate) once close() waits for that write, so the
-    write ends during the close, never before it; returns once close() has."""
-    caplog.set_level(logging.INFO)
-    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
-    assert await until(drain_began(caplog), timeout=LONG)
-    release.set()
-    await closing
-
-
 class Ticker:
     """A task that ticks every 10 ms while the test awaits something else, and calls ``release`` at tick
     ``release_after``. Only a loop that is not blocked runs it."""
