@@ -37,6 +37,7 @@ from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecal
 from membase_strands._failures import PIECE, BadResponseError
 from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, ToolCall, status
 from tests.conftest import span_switch
+from tests.support.leaks import span_texts
 from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
 
 SERVER_TEXT = "SRV-DETAIL"  # every fault's server text carries it, to spot where server text must not go
@@ -295,14 +296,6 @@ def recorded(hints: list[str | None]) -> Iterator[logging.handlers.BufferingHand
         root.removeHandler(handler)
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
-
-
-def span_texts(span: ReadableSpan) -> list[str]:
-    """Every text a span carries: name, status, attributes, events, links."""
-    found = [span.name, span.status.description or ""]
-    for attributes in [span.attributes, *(e.attributes for e in span.events), *(k.attributes for k in span.links)]:
-        found += [f"{name}={value}" for name, value in (attributes or {}).items()]
-    return found + [event.name for event in span.events]
 
 
 def own_threads() -> list[threading.Thread]:

@@ -43,7 +43,7 @@ from tests.support.store_helpers import (
     user,
 )
 
-BUDGET = 0.5  # only for writes a gate holds: it always runs out
+BUDGET = 0.25  # only for writes a gate holds: it always runs out
 EXITING = "the interpreter is exiting; waiting up to"
 NOT_FINISHED = "they were not confirmed saved"
 WAITING = "waiting for writes still running"

@@ -3,7 +3,7 @@ asked for, connections of its own per library thread, and TLS and proxy settings
 
 Dripping answers, sockets, TLS and proxies come from the real loopback HTTP server (``tests/support/loopback.py``);
 ``httpx.MockTransport`` has no socket. What a hostile server does to users sharing the runtime (cookies, stale
-connections, starvation, the size cap, a key echoed at every offset, slow headers) is in ``test_shared_runtime.py``.
+connections, starvation, the size cap, a key echoed at any offset) is in ``test_shared_runtime.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _http
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
-from tests.support.loopback import LoopbackMembase, drip, meet
+from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
 from tests.support.store_helpers import FACT, QUESTION, make_agent, result_text, until, wait_until
 
 DEADLINE = 0.5  # request_timeout, for the tests about it
@@ -77,15 +77,24 @@ def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str]:
 # --- Answers that drip, and bodies of no stated length ----------------------------------------------
 
 
-def test_a_tool_against_a_dripping_server_ends_each_attempt_at_request_timeout(loopback, built, instant_backoff):
-    loopback.on("POST", "/v1/search", *[drip(LONG_BODY, every=DRIP_EVERY) for _ in range(3)])
+def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_attempt_at_request_timeout(
+    loopback, built, instant_backoff
+):
+    """Each byte of a body, or each header line, comes well inside any per-read timeout: only the bound on the whole
+    attempt ends it. The SDK's three attempts meet a dripped body, header lines dripped without end, and a dripped
+    body again; the tool tells the model to try again in a minute, and each drip was ended by the client hanging up
+    a few bytes in (not by the body coming whole, nor by the server)."""
+    stop = threading.Event()
+    body = drip(LONG_BODY, every=DRIP_EVERY)
+    loopback.on("POST", "/v1/search", body, drip_header_lines(every=DRIP_EVERY, limit=LONG, stop=stop), body)
     store = built(request_timeout=DEADLINE)
-
-    status, text = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+    try:
+        status, text = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+    finally:
+        stop.set()
 
     assert status == "error" and "did not answer in time" in text and "try again in a minute" in text
     assert len(loopback.fake.sent("POST", "/v1/search")) == 3  # the SDK's three attempts
-    # Each attempt was ended by the client a few bytes in: not by the body coming whole, nor by the server.
     assert wait_until(lambda: len(loopback.drips) == 3, timeout=LONG)
     assert all(dripped.hung_up and dripped.sent <= DRIP_BOUND for dripped in loopback.drips), loopback.drips
     assert wait_until(lambda: loopback.open_connections == 0, timeout=LONG)  # ended, not merely abandoned
@@ -246,7 +255,9 @@ def self_signed(directory: Path) -> ssl.SSLContext:
     return context
 
 
-def test_a_store_trusts_the_certificates_the_environment_named_when_it_was_built(built, clean_network_env, tmp_path):
+def test_a_store_trusts_the_certificates_the_environment_named_when_it_was_built(
+    built, clean_network_env, tmp_path, instant_backoff
+):
     with LoopbackMembase(tls=self_signed(tmp_path)) as server:
         server.fake.remember(FACT)
         untrusting = built(base_url=server.url, recall_timeout=LONG)
@@ -262,15 +273,25 @@ def test_a_store_trusts_the_certificates_the_environment_named_when_it_was_built
         assert len(server.fake.sent()) == 2
 
 
-def test_a_store_goes_through_the_proxy_the_environment_named_when_it_was_built(loopback, built, clean_network_env):
-    with LoopbackMembase(InMemoryMembase()) as proxy:
+def test_a_stores_recall_and_tools_go_through_the_proxy_the_environment_named_when_it_was_built(
+    loopback, built, clean_network_env
+):
+    """``HTTP_PROXY`` is read once, when a store is built: set after a store was built, it changes neither that
+    store's recall route nor its tools'; a store built while it is set sends both through it, even once it is unset."""
+    with LoopbackMembase(InMemoryMembase()) as proxy:  # answers what it is sent as a proxy from its own memory
         proxy.fake.remember(f"Through the proxy: {FACT}")
+        through = f"Through the proxy: {FACT}"
+
+        def recalls_and_tool_find(store: MembaseMemoryStore, found: str) -> None:
+            assert [e.content for e in asyncio.run(store.search(QUESTION))] == [f"[Main] {found}"]
+            assert found in tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))[1]
+
+        before = built(recall_timeout=LONG)
         clean_network_env.setenv("HTTP_PROXY", proxy.url.rsplit("/", 1)[0])
         proxied = built(recall_timeout=LONG)
+        recalls_and_tool_find(before, FACT)
+        recalls_and_tool_find(proxied, through)
         clean_network_env.delenv("HTTP_PROXY")
-        direct = built(recall_timeout=LONG)
-
-        assert [e.content for e in asyncio.run(proxied.search(QUESTION))] == [f"[Main] Through the proxy: {FACT}"]
-        assert "Through the proxy" in tool_turn(proxied, ToolCall("membase_search", {"query": "ledger"}))[1]
-        assert [e.content for e in asyncio.run(direct.search(QUESTION))] == [f"[Main] {FACT}"]
-        assert (len(proxy.fake.sent()), len(loopback.fake.sent())) == (2, 1)
+        recalls_and_tool_find(built(recall_timeout=LONG), FACT)
+        recalls_and_tool_find(proxied, through)
+        assert (len(proxy.fake.sent()), len(loopback.fake.sent())) == (4, 4)

@@ -1,8 +1,10 @@
 """The examples, run as a user would (``python examples/...``), offline, against the real engine.
 
-Each new Python process pays seconds to import Strands and the engine, so the demo's three ways of running (with a
-key against ``membase serve``'s server, offline with local Membase, and on a Python too old for local Membase) share
-one child process. ``examples/quickstart.py`` is the README's quick start, run by ``tests/test_docs.py``.
+Each new Python process pays seconds to import Strands and the engine, so every example run here (the demo with a key
+against ``membase serve``'s server, offline with local Membase, and on a Python too old for local Membase; then
+``many_users.py`` offline) shares one child process that imports them once and forks a process of its own for each
+run: the engine keeps the LLM provider it built first for its process, so no run may inherit another's.
+``examples/quickstart.py`` is the README's quick start, run by ``tests/test_docs.py``.
 """
 
 from __future__ import annotations
@@ -23,26 +25,33 @@ needs_engine = pytest.mark.skipif(
 )
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-# Runs each (example, environment, as Python 3.11) in turn in this one process, and prints what each did as JSON.
-RUN_IN_TURN = """
+# Imports what every example needs once, then runs each (example, environment, as Python 3.11) in turn, each in a forked
+# process of its own, and prints what each did as JSON.
+RUN_EACH = """
 import contextlib, io, json, os, runpy, sys
+import membase_core, strands, membase_strands.testing
 
 done = []
 for path, environment, old_python in json.loads(sys.argv[1]):
-    saved, version, out, err = dict(os.environ), sys.version_info, io.StringIO(), io.StringIO()
-    os.environ.update(environment)
-    if old_python:
-        sys.version_info = (3, 11, 9, "final", 0)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(path, run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code
-    os.environ.clear()
-    os.environ.update(saved)
-    sys.version_info = version
-    done.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+    reading, writing = os.pipe()
+    if os.fork() == 0:
+        os.close(reading)
+        os.environ.update(environment)
+        if old_python:
+            sys.version_info = (3, 11, 9, "final", 0)
+        out, err, code = io.StringIO(), io.StringIO(), 0
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(path, run_name="__main__")
+            except SystemExit as exit:
+                code = exit.code
+        with os.fdopen(writing, "w") as pipe:
+            json.dump({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}, pipe)
+        os._exit(0)
+    os.close(writing)
+    with os.fdopen(reading) as pipe:
+        done.append(json.loads(pipe.read() or '{"code": "no report"}'))
+    os.wait()
 print(json.dumps(done))
 """
 
@@ -53,16 +62,18 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @needs_engine
-def test_the_demo_recalls_the_fact_in_a_new_session_with_a_key_and_offline_and_says_what_an_old_python_needs(
+def test_the_demo_recalls_the_fact_in_a_new_session_with_a_key_and_offline_and_many_users_recall_their_own(
     llm: StandInLLM, tmp_path: Path
 ):
-    demo = str(EXAMPLES / "demo.py")
+    """The demo with a key and offline, and what it says on a Python too old for local Membase; ``many_users.py``
+    offline, where each user recalls only their own."""
+    demo, many_users = str(EXAMPLES / "demo.py"), str(EXAMPLES / "many_users.py")
     with EngineServer(tmp_path / "membase") as server:  # the hosted API's routes, on this process's engine
         hosted = {"MEMBASE_API_KEY": HTTP_KEY, "MEMBASE_BASE_URL": server.base_url}
-        scenarios = json.dumps([(demo, hosted, False), (demo, {}, False), (demo, {}, True)])
-        done = _run([sys.executable, "-c", RUN_IN_TURN, scenarios], tmp_path)
+        runs = json.dumps([(demo, hosted, False), (demo, {}, False), (demo, {}, True), (many_users, {}, False)])
+        done = _run([sys.executable, "-c", RUN_EACH, runs], tmp_path)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    with_key, offline, old_python = json.loads(done.stdout.splitlines()[-1])
+    with_key, offline, old_python, users = json.loads(done.stdout.splitlines()[-1])
 
     answer = "agent: From your memory: The launch codename for our team is Blue Heron."
     assert with_key["code"] == 0, with_key
@@ -76,16 +87,11 @@ def test_the_demo_recalls_the_fact_in_a_new_session_with_a_key_and_offline_and_s
     assert "Local mode needs Python 3.12 or newer" in old_python["stderr"]
     assert "uv run --python 3.12 examples/demo.py" in old_python["stderr"] and "MEMBASE_API_KEY" in old_python["stderr"]
 
-
-@needs_engine
-def test_many_users_runs_offline_and_each_user_recalls_only_their_own(tmp_path: Path):
-    done = _run([sys.executable, str(EXAMPLES / "many_users.py")], tmp_path)
-
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    alice, bob = done.stdout.split("--- bob, turn 1")
+    assert users["code"] == 0, users
+    alice, bob = users["stdout"].split("--- bob, turn 1")
     assert "Alice prefers green tea" in alice and "marathon" not in alice
     assert "Bob is training for a marathon" in bob.split("--- alice, turn 2")[0]
-    assert "alice: 2 recalls, 2 with memory" in done.stdout
+    assert "alice: 2 recalls, 2 with memory" in users["stdout"]
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="on Python 3.12+ the demo plays an older Python above")

@@ -1,7 +1,8 @@
 """Local Membase serves one process per directory, and the set-up check does a real save and search.
 
 Two engines on one directory overwrite each other's search index, so a second process is refused at once, a
-crashed one leaves no lock behind, and stores in one process share one engine. These run the real engine.
+crashed one leaves no lock behind, and stores in one process share one engine. These run the real engine; the
+scenarios that need another process share one.
 """
 
 from __future__ import annotations
@@ -28,54 +29,56 @@ if _REASON:
 
 pytestmark = pytest.mark.integration
 
+# Another process, without an LLM: it reports run_check() on the directories after the first, then opens the first
+# and holds it until its stdin closes, or it is killed.
 HOLD = """
-import sys
+import json, sys
 from membase_strands import MembaseMemoryStore
+from membase_strands.check import run_check
+print(json.dumps([run_check(local=directory).to_dict() for directory in sys.argv[2:]]), flush=True)
 store = MembaseMemoryStore(local=sys.argv[1])
 print("holding", flush=True)
-sys.stdin.read()  # until the test closes our stdin, or kills us
+sys.stdin.read()
 store.close()
 """
 
 
-def hold(directory: Path) -> subprocess.Popen[str]:
-    """Another process that opens ``directory`` and keeps it until its stdin closes."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(directory)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=offline_env(),
-    )
-    assert child.stdout is not None and child.stdout.readline().strip() == "holding"
-    return child
-
-
-def test_a_second_process_is_refused_and_a_killed_one_leaves_no_lock(tmp_path: Path) -> None:
-    child = hold(tmp_path)
-    try:
-        with pytest.raises(RuntimeError, match=r"in use by another process \(pid \d+\).*hosted Membase"):
-            MembaseMemoryStore(local=tmp_path)
-    finally:
-        child.send_signal(signal.SIGKILL)  # a crash: it never lets go of the lock itself
-        child.wait(timeout=60)
-    MembaseMemoryStore(local=tmp_path).close()  # the operating system let go of it
-
-
-def test_stores_in_one_process_share_the_directorys_engine_and_the_last_close_lets_go(
+def test_one_process_shares_a_directorys_engine_and_another_is_refused_until_the_last_close_or_its_crash(
     tmp_path: Path, llm: StandInLLM
 ) -> None:
-    first = MembaseMemoryStore(local=tmp_path, capture=True, write_timeout=LONG)
-    second = MembaseMemoryStore(local=tmp_path, recall_timeout=LONG)
+    """Stores in one process share its engine, and once the last is closed another process may open the directory;
+    while that one holds it this process is refused at once, and once it is killed (it never lets go of its lock
+    itself) the directory is free again. That process has no LLM provider (the engine caches one per process): its
+    ``run_check`` names the missing LLM and leaves nothing behind."""
+    shared, empty, missing = tmp_path / "shared", tmp_path / "empty", tmp_path / "missing"
+    empty.mkdir()
+    first = MembaseMemoryStore(local=shared, capture=True, write_timeout=LONG)
+    second = MembaseMemoryStore(local=shared, recall_timeout=LONG)
     asyncio.run(first.add("Our billing ledger runs on Postgres 16."))
     first.close()
     entries = asyncio.run(second.search("Which database does the billing ledger run on?"))
     assert any("Postgres 16" in entry.content for entry in entries)
     second.close()
 
-    child = hold(tmp_path)  # nothing of this process holds it any more
-    child.communicate("", timeout=60)
-    assert child.returncode == 0
+    command = [sys.executable, "-c", HOLD, str(shared), str(empty), str(missing)]
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=offline_env())
+    try:
+        assert child.stdout is not None
+        reports = json.loads(child.stdout.readline())
+        assert child.stdout.readline().strip() == "holding"  # nothing of this process holds it any more
+        with pytest.raises(RuntimeError, match=r"in use by another process \(pid \d+\).*hosted Membase"):
+            MembaseMemoryStore(local=shared)
+    finally:
+        child.send_signal(signal.SIGKILL)  # a crash: it never lets go of the lock itself
+        child.wait(timeout=60)
+    MembaseMemoryStore(local=shared).close()  # the operating system let go of it
+
+    for report in reports:
+        assert not report["ok"]
+        engine = next(step for step in report["steps"] if step["name"] == "engine")
+        assert not engine["ok"] and "LLM" in engine["detail"] and "OPENAI_API_KEY" in engine["detail"]
+    assert not missing.exists()
+    assert sorted(path.name for path in empty.iterdir()) == [".membase-strands.lock"]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
@@ -103,34 +106,11 @@ def test_a_store_built_before_a_fork_is_refused_in_the_child_while_the_parent_ho
     assert said.startswith("RuntimeError: local Membase") and f"pid {os.getpid()}" in said
 
 
-def test_check_local_refuses_a_file_and_names_the_missing_llm_without_leaving_anything_behind(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_check_local_refuses_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a directory")
     assert main(["check", "--local", str(a_file)]) == 1
     assert "is a file" in capsys.readouterr().out
-
-    # Without an LLM provider (a process of its own: the engine caches its provider per process).
-    empty, missing = tmp_path / "empty", tmp_path / "missing"
-    empty.mkdir()
-    script = (
-        "import json, sys\nfrom membase_strands.check import run_check\n"
-        "print(json.dumps([run_check(local=d).to_dict() for d in sys.argv[1:]]))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(empty), str(missing)],
-        capture_output=True,
-        text=True,
-        env=offline_env(),
-        timeout=120,
-    )
-    for report in json.loads(done.stdout):
-        assert not report["ok"]
-        engine = next(step for step in report["steps"] if step["name"] == "engine")
-        assert not engine["ok"] and "LLM" in engine["detail"] and "OPENAI_API_KEY" in engine["detail"]
-    assert not missing.exists()
-    assert sorted(path.name for path in empty.iterdir()) == [".membase-strands.lock"]
 
 
 def test_check_local_saves_and_finds_a_note_with_a_working_engine(tmp_path: Path, llm: StandInLLM) -> None:

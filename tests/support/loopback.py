@@ -4,16 +4,15 @@
 connection, a forked process sharing a pooled socket or a cancelled request does to the store.
 :class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
 over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`drip_headers`, :func:`drip_header_lines`, :func:`reset`, :func:`stall`,
-:func:`meet`, :func:`raw_answer`, :func:`echo_key`, :func:`endless` or :func:`huge` (and :func:`arrived`, which
-signals that a request is in before doing another action). A raw action may be queued for one key's requests only.
+on the socket: :func:`drip`, :func:`drip_header_lines`, :func:`stall`, :func:`meet`, :func:`raw_answer`,
+:func:`echo_key`, :func:`endless` or :func:`huge` (and :func:`arrived`, which signals that a request is in before
+doing another action). A raw action may be queued for one key's requests only.
 
 Server-wide behaviours: :attr:`LoopbackMembase.cookie_for` (a ``Set-Cookie`` on every answer, by key) and
 :attr:`LoopbackMembase.close_after` (close each connection a moment after each answer, reading nothing sent
 meanwhile). The server records every request it reads (:attr:`LoopbackMembase.seen`: route, key, cookie) and
 every answer it finished sending (:attr:`LoopbackMembase.answered`); :meth:`LoopbackMembase.wait_for` waits on
-those records, and on the ends of drips and streams, without polling. :class:`Accounts` is a fake Membase with
-one memory per key, to serve many users from one server.
+those records, and on the ends of drips and streams, without polling. The fake answers each key from its account.
 
 Each server's URL is one no earlier server in this process had (a path of its own on a fresh port): the library
 keeps one connection pool per base URL for the life of the process, so a server that happens to get the port
@@ -29,7 +28,6 @@ import json
 import re
 import socket
 import ssl
-import struct
 import sys
 import threading
 import time
@@ -100,7 +98,7 @@ class LoopbackMembase:
         self.latency = 0.0
         """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
         self.drips: list[Dripped] = []
-        """One entry per :func:`drip`, :func:`drip_headers` or :func:`drip_header_lines` that has ended, in order."""
+        """One entry per :func:`drip` or :func:`drip_header_lines` that has ended, in order."""
         self.streams: list[Streamed] = []
         """One entry per :func:`endless` or :func:`huge` answer that has ended, in the order they ended."""
         self.seen: list[Seen] = []
@@ -335,22 +333,6 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
     return act
 
 
-def drip_headers(every: float = 0.2, limit: float = LIMIT, stop: threading.Event | None = None) -> RawAction:
-    """Send the status line and then header lines without end, one byte every ``every`` seconds.
-
-    The answer never gets past its headers, so no body chunk ever arrives. The server stops after ``limit``
-    seconds, when the client hangs up, or once ``stop`` is set, and then closes the connection.
-    """
-
-    def act(handler: _Handler) -> None:
-        handler.close_connection = True
-        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-        filler = b"X-Drip: " + b"d" * 4096 + b"\r\n"
-        _send_slowly(handler, head + filler * 64, every, limit, stop)
-
-    return act
-
-
 def _send_slowly(
     handler: _Handler, data: bytes, every: float, limit: float, stop: threading.Event | None = None
 ) -> None:
@@ -373,22 +355,6 @@ def _send_slowly(
         if stop.wait(every):
             break
     handler.server.owner._dripped(sent, hung_up)
-
-
-def closing(then: RawAction) -> RawAction:
-    """Answer with ``then``, then close the connection (as a server does at its keep-alive limit)."""
-
-    def act(handler: _Handler) -> None:
-        then(handler)
-        handler.close_connection = True
-
-    return act
-
-
-def reset(handler: _Handler) -> None:
-    """Close the connection with a TCP reset and no answer."""
-    handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    handler.close_connection = True
 
 
 def stall(release: threading.Event, then: RawAction | None = None, limit: float = LIMIT) -> RawAction:
@@ -552,27 +518,3 @@ def huge(length: int, stop: threading.Event | None = None) -> RawAction:
         handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
 
     return act
-
-
-class Accounts(InMemoryMembase):
-    """An :class:`InMemoryMembase` with one memory per key: the object itself answers :data:`API_KEY`, and
-    :meth:`account` is another key's memory (made on first use, with one Memory "Main"). Every request is
-    answered from the account of the key it carries, and recorded there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._accounts: dict[str, InMemoryMembase] = {API_KEY: self}
-        self._accounts_lock = threading.Lock()
-
-    def account(self, key: str) -> InMemoryMembase:
-        """The memory of ``key``."""
-        with self._accounts_lock:
-            found = self._accounts.get(key)
-            if found is None:
-                found = self._accounts[key] = InMemoryMembase()
-            return found
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        """Answer ``request`` from the account of the key it carries."""
-        account = self.account(bearer(request.headers.get("authorization")))
-        return super().handle(request) if account is self else account.handle(request)
