@@ -1,21 +1,8 @@
-"""The README and docs/ say what the code does: every Python block runs offline and passes pyflakes on its own.
-
-Each ```python block of README.md and docs/*.md runs as it is written, in a fresh namespace, with nothing
-reaching the network:
-
-- ``MEMBASE_API_KEY`` and ``MEMBASE_BASE_URL`` point at the testing kit's ``InMemoryMembase`` served over loopback
-  (``tests/support/loopback.py``), so a block that builds a store from the environment takes the production path
-  to that stand-in; ``MEMBASE_KEY_<user>`` gives a pool example's users the same key.
-- A ``strands.Agent`` built without a model gets :class:`StandInModel`, a ``ScriptedModel`` that saves what the
-  user asks it to remember and answers with what was recalled; ``callback_handler`` defaults to ``None``.
-- Stores get recall and write budgets of at least 30 s: no block is about running out of one, and a loaded machine
-  must not make one run out.
-- ``time.sleep`` in the block's own code (the quick start waits for hosted Membase to learn) returns at once; the
-  library's threads keep the real one.
-
-A block that sets a process-wide provider (OpenTelemetry) runs the same way in a subprocess of its own. The test
-functions a block defines run too, and the quick start (the block that is ``examples/quickstart.py``) is checked
-for what it did. Shell blocks are not run; the ``membase-strands`` flags they use must exist.
+"""The README and docs/ say what the code does: every ```python block runs offline as written, in a fresh namespace,
+and passes pyflakes on its own. ``MEMBASE_API_KEY``/``MEMBASE_BASE_URL`` (and a pool's ``MEMBASE_KEY_<user>``) point
+at an ``InMemoryMembase`` served over loopback; an Agent built without a model gets :class:`StandInModel`; budgets
+are at least 30 s; a block's own ``time.sleep`` returns at once. A block that sets a process-wide provider runs in a
+subprocess; the test functions a block defines run too. Shell blocks are not run; the flags they use must exist.
 """
 
 from __future__ import annotations
@@ -57,8 +44,6 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block: the page, the line its fence opens on, its language and its code."""
-
     page: str
     line: int
     language: str
@@ -200,7 +185,6 @@ def run_isolated(block: Block) -> subprocess.CompletedProcess[str]:
 
 
 def main_for_subprocess(page: str, line: int) -> None:
-    """Run the block whose code is on standard input, as :func:`run_isolated` hands it over."""
     block = Block(page=page, line=line, language="python", code=sys.stdin.read())
     with offline() as run:
         execute(block, run)
@@ -250,7 +234,6 @@ def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.
 
 
 def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
-    """``ruff check --select F`` over each block as a file of its own."""
     if importlib.util.find_spec("ruff") is None:
         pytest.skip("ruff (a dev dependency) is not installed here")
     files = {str(tmp_path / f"block_{number}.py"): block for number, block in enumerate(PYTHON)}
@@ -272,7 +255,6 @@ def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
 
 def test_the_readme_is_short_and_shows_the_setup_check_early() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
-
     assert len(lines) <= 250
     assert any(line.startswith("membase-strands check") for line in lines[:80])
 

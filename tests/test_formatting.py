@@ -68,55 +68,32 @@ def test_parse_search_needs_a_results_list_and_skips_what_is_not_a_passage() -> 
     blank = ["", "   \n\t", "\x00 \x1b", 42, 1.5, ["text"], {"text": "x"}, True]
     body = {"results": [*odd, *(hit(content) for content in blank), hit("kept")], "containers": "x"}
     # parse_search() skips what is not text at all; arrange() drops what has nothing to show once cleaned.
-    assert [(p.memory, p.text) for p in arrange(parse_search(body, 50), 50).passages] == [
-        ("Membase", "x"),
-        ("Main", "kept"),
-    ]
+    kept = [("Membase", "x"), ("Main", "kept")]
+    assert [(p.memory, p.text) for p in arrange(parse_search(body, 50), 50).passages] == kept
 
 
 def test_parse_search_keeps_the_hit_fields_and_finds_a_name_for_every_passage() -> None:
-    answer = parse_search(
-        {
-            "results": [
-                hit("named by the hit", container="ctr_a", container_name="Alpha", score=0.9, source="episode:a:1"),
-                {"content": "named by the container list", "container": "ctr_b"},
-                {"content": "only an id", "container": "ctr_c"},
-                {"content": "nothing at all"},
-            ],
-            "containers": [{"id": "ctr_b", "name": "Beta"}, "junk", {"id": 5, "name": "bad"}],
-        },
-        5,
-    )
+    fields = {"container": "ctr_a", "container_name": "Alpha", "score": 0.9, "source": "episode:a:1"}
+    results = [hit("named by the hit", **fields), {"content": "named by the container list", "container": "ctr_b"}]
+    results += [{"content": "only an id", "container": "ctr_c"}, {"content": "nothing at all"}]
+    containers = [{"id": "ctr_b", "name": "Beta"}, "junk", {"id": 5, "name": "bad"}]
+    answer = parse_search({"results": results, "containers": containers}, 5)
     assert [p.memory for p in answer.passages] == ["Alpha", "Beta", "ctr_c", "Membase"]
-    assert answer.passages[0].metadata == {
-        "container": "ctr_a",
-        "container_name": "Alpha",
-        "score": 0.9,
-        "source": "episode:a:1",
-    }
+    assert answer.passages[0].metadata == fields
     assert answer.unsearched == []
 
 
 def test_parse_search_reports_memories_that_could_not_answer() -> None:
     reason = "\x00 " * 1000 + "the memory\nis " + "very " * 100_000 + "asleep"
-    answer = parse_search(
-        {
-            "results": [],
-            "containers": [
-                {"id": "ctr_main", "name": "Main"},
-                {"id": "ctr_x", "name": "Work", "error": "the memory is waking up"},
-                {"id": "ctr_y", "error": "no model\nconfigured"},
-                {"id": "ctr_z", "name": "Quiet", "error": ""},  # an empty error is no error
-                {"name": "Code", "error": {"code": 503}},
-                {"name": "Long", "error": reason},
-            ],
-        },
-        5,
-    )
-    assert [(u.memory, u.reason) for u in answer.unsearched[:2]] == [
-        ("Work", "the memory is waking up"),
-        ("ctr_y", "no model configured"),
+    containers = [
+        {"id": "ctr_main", "name": "Main"},
+        {"id": "ctr_x", "name": "Work", "error": "the memory is waking up"},
     ]
+    containers += [{"id": "ctr_y", "error": "no model\nconfigured"}, {"id": "ctr_z", "name": "Quiet", "error": ""}]
+    containers += [{"name": "Code", "error": {"code": 503}}, {"name": "Long", "error": reason}]  # "" is no error
+    answer = parse_search({"results": [], "containers": containers}, 5)
+    unsearched = [("Work", "the memory is waking up"), ("ctr_y", "no model configured")]
+    assert [(u.memory, u.reason) for u in answer.unsearched[:2]] == unsearched
     assert answer.unsearched[2].memory == "Code" and "503" in answer.unsearched[2].reason
     # Only the start of a long reason is read (4096 characters), and it is clipped as the whole would be.
     assert answer.unsearched[3].reason == clip(cleaned_first(reason), 200)
@@ -127,13 +104,11 @@ def test_parse_search_reports_memories_that_could_not_answer() -> None:
 
 def test_hostile_memory_names_never_break_the_bracket_framing() -> None:
     for name in HOSTILE_NAMES:
-        answer = parse_search(
-            {
-                "results": [hit("the passage", container_name=name)],
-                "containers": [{"id": "m", "name": name, "error": 1}],
-            },
-            5,
-        )
+        body = {
+            "results": [hit("the passage", container_name=name)],
+            "containers": [{"id": "m", "name": name, "error": 1}],
+        }
+        answer = parse_search(body, 5)
         [entry, notice] = memory_entries(answer)
         label = label_of(entry.content)
         assert entry.content == f"[{label}] the passage" and len(label) <= 80
@@ -233,8 +208,9 @@ def test_an_empty_profile_says_so() -> None:
         assert profile_text(body, None) == (
             "The Membase profile is empty: no standing facts or recent changes are recorded yet."
         )
-    assert profile_text({}, "tea") == (
-        'The Membase profile is empty: no standing facts, recent changes or results on "tea".'
+    assert (
+        profile_text({}, "tea")
+        == 'The Membase profile is empty: no standing facts, recent changes or results on "tea".'
     )
 
 
@@ -467,14 +443,8 @@ def read_and_shown(shape: str, size: int, cleaned: list[int]) -> tuple[int, int]
 
 
 DIFFER_AT = len("Quarterly report, section one. " * 300 + "part 1")
-SHAPES = [
-    "distinct",
-    "distinct, no scores",
-    "the same passage",
-    "differ only late",
-    "non-ASCII",
-    "surrogates and controls",
-]
+SHAPES = ["distinct", "distinct, no scores", "the same passage", "differ only late", "non-ASCII"]
+SHAPES.append("surrogates and controls")
 
 
 @pytest.mark.parametrize(

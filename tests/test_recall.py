@@ -342,15 +342,12 @@ def sized(head: str, size: int) -> str:
     return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
 
 
-INTERLEAVED = [
-    hit(PARTY, "Garden", 0.016),
-    hit(LEDGER, "Work", 0.033),
-    hit(CELLO, "Home", 0.017),
-    hit(BACKUPS, "Work", 0.030),
-]
+INTERLEAVED = [hit(PARTY, "Garden", 0.016), hit(LEDGER, "Work", 0.033), hit(CELLO, "Home", 0.017)]
+INTERLEAVED.append(hit(BACKUPS, "Work", 0.030))
 BEST_FIRST = [f"[Work] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}", f"[Garden] {PARTY}"]
 MEMBASE_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
 CAP = 300
+CAPPED = {"max_recall_chars": CAP}
 # Scored by rank: 157 with its label (fits), 207 more (skipped), 47 more (fits after the skip), 157 more (skipped).
 BUDGETED = [hit(sized("best", 150), score=4), hit(sized("second", 200), score=3), hit(sized("third", 40), score=2)]
 BUDGETED.append(hit(sized("fourth", 150), score=1))
@@ -360,33 +357,29 @@ FOLDED_FIT = [f"[Work] [Home] {LONG_LEDGER}", f"[Work] {LONG_BACKUPS}"]
 HISTORY = "The billing ledger history, in detail: " + "one more line of history. " * 20
 
 
-def cut_alone(start: str, cap: int) -> Any:
+def cut_alone(start: str, cap: int = CAP) -> Any:
     return lambda shown: (
         len(shown) == 1 and shown[0].startswith(start) and shown[0].endswith(CUT) and len(shown[0]) <= cap
     )
 
 
+ODD_SCORES = {"absent": {}, "as text": {"score": "high"}, "NaN": {"score": float("nan")}, "bool": {"score": True}}
+COPIES = [hit(LEDGER, "Work", 0.03), hit("  The billing ledger runs on\nPostgres 16   in Frankfurt. ", "Home", 0.02)]
+# name -> (hits, the store's options, what the model is shown); max_entries goes to the injection config.
 RECALLS = {
-    "best first across memories": (INTERLEAVED, {}, {}, BEST_FIRST),
+    "best first across memories": (INTERLEAVED, {}, BEST_FIRST),
     "the best survive the entry limit": (
         [*INTERLEAVED, hit("weak", "Garden", 0.001)],
-        {},
         {"max_entries": 3},
         BEST_FIRST[:3],
     ),
     "the best survive the budget": (
-        [
-            hit("A long and weak passage about gardening. " * 6, "Garden", 0.01),
-            hit(LEDGER, "Work", 0.03),
-            hit(CELLO, "Home", 0.02),
-        ],
+        [hit("A long and weak passage about gardening. " * 6, "Garden", 0.01), *INTERLEAVED[1:3]],
         {"max_recall_chars": 200},
-        {},
         [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
     ),
     "ties keep Membase's order": (
         [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)],
-        {},
         {},
         MEMBASE_ORDER,
     ),
@@ -394,35 +387,22 @@ RECALLS = {
         f"a score {name} leaves Membase's order": (
             [hit(PARTY, "Garden", 0.1), hit(LEDGER, "Work") | score, hit(CELLO, "Home", 0.9)],
             {},
-            {},
             MEMBASE_ORDER,
         )
-        for name, score in [
-            ("absent", {}),
-            ("as text", {"score": "high"}),
-            ("NaN", {"score": float("nan")}),
-            ("bool", {"score": True}),
-        ]
+        for name, score in ODD_SCORES.items()
     },
     "a passage in two memories is shown once naming both": (
-        [
-            hit(LEDGER, "Work", 0.03),
-            hit("  The billing ledger runs on\nPostgres 16   in Frankfurt. ", "Home", 0.02),
-            hit(CELLO, "Home", 0.01),
-        ],
-        {},
+        [*COPIES, hit(CELLO, "Home", 0.01)],
         {},
         [f"[Work] [Home] {LEDGER}", f"[Home] {CELLO}"],
     ),
     "a passage twice in one memory is shown once": (
-        [hit(LEDGER, "Work", 0.03), hit(LEDGER, "Work", 0.02), hit(CELLO, "Home", 0.01)],
-        {},
+        [COPIES[0], hit(LEDGER, "Work", 0.02), hit(CELLO, "Home", 0.01)],
         {},
         [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
     ),
     "a copy counts once against the entry limit": (
         [hit(LEDGER, "Work", 0.04), hit(LEDGER, "Home", 0.035), hit(BACKUPS, "Work", 0.03), hit(CELLO, "Home", 0.02)],
-        {},
         {"max_entries": 3},
         [f"[Work] [Home] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}"],
     ),
@@ -430,72 +410,64 @@ RECALLS = {
     "a copy counts once against the budget": (
         [hit(LONG_LEDGER, "Work", 0.04), hit(LONG_LEDGER, "Home", 0.035), hit(LONG_BACKUPS, "Work", 0.03)],
         {"max_recall_chars": sum(map(len, FOLDED_FIT))},
-        {},
         FOLDED_FIT,
     ),
     "a copy longer than the budget is cut with both labels": (
         [hit(HISTORY, "Work", 0.04), hit(HISTORY, "Home", 0.03)],
         {"max_recall_chars": 200},
-        {},
         cut_alone("[Work] [Home] The billing ledger history", 200),
     ),
-    "the floor keeps weak passages out": (INTERLEAVED, {"min_score": 0.025}, {}, BEST_FIRST[:2]),
-    "a passage at the floor is kept": (INTERLEAVED, {"min_score": 0.030}, {}, BEST_FIRST[:2]),
+    "the floor keeps weak passages out": (INTERLEAVED, {"min_score": 0.025}, BEST_FIRST[:2]),
+    "a passage at the floor is kept": (INTERLEAVED, {"min_score": 0.030}, BEST_FIRST[:2]),
     "a passage without a score is not held against the floor": (
         [hit(LEDGER, "Work"), hit(PARTY, "Garden", 0.001)],
         {"min_score": 0.5},
-        {},
         [f"[Work] {LEDGER}"],
     ),
-    "below the floor nothing is injected": (INTERLEAVED, {"min_score": 0.9}, {}, []),
+    "below the floor nothing is injected": (INTERLEAVED, {"min_score": 0.9}, []),
     "whole passages best first and a smaller later one still fits": (
         BUDGETED,
-        {"max_recall_chars": CAP},
-        {},
-        [f"[Main] {BUDGETED[0]['content']}", f"[Main] {BUDGETED[2]['content']}"],
+        CAPPED,
+        [f"[Main] {h['content']}" for h in BUDGETED[::2]],
     ),
     "without a cap every passage is whole": (
         BUDGETED,
         {"max_recall_chars": None},
-        {},
         [f"[Main] {h['content']}" for h in BUDGETED],
     ),
     "the cap counts the label and a passage that fits exactly is whole": (
         [hit(sized("exact", CAP - 7))],
-        {"max_recall_chars": CAP},
-        {},
+        CAPPED,
         [f"[Main] {sized('exact', CAP - 7)}"],
     ),
     "one character over the cap is cut": (
         [hit(sized("over", CAP - 6))],
-        {"max_recall_chars": CAP},
-        {},
-        cut_alone("[Main] over", CAP),
+        CAPPED,
+        cut_alone("[Main] over"),
     ),
     "a best passage over the cap is cut, alone": (
         [hit(sized("huge", 1000), score=2), hit("small", score=1)],
-        {"max_recall_chars": CAP},
-        {},
-        cut_alone("[Main] huge lorem", CAP),
+        CAPPED,
+        cut_alone("[Main] huge lorem"),
     ),
     "the default cap keeps 10 MB from the prompt": (
         [hit("flood " + "z" * 10_000_000)],
-        {},
         {},
         cut_alone("[Main] flood", 20_000),
     ),
     "the default cap keeps a 19,000-character passage whole": (
         [hit(sized("long", 19_000))],
         {},
-        {},
         [f"[Main] {sized('long', 19_000)}"],
     ),
 }
 
 
-@pytest.mark.parametrize(("hits", "options", "injection", "expected"), list(RECALLS.values()), ids=list(RECALLS))
-def test_what_recall_shows(fake, make_store, hits, options, injection, expected):
+@pytest.mark.parametrize(("hits", "options", "expected"), list(RECALLS.values()), ids=list(RECALLS))
+def test_what_recall_shows(fake, make_store, hits, options, expected):
     answer_with(fake, hits)
+    options = dict(options)
+    injection = {"max_entries": options.pop("max_entries")} if "max_entries" in options else {}
 
     shown, model = recall_turn(make_store(**options), QUESTION, injection=injection)
 
@@ -577,7 +549,9 @@ def test_no_profile_is_read_unless_asked_and_a_blank_query_reads_nothing(fake, m
     agent(QUESTION)
     assert profile_reads(fake) == 0 and "vegetarian" not in (model.memory_block() or "")
 
-    assert asyncio.run(make_store(recall_profile=True).search("  ")) == []
+    store = make_store(recall_profile=True)
+    for blank in ["", " ", "\n\t  \r\n", "\u00a0\u2003\u3000"]:
+        assert asyncio.run(store.search(blank)) == []
     assert fake.sent() == fake.sent("POST", "/v1/search")
 
 

@@ -19,7 +19,6 @@ from tests.support.agents import entries, tool_turn
 from tests.support.store_helpers import FACT, QUESTION, make_agent
 
 DEFAULT_HOST = "https://api.app.membase.com"
-BLANKS = ["", " ", "\n\t  \r\n", "\u00a0\u2003\u3000"]
 LONE = "\ud800"
 
 
@@ -57,13 +56,6 @@ def test_nothing_is_injected_when_nothing_matches_and_a_blank_prompt_is_not_sear
     assert len(searches(fake)) == 1 and model.memory_block() is None
     agent("   \n ")
     assert len(searches(fake)) == 1 and model.memory_block() is None
-
-
-async def test_a_blank_query_returns_nothing_without_a_request(fake, make_store):
-    store = make_store()
-    for query in BLANKS:
-        assert await store.search(query) == []
-    assert fake.sent() == []
 
 
 def test_passages_name_their_memory_and_entries_name_the_store(fake, make_store):
@@ -151,10 +143,8 @@ def test_the_managers_search_tool_uses_the_stores_number_skips_a_bad_one_and_cap
     model = tool_turn(make_store(max_search_results=12), ToolCall("search_memory", {"query": "ledger"}), *calls)
 
     assert [body["limit"] for body in searches(fake)] == [12, 50]
-    assert FACT in str(model.tool_results()[0]) and [r["content"][0]["text"] for r in model.tool_results()[1:3]] == [
-        "[]",
-        "[]",
-    ]
+    assert FACT in str(model.tool_results()[0])
+    assert [r["content"][0]["text"] for r in model.tool_results()[1:3]] == ["[]", "[]"]
     failed = [r.getMessage() for r in caplog.records if "store search failed" in r.getMessage()]
     assert len(failed) == 2 and all("max_search_results must be a whole number from 1 to 50" in m for m in failed)
 
@@ -220,7 +210,7 @@ GOOD_OPTIONS: dict[str, list[Any]] = {
 }
 
 
-def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake):
+def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake, tmp_path):
     for option, values in BAD_OPTIONS.items():
         for value in values:
             extra = {"capture": True} if option == "capture_roles" else {}
@@ -239,6 +229,9 @@ def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake):
             MembaseMemoryStore(client=fake.client(), extraction=extraction)
     with pytest.raises(TypeError):
         MembaseMemoryStore(fake.client())  # type: ignore[misc]  # options are keyword only
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ValueError, match="local"):
+        MembaseMemoryStore(local=tmp_path / "a-file")
 
 
 def test_good_options_are_accepted_and_building_a_store_makes_no_request(fake):
@@ -252,12 +245,6 @@ def test_good_options_are_accepted_and_building_a_store_makes_no_request(fake):
     # One rule for every number of passages: above Membase's maximum it asks for 50.
     assert MembaseMemoryStore(client=fake.client(), max_search_results=10**9).max_search_results == 50
     assert fake.sent() == []
-
-
-def test_local_must_be_a_directory(tmp_path):
-    (tmp_path / "a-file").write_text("not a directory")
-    with pytest.raises(ValueError, match="local"):
-        MembaseMemoryStore(local=tmp_path / "a-file")
 
 
 # --- Host and key -------------------------------------------------------------------------------------

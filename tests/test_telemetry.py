@@ -12,7 +12,6 @@ import asyncio
 import gc
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _telemetry
 from membase_strands._telemetry import STANDARD
 from membase_strands.testing import API_KEY, ToolCall, hang, status
+from tests.support.leaks import span_texts
 from tests.support.store_helpers import FACT, QUESTION, make_agent, routed, wait_until
 
 BUDGET = 0.3
@@ -72,18 +72,9 @@ def otel(spans: InMemorySpanExporter, reader: InMemoryMetricReader) -> Telemetry
     return Telemetry(spans, reader)
 
 
-def values(span: ReadableSpan) -> list[str]:
-    """Every string a span carries: attributes, events, links, status."""
-    found: list[str] = [span.name, span.status.description or ""]
-    attribute_sets = [span.attributes or {}]
-    attribute_sets += [event.attributes or {} for event in span.events]
-    attribute_sets += [link.attributes or {} for link in span.links]
-    for attributes in attribute_sets:
-        for key, value in attributes.items():
-            found.append(key)
-            many = isinstance(value, Sequence) and not isinstance(value, str)
-            found.extend(str(v) for v in value) if many else found.append(str(value))
-    return found
+def attrs(span: ReadableSpan, *names: str) -> tuple[Any, ...]:
+    """The span's ``membase.<name>`` attributes, in order (``None`` where one is absent)."""
+    return tuple((span.attributes or {}).get(f"membase.{name}") for name in names)
 
 
 def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, gates, otel):
@@ -98,15 +89,10 @@ def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, g
     agent(SAID)
 
     recall = otel.one("traced", "membase.recall")
-    assert recall.attributes["membase.outcome"] == "timeout"
-    assert recall.attributes["membase.error.kind"] == "timeout"
+    assert attrs(recall, "outcome", "error.kind") == ("timeout", "timeout")
     assert recall.status.status_code == trace.StatusCode.ERROR
     write = otel.one("traced", "membase.write")
-    assert write.attributes["membase.outcome"] == "saved"
-    assert write.attributes["membase.parts"] == 1
-    assert write.attributes["membase.sent"] == 1
-    assert write.attributes["membase.deduplicated"] == 0
-    assert write.attributes["membase.decision"] == "send"
+    assert attrs(write, "outcome", "parts", "sent", "deduplicated", "decision") == ("saved", 1, 1, 0, "send")
     strands_spans = {s.name for s in otel.spans()}
     if "memory.search" in strands_spans:  # Strands 1.50+ wraps the store's calls in spans of its own
         assert otel.parent_name(recall) == "memory.search"
@@ -117,21 +103,18 @@ def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, g
     agent("And another thing")
     assert wait_until(lambda: len(otel.ours("traced", "membase.recall")) == 2, timeout=30.0)
     skipped = otel.ours("traced", "membase.recall")[-1]
-    assert skipped.attributes["membase.outcome"] == "skipped"
-    assert skipped.attributes["membase.reason"] == "memory waking"
+    assert attrs(skipped, "outcome", "reason") == ("skipped", "memory waking")
 
     # The late request ends: a new root span records it, linked to the turn's recall span.
     stall.set()
     late = otel.one("traced", "membase.recall.late")
-    assert late.parent is None
-    assert [link.context.span_id for link in late.links] == [recall.context.span_id]
-    assert late.attributes["membase.outcome"] == "completed"
-    assert late.attributes["membase.elapsed_s"] >= BUDGET
+    assert late.parent is None and [link.context.span_id for link in late.links] == [recall.context.span_id]
+    assert late.attributes["membase.outcome"] == "completed" and late.attributes["membase.elapsed_s"] >= BUDGET
 
     everything = otel.spans()
-    assert all(API_KEY not in text for span in everything for text in values(span))
+    assert all(API_KEY not in text for span in everything for text in span_texts(span))
     for span in otel.ours("traced"):
-        carried = " ".join(values(span))
+        carried = " ".join(span_texts(span))
         assert "green tea" not in carried and "Postgres" not in carried and "another thing" not in carried
 
 
@@ -143,11 +126,13 @@ def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, o
     monkeypatch.setenv(OPT_IN, "gen_ai_latest_experimental,gen_ai_unredacted_attributes=membase.*")
     agent(QUESTION)
     recall = otel.one("opted", "membase.recall")
-    assert recall.attributes["membase.outcome"] == "hit"
-    assert recall.attributes["membase.query"] == QUESTION
+    assert attrs(recall, "outcome", "query", "passages", "chars_injected") == (
+        "hit",
+        QUESTION,
+        1,
+        len(f"[Main] {FACT}"),
+    )
     assert list(recall.attributes["membase.passages.text"]) == [f"[Main] {FACT}"]
-    assert recall.attributes["membase.passages"] == 1
-    assert recall.attributes["membase.chars_injected"] == len(f"[Main] {FACT}")
     assert list(otel.one("opted", "membase.write").attributes["membase.note.text"]) == [QUESTION]
 
     # Naming one attribute opts in to that one only; without the token, no text at all.
@@ -155,8 +140,7 @@ def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, o
     monkeypatch.setenv(OPT_IN, "gen_ai_unredacted_attributes=membase.query")
     agent("Which database again?")
     recall = otel.one("opted", "membase.recall")
-    assert recall.attributes["membase.query"] == "Which database again?"
-    assert "membase.passages.text" not in recall.attributes
+    assert attrs(recall, "query", "passages.text") == ("Which database again?", None)
     assert "membase.note.text" not in otel.one("opted", "membase.write").attributes
 
     otel.exporter.clear()
@@ -175,11 +159,8 @@ async def test_a_write_already_saved_is_not_sent_and_its_span_says_so(fake, make
         await store.add(SAID)
 
     first, second = otel.ours("dedupe", "membase.write")
-    assert (first.attributes["membase.decision"], first.attributes["membase.sent"]) == ("send", 1)
-    assert second.attributes["membase.decision"] == "already saved"
-    assert (second.attributes["membase.sent"], second.attributes["membase.deduplicated"]) == (0, 1)
-    assert second.attributes["membase.outcome"] == "saved"
-    assert otel.parent_name(second) == "turn"
+    assert attrs(first, "decision", "sent") == ("send", 1) and otel.parent_name(second) == "turn"
+    assert attrs(second, "decision", "sent", "deduplicated", "outcome") == ("already saved", 0, 1, "saved")
     assert len(fake.sent("POST", "/v1/memories")) == 1
 
 
@@ -191,13 +172,12 @@ async def test_a_late_write_outcome_gets_a_span_linked_to_the_write(fake, make_s
     with pytest.raises(MembaseWriteTimeout):
         await store.add(SAID)
     write = otel.one("latewrite", "membase.write")
-    assert write.attributes["membase.outcome"] == "timeout"
+    assert attrs(write, "outcome") == ("timeout",)
 
     stall.set()
     late = otel.one("latewrite", "membase.write.late")
-    assert late.parent is None
-    assert [link.context.span_id for link in late.links] == [write.context.span_id]
-    assert (late.attributes["membase.outcome"], late.attributes["membase.reason"]) == ("saved", "timeout")
+    assert late.parent is None and [link.context.span_id for link in late.links] == [write.context.span_id]
+    assert attrs(late, "outcome", "reason") == ("saved", "timeout")
     assert fake.saved() == [SAID]
 
 
@@ -209,9 +189,9 @@ async def test_a_failed_write_records_the_kind_never_the_servers_text(fake, make
         await store.add(SAID)
 
     write = otel.one("failwrite", "membase.write")
-    assert (write.attributes["membase.outcome"], write.attributes["membase.error.kind"]) == ("error", "server_error")
+    assert attrs(write, "outcome", "error.kind") == ("error", "server_error")
     assert write.status.status_code == trace.StatusCode.ERROR
-    assert not any(API_KEY in text or "boom" in text for text in values(write))
+    assert not any(API_KEY in text or "boom" in text for text in span_texts(write))
 
 
 @pytest.mark.parametrize(
@@ -229,11 +209,8 @@ def test_each_tool_call_gets_a_span_under_the_tool_span(fake, make_store, otel, 
     agent("look it up")
 
     span = otel.one("tools", "membase.tool")
-    assert span.attributes["membase.tool"] == "membase_search"
-    assert span.attributes["membase.outcome"] == outcome
-    assert span.attributes.get("membase.error.kind") == kind
-    if outcome == "hit":
-        assert span.attributes["membase.passages"] == 1
+    passages = 1 if outcome == "hit" else span.attributes.get("membase.passages")
+    assert attrs(span, "tool", "outcome", "error.kind", "passages") == ("membase_search", outcome, kind, passages)
     if any(s.name.startswith("execute_tool") for s in otel.spans()):
         assert otel.parent_name(span).startswith("execute_tool")
 
@@ -250,8 +227,7 @@ def test_counters_are_metrics_the_recall_span_counts_memories_that_could_not_ans
     agent(QUESTION)
 
     recall = otel.ours("metered", "membase.recall")[-1]
-    assert (recall.attributes["membase.outcome"], recall.attributes["membase.passages"]) == ("hit", 1)
-    assert recall.attributes["membase.unanswered"] == 1
+    assert attrs(recall, "outcome", "passages", "unanswered") == ("hit", 1, 1)
     recalls = [p for p in otel.metric_points("membase.store.recalls") if p.attributes["membase.store"] == "metered"]
     assert [p.value for p in recalls] == [store.counters()["recalls"]] == [2]
 

@@ -1,32 +1,21 @@
 """The served example, ``examples/server.py``, under real uvicorn and gunicorn: SIGTERM with requests in flight.
 
-The server runs in a subprocess started as a user starts it (``uvicorn server:app --app-dir examples``, and
-``gunicorn -k uvicorn.workers.UvicornWorker -w 2``), with a scripted model (``MEMBASE_EXAMPLE_SCRIPTED=1``) and
-each user's own key in ``MEMBASE_KEY_<user>``. Membase is :class:`LoopbackMembase` on 127.0.0.1, one in-memory
-account per key. Twenty clients, one user each, send turns whose words are unique to their user:
-
-1. two turns each while Membase saves at once (each recalling the user's earlier ones);
-2. then two turns each while Membase is slow to save: it takes ``SLOW_WRITE`` (1.2 s) to save each first one, and
-   holds each second one until the server's lifespan shutdown begins (it prints "Waiting for application shutdown.")
-   and ``HELD_PAST_SHUTDOWN`` seconds more. Each turn's 200 goes out after the store's ``write_timeout`` (1 s) with
-   its write still running. Once half the clients' second writes have reached Membase, the server gets SIGTERM, with
-   those turns in flight and about twenty writes running; a client whose next request finds the port closed stops.
-
-A slow write is saved only if its client is still connected when Membase answers it (as a local engine's write dies
-with its process), so a server that exits without waiting for its writes loses those notes, and the test sees it.
-From SIGTERM on, every server process runs a full garbage collection every 0.1 s (``tests/support/collect_garbage``),
-as a busy process may at any moment: a close awaited by a task that nothing references is then destroyed every time,
-not once in a while. Then:
+The server runs as a user starts it (``uvicorn server:app --app-dir examples``; ``gunicorn -k
+uvicorn.workers.UvicornWorker -w 2``) with a scripted model and each user's key in ``MEMBASE_KEY_<user>``; Membase is
+:class:`LoopbackMembase`, one account per key. Twenty concurrent clients, one user each, send turns whose words are
+unique to their user: two while Membase saves at once, then two while it is slow to save (``SLOW_WRITE`` for each
+first one; each second one held until the lifespan shutdown begins, then ``HELD_PAST_SHUTDOWN`` more), so each 200
+goes out after ``write_timeout`` with its write running. Once half the second writes are in, the server gets SIGTERM
+mid-load. A slow write is saved only if its client is still connected (as a local engine's dies with its process),
+and from SIGTERM on every server process collects garbage every 0.1 s (``tests/support/collect_garbage``). Then:
 
 - every turn answered 200 had its words saved exactly once, in its own user's account; no words were sent twice;
-- no account was sent another user's words (notes or searches), and no reply shows another user's words;
-- the shutdown ended within its bound: the lifespan's ``pool.aclose()`` finished in every process (uvicorn logged
-  "Application shutdown complete.", never "Application shutdown failed" or "Task was destroyed but it is pending"),
-  no write was still running when it did (the store warns of any left after its ``write_timeout``), and the process
-  exited, waited for generously: the bound is shown by counting writes, not by the clock.
+- no account was sent another user's words, and no reply shows another user's words;
+- the shutdown ended within its bound: ``pool.aclose()`` finished in every process ("Application shutdown
+  complete.", never "shutdown failed" or "Task was destroyed"), no write was left running (the store warns of any
+  left after its ``write_timeout``), and the process exited: the bound is shown by counting writes, not the clock.
 
-Each run prints its figures (``pytest -s`` shows them). Not marked ``integration``: it needs no local engine, only the
-dev dependencies (fastapi, uvicorn, gunicorn).
+Each run prints requests, p50/p95 latency and notes saved (``pytest -s``). It needs only the dev dependencies.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ import re
 import select
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -241,6 +231,7 @@ class Turn:
     status: int | None = None
     reply: str = ""
     after_sigterm: bool = False
+    seconds: float = 0.0  # from sending the request to its answer
 
 
 async def drive(server: Server, membase: Membase) -> tuple[list[Turn], float]:
@@ -270,11 +261,16 @@ async def drive(server: Server, membase: Membase) -> tuple[list[Turn], float]:
                     await asyncio.wait_for(slow_from_now.wait(), FAST_TURNS * WAIT)
                 turn = Turn(user, f"Please remember note {user}n{number:02d} for me.", slow=number >= FAST_TURNS)
                 turns.append(turn)
+                sent = time.monotonic()
                 try:
                     answer = await http.post("/chat", json={"text": turn.words})
                 except httpx.TransportError:  # the server has closed its port, or this connection
                     break
-                turn.status, turn.after_sigterm = answer.status_code, sigterm_sent
+                turn.status, turn.after_sigterm, turn.seconds = (
+                    answer.status_code,
+                    sigterm_sent,
+                    time.monotonic() - sent,
+                )
                 turn.reply = answer.json().get("reply", "") if answer.status_code == 200 else answer.text
                 if answer.status_code != 200:
                     break
@@ -320,8 +316,10 @@ def test_a_server_keeps_every_answered_turn_through_sigterm(name: str, tmp_path:
     answered = [turn for turn in turns if turn.status == 200]
     saved = {user: membase.saved(user) for user in USERS}
     output = server.output
+    p50, p95 = (statistics.quantiles([t.seconds for t in answered], n=20)[i] for i in (9, 18))
     print(
-        f"\n[{name}] {len(turns)} requests, {len(answered)} answered 200 ({sum(t.after_sigterm for t in answered)} "
+        f"\n[{name}] {len(turns)} requests, {len(answered)} answered 200, p50 {p50:.2f} s, p95 {p95:.2f} s "
+        f"({sum(t.after_sigterm for t in answered)} "
         f"after SIGTERM); {sum(map(len, saved.values()))} notes saved of {len(membase.arrived())} writes arrived "
         f"({membase.dropped} dropped as the client had left); SIGTERM to exit {shutdown_seconds:.2f} s"
     )

@@ -42,12 +42,10 @@ LONG = 30.0
 
 
 def routed(fake: InMemoryMembase) -> Responder:
-    """A responder that answers as the fake normally would (for use after a hang or a delay)."""
     return fake.answer
 
 
 def delayed(fake: InMemoryMembase, seconds: float) -> Responder:
-    """A responder that sleeps ``seconds`` and then answers normally."""
     answer = routed(fake)
 
     def respond(request: httpx.Request) -> httpx.Response:
@@ -58,8 +56,7 @@ def delayed(fake: InMemoryMembase, seconds: float) -> Responder:
 
 
 def signalling(event: threading.Event, then: Responder) -> Responder:
-    """A responder that sets ``event`` once the request is in (the fake has recorded it), then answers with
-    ``then``: a test waits for that moment instead of sleeping."""
+    """Sets ``event`` once the request is in (recorded), then answers with ``then``: a test waits for that."""
 
     def respond(request: httpx.Request) -> httpx.Response:
         event.set()
@@ -89,11 +86,7 @@ async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
 
 
 def membase_threads(prefix: str = "membase-") -> list[threading.Thread]:
-    """The library's threads at work whose names start with ``prefix``.
-
-    A thread carries the name of the call it runs; an idle one (waiting for the next call, retiring after a
-    few seconds) does no work for anyone and is not counted.
-    """
+    """The library's threads at work (named after their call) whose names start with ``prefix``; not idle ones."""
     return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.name != IDLE_NAME and t.is_alive()]
 
 
@@ -118,14 +111,12 @@ class Gates:
 def make_agent(
     store: MembaseMemoryStore, script: list[Step] | None = None, **manager_options: Any
 ) -> tuple[Agent, ScriptedModel]:
-    """A real Strands agent with a MemoryManager over ``store`` and a scripted model."""
     model = ScriptedModel(script)
     agent = Agent(model=model, memory_manager=MemoryManager(stores=[store], **manager_options), callback_handler=None)
     return agent, model
 
 
 def result_text(result: dict[str, Any]) -> str:
-    """The text of a tool result, its blocks joined by newlines."""
     return "\n".join(item["text"] for item in result["content"] if "text" in item)
 
 
@@ -222,17 +213,12 @@ CHILD_LIMIT = 60.0
 
 @dataclass
 class Child:
-    """A forked child at work: its pid and the pipe it reports through."""
-
     pid: int
     reader: int
 
 
 def fork_child(work: Callable[[], Any]) -> Child:
-    """Fork; the child runs ``work`` and reports its result (or its traceback) as JSON through a pipe.
-
-    The child never returns into pytest: it leaves with ``os._exit`` whatever happens.
-    """
+    """Fork; the child runs ``work``, reports its result (or traceback) as JSON through a pipe, and ``os._exit``s."""
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -252,12 +238,8 @@ def fork_child(work: Callable[[], Any]) -> Child:
 
 
 def child_reports(children: list[Child], timeout: float = CHILD_LIMIT) -> list[dict[str, Any]]:
-    """Each child's report, ``{"result": ...}`` or ``{"error": ...}``, in the children's order.
-
-    Waits for all of them at once, for at most ``timeout`` seconds in all: a child that has not reported by
-    then is killed by its pid and reported as hung, so a stuck child fails the test instead of hanging the
-    suite. Every child is reaped.
-    """
+    """Each child's report, ``{"result": ...}`` or ``{"error": ...}``, in order, waiting ``timeout`` s in all: a child
+    that has not reported by then is killed by its pid and reported as hung. Every child is reaped."""
     deadline = time.monotonic() + timeout
     data: dict[int, list[bytes]] = {child.reader: [] for child in children}
     open_pipes = set(data)
