@@ -56,12 +56,12 @@ class _Server:
         self.transport = httpx.MockTransport(self.handle)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return self.account(request.headers.get("authorization", "").removeprefix("Bearer "))._serve(request)
+
+    def account(self, key: str) -> InMemoryMembase:
         with self.lock:
-            account = self.accounts.get(key)
-        if account is None:
-            account = InMemoryMembase(key=key, _server=self)
-        return account._serve(request)
+            found = self.accounts.get(key)
+        return found if found is not None else InMemoryMembase(key=key, _server=self)
 
 
 class InMemoryMembase:
@@ -69,6 +69,11 @@ class InMemoryMembase:
 
     It is the account of one key (:data:`API_KEY` unless named); :meth:`account` is another key's account on the same
     host, and a request is answered from the account of the key it carries, as Membase keeps one memory per key.
+
+    Attributes:
+        base_url: The fake's own host (no request leaves the process).
+        transport: The ``httpx`` transport that reaches this host: a store's ``transport=``.
+        requests: Every request that reached this host, whichever key it carried.
     """
 
     def __init__(self, *, key: str = API_KEY, _server: _Server | None = None) -> None:
@@ -80,31 +85,16 @@ class InMemoryMembase:
         self.standing: list[str] = []  # the profile's standing facts
         self.unsearchable: dict[str, str] = {}  # Memory id -> why it cannot answer a search
         self._server = _server or _Server()
+        self.base_url, self.transport = self._server.base_url, self._server.transport
+        self.requests = self._server.requests
         self._faults: dict[tuple[str, str], Iterator[Responder]] = {}
         self._numbers = itertools.count(1)
         with self._server.lock:
             self._server.accounts.setdefault(key, self)
 
-    @property
-    def base_url(self) -> str:
-        """The fake's own host (no request leaves the process)."""
-        return self._server.base_url
-
-    @property
-    def transport(self) -> httpx.MockTransport:
-        """The ``httpx`` transport that reaches this host: a store's ``transport=``."""
-        return self._server.transport
-
-    @property
-    def requests(self) -> list[Recorded]:
-        """Every request that reached this host, whichever key it carried."""
-        return self._server.requests
-
     def account(self, key: str) -> InMemoryMembase:
         """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
-        with self._server.lock:
-            found = self._server.accounts.get(key)
-        return found if found is not None else InMemoryMembase(key=key, _server=self._server)
+        return self._server.account(key)
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
