@@ -1,17 +1,11 @@
-"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`.
+"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`, which holds the SDK
+clients and says what their answers mean. Every call blocks; the store decides where it runs and how long it waits.
 
-It holds the SDK clients a store calls through, all built with the SDK's own constructor, and says what their
-answers mean (parsed searches, Memory names resolved to ids, unreadable 2xx bodies, error texts with the key
-masked). Every call blocks; the store decides where it runs and how long it waits.
-
-- From a key: two ``membase.Membase`` clients over the process's shared client for the store's route (``_http``).
-  One retries as the SDK does (the tools, which should wait out a waking memory); one makes a single attempt
-  (recall, whose late request must hold the in-flight guard for one attempt, not three; and writes, since a POST
-  that timed out may be stored already).
-- ``local=DIR``: this process's engine for the directory (``_local``). ``client=``: used as it is, never closed.
-
-A forked child builds its own clients, over its own connections, at its first call. A client passed in cannot be
-rebuilt: used before the fork, it is refused in the child.
+From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
+does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must
+hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
+A forked child builds its own at its first call; a client passed in (``client=``) cannot be rebuilt, so one used
+before the fork is refused in the child.
 """
 
 from __future__ import annotations
