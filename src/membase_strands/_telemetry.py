@@ -78,8 +78,7 @@ class Ledger:
         ``error``) on the current span; at ``level``, log ``message`` after the attributes and the error's text
         (key masked), in the Strands style: ``store=<name>, reason=<...> | message``."""
         kind = None if error is None else describe_failure(error).kind
-        if error is not None:
-            counted = (*counted, f"errors.{kind}")
+        counted = counted if kind is None else (*counted, f"errors.{kind}")
         if counted:
             with LOCK:
                 for name in counted:

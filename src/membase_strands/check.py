@@ -132,9 +132,8 @@ def run_check(
     """
     probe_query = query_text(query or "") or PROBE_QUERY
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
-        report = CheckReport(f"local Membase in {os.fspath(local)}", probe_query=probe_query)
-        report.steps = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
-        return report
+        found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
+        return CheckReport(f"local Membase in {os.fspath(local)}", found, probe_query=probe_query)
     try:
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
