@@ -1,17 +1,11 @@
-"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`.
+"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`, which holds the SDK
+clients and says what their answers mean. Every call blocks; the store decides where it runs and how long it waits.
 
-It holds the SDK clients a store calls through, all built with the SDK's own constructor, and says what their
-answers mean (parsed searches, Memory names resolved to ids, unreadable 2xx bodies, error texts with the key
-masked). Every call blocks; the store decides where it runs and how long it waits.
-
-- From a key: two ``membase.Membase`` clients over the process's shared client for the store's route (``_http``).
-  One retries as the SDK does (the tools, which should wait out a waking memory); one makes a single attempt
-  (recall, whose late request must hold the in-flight guard for one attempt, not three; and writes, since a POST
-  that timed out may be stored already).
-- ``local=DIR``: this process's engine for the directory (``_local``). ``client=``: used as it is, never closed.
-
-A forked child builds its own clients, over its own connections, at its first call. A client passed in cannot be
-rebuilt: used before the fork, it is refused in the child.
+From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
+does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must
+hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
+A forked child builds its own at its first call; a client passed in (``client=``) cannot be rebuilt, so one used
+before the fork is refused in the child.
 """
 
 from __future__ import annotations
@@ -62,7 +56,7 @@ class MembaseGateway:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
         self._store_name = store_name
         self._given = client
-        self._key = ""
+        secret = ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -70,6 +64,7 @@ class MembaseGateway:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
+            secret = client.api_key or ""
         elif local is not None:
             if api_key is not None or base_url is not None or transport is not None:
                 raise ValueError(
@@ -81,10 +76,10 @@ class MembaseGateway:
             if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
-                self._key = _checked_key(key)
+                secret = _checked_key(key)
                 url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
-        self.hosted = bool(self._key or (client is not None and client.api_key))
+        self._secret, self.hosted = secret, bool(secret)
         self.base_url = self._route.base_url if self._route else str(client.base_url) if client is not None else ""
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
         self._resolver = ContainerResolver()
@@ -107,8 +102,8 @@ class MembaseGateway:
             http = _http.client_for(self._route)
             url = self._route.base_url
             return (
-                membase.Membase(api_key=self._key, base_url=url, http_client=http),
-                membase.Membase(api_key=self._key, base_url=url, max_retries=0, http_client=http),
+                membase.Membase(api_key=self._secret, base_url=url, http_client=http),
+                membase.Membase(api_key=self._secret, base_url=url, max_retries=0, http_client=http),
             )
         assert self.local is not None
         engine = _local.open_engine(self.local)  # the engine makes one attempt
@@ -214,10 +209,6 @@ class MembaseGateway:
             return call(client)
         except _UNREADABLE as error:  # a ValueError of the library's own (a Memory name) passes
             raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
-
-    @property
-    def _secret(self) -> str:
-        return self._key or (self._given.api_key if self._given is not None else "") or ""
 
     def redact(self, text: str) -> str:
         """``text`` with the API key masked."""

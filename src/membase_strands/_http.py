@@ -152,21 +152,19 @@ class MembaseTransport(httpx.BaseTransport):
             )
         stated = response.headers.get("content-length", "")
         length = int(stated) if stated.isdigit() else None
-        chunks: list[bytes] = []
-        received, overdue = 0, False
+        body, overdue = bytearray(), False
         for chunk in [response.content] if response.is_stream_consumed else response.iter_raw():  # a mock's is read
             if overdue:
                 raise httpx.ReadTimeout(
                     f"Membase did not finish answering within {self._route.seconds:g} s", request=request
                 )
-            received += len(chunk)
-            if received > limit or (length or 0) > limit:
+            body += chunk
+            if len(body) > limit or (length or 0) > limit:
                 raise BadResponseError(
                     f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=response.status_code
                 )
-            chunks.append(chunk)
-            overdue = time.monotonic() > deadline and (length is None or received < length)
-        return b"".join(chunks)
+            overdue = time.monotonic() > deadline and (length is None or len(body) < length)
+        return bytes(body)
 
     def _transport(self) -> tuple[httpx.BaseTransport, list[Any]]:
         """The caller's transport, or this thread's own connection to the host; and the streams connected for it."""

@@ -74,7 +74,14 @@ def _start(directory: Path) -> _Opened:
     lock_file = (directory / LOCK_NAME).open("a+")
     try:
         try:
-            _lock(lock_file)
+            if sys.platform == "win32":
+                import msvcrt
+
+                msvcrt.locking(lock_file.fileno(), msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+
+                fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # this process's, or OSError at once
         except OSError:
             lock_file.seek(0)
             raise RuntimeError(
@@ -93,18 +100,6 @@ def _start(directory: Path) -> _Opened:
     except BaseException:
         lock_file.close()
         raise
-
-
-def _lock(lock_file: IO[str]) -> None:
-    """Lock ``lock_file`` for this process or raise ``OSError`` at once."""
-    if sys.platform == "win32":
-        import msvcrt
-
-        msvcrt.locking(lock_file.fileno(), msvcrt.LK_NBLCK, 1)
-    else:
-        import fcntl
-
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def unavailable() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 DEFAULT_SEARCH_RESULTS = 5
 MAX_SEARCH_RESULTS = 50
@@ -47,13 +47,13 @@ def check_container(container: Any) -> str | None:
 
 def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
     """How many passages to ask for (``None``: ``default``), past Membase's maximum the maximum, not an error."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if value is None or whole(value, 1):
         return default if value is None else min(value, MAX_SEARCH_RESULTS)
     raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
 
 
 def check_recall_chars(value: Any) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= MIN_RECALL_CHARS):
+    if value is None or whole(value, MIN_RECALL_CHARS):
         return value
     raise ValueError(f"max_recall_chars must be a whole number of at least {MIN_RECALL_CHARS}, or None; got {value!r}")
 
@@ -77,7 +77,7 @@ def check_flag(option: str, value: Any) -> bool:
 
 
 def check_bytes(option: str, value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
+    if whole(value, 1024):
         return value
     raise ValueError(f"{option} must be a whole number of bytes, at least 1024, got {value!r}")
 
@@ -85,7 +85,7 @@ def check_bytes(option: str, value: Any) -> int:
 def check_capture(capture: Any, extraction: Any) -> bool:
     if check_flag("capture", capture) is False and extraction not in (None, False):
         raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
-    return True if capture else False
+    return bool(capture)
 
 
 def check_roles(roles: Iterable[str] | str) -> tuple[str, ...]:
@@ -113,6 +113,10 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     if not isinstance(static, bool):
         raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
     return title, static
+
+
+def whole(value: Any, least: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def finite(value: Any) -> bool:

@@ -78,8 +78,7 @@ class Ledger:
         ``error``) on the current span; at ``level``, log ``message`` after the attributes and the error's text
         (key masked), in the Strands style: ``store=<name>, reason=<...> | message``."""
         kind = None if error is None else describe_failure(error).kind
-        if error is not None:
-            counted = (*counted, f"errors.{kind}")
+        counted = counted if kind is None else (*counted, f"errors.{kind}")
         if counted:
             with LOCK:
                 for name in counted:
@@ -149,14 +148,12 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
         token = _current.set(made)
         try:
             yield made
-        except asyncio.CancelledError:
-            if made.outcome_set is None:
-                made.outcome("cancelled")
-            raise
         except BaseException as error:
-            kind = describe_failure(error).kind
             if made.outcome_set is None:
-                made.outcome("timeout" if kind == "timeout" else "error", error_kind=kind)
+                kind = None if isinstance(error, asyncio.CancelledError) else describe_failure(error).kind
+                made.outcome(
+                    "cancelled" if kind is None else "timeout" if kind == "timeout" else "error", error_kind=kind
+                )
             raise
         finally:
             _current.reset(token)

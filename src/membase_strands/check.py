@@ -132,9 +132,8 @@ def run_check(
     """
     probe_query = query_text(query or "") or PROBE_QUERY
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
-        report = CheckReport(f"local Membase in {os.fspath(local)}", probe_query=probe_query)
-        report.steps = [*_engine_steps(), Step("directory", True, "none yet; made at first use", required=False)]
-        return report
+        found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
+        return CheckReport(f"local Membase in {os.fspath(local)}", found, probe_query=probe_query)
     try:
         gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
@@ -144,36 +143,34 @@ def run_check(
         report = CheckReport(gateway.base_url if gateway.hosted else f"local Membase {where}", probe_query=probe_query)
         needed = {"profile": need_profile, "save": need_save}
         steps = _steps(gateway, report, container, clock)
-        for step in steps if gateway.hosted else itertools.chain(_engine_steps(), steps):
+        for step in steps if gateway.hosted else itertools.chain([_engine_step()], steps):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
         report.probe_query = gateway.redact(report.probe_query)
     return report
 
 
-def _engine_steps() -> Iterator[Step]:
+def _engine_step() -> Step:
     """A real save and search by the local engine, in a scratch directory: whether its LLM and embeddings work."""
     with tempfile.TemporaryDirectory(prefix="membase-check-") as scratch:
         try:
             engine = membase.Membase(local=scratch)
         except membase.MembaseError:
-            yield Step("engine", False, unavailable())
-            return
+            return Step("engine", False, unavailable())
         with contextlib.closing(engine):
             try:
                 engine.memories.add(_PROBE_NOTE)
                 answer = parse_search(engine.search("heron dawn", limit=5), 5)
             except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-                yield Step(
+                return Step(
                     "engine", False, f"a note could not be saved and searched: {_fix_for(error)}{_LOCAL_LLM_HINT}"
                 )
-                return
     if answer.unsearched:
-        reason = "; ".join(failed.reason for failed in answer.unsearched)
-        yield Step("engine", False, f"a note was saved, but search could not run: {reason}{_LOCAL_LLM_HINT}")
+        failed = "search could not run: " + "; ".join(failed.reason for failed in answer.unsearched)
     elif not any(_PROBE_NOTE in passage.content for passage in answer.passages):
-        yield Step("engine", False, f"a note was saved, but a search did not find it{_LOCAL_LLM_HINT}")
+        failed = "a search did not find it"
     else:
-        yield Step("engine", True, "a note was saved and found again (in a scratch directory, not yours)")
+        return Step("engine", True, "a note was saved and found again (in a scratch directory, not yours)")
+    return Step("engine", False, f"a note was saved, but {failed}{_LOCAL_LLM_HINT}")
 
 
 def _steps(

@@ -11,6 +11,8 @@ from xml.sax.saxutils import escape
 
 from strands.memory import InjectionFormatContext, MemoryInjectionConfig
 
+from ._options import whole
+
 if TYPE_CHECKING:
     from strands.injection.types import InjectionTriggerPredicate
     from strands.memory.types import InjectionQuery
@@ -42,9 +44,7 @@ def injection_config(
     Raises:
         ValueError: ``max_entries`` is not a whole number of at least 1.
     """
-    if max_entries is not None and (
-        isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1
-    ):
+    if max_entries is not None and not whole(max_entries, 1):
         raise ValueError(f"max_entries must be a whole number of at least 1, got {max_entries!r}")
     config = MemoryInjectionConfig(format=format_as_data)
     if max_entries is not None:

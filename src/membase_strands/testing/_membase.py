@@ -56,12 +56,12 @@ class _Server:
         self.transport = httpx.MockTransport(self.handle)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        key = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return self.account(request.headers.get("authorization", "").removeprefix("Bearer "))._serve(request)
+
+    def account(self, key: str) -> InMemoryMembase:
         with self.lock:
-            account = self.accounts.get(key)
-        if account is None:
-            account = InMemoryMembase(key=key, _server=self)
-        return account._serve(request)
+            found = self.accounts.get(key)
+        return found if found is not None else InMemoryMembase(key=key, _server=self)
 
 
 class InMemoryMembase:
@@ -69,6 +69,11 @@ class InMemoryMembase:
 
     It is the account of one key (:data:`API_KEY` unless named); :meth:`account` is another key's account on the same
     host, and a request is answered from the account of the key it carries, as Membase keeps one memory per key.
+
+    Attributes:
+        base_url: The fake's own host (no request leaves the process).
+        transport: The ``httpx`` transport that reaches this host: a store's ``transport=``.
+        requests: Every request that reached this host, whichever key it carried.
     """
 
     def __init__(self, *, key: str = API_KEY, _server: _Server | None = None) -> None:
@@ -80,31 +85,16 @@ class InMemoryMembase:
         self.standing: list[str] = []  # the profile's standing facts
         self.unsearchable: dict[str, str] = {}  # Memory id -> why it cannot answer a search
         self._server = _server or _Server()
+        self.base_url, self.transport = self._server.base_url, self._server.transport
+        self.requests = self._server.requests
         self._faults: dict[tuple[str, str], Iterator[Responder]] = {}
         self._numbers = itertools.count(1)
         with self._server.lock:
             self._server.accounts.setdefault(key, self)
 
-    @property
-    def base_url(self) -> str:
-        """The fake's own host (no request leaves the process)."""
-        return self._server.base_url
-
-    @property
-    def transport(self) -> httpx.MockTransport:
-        """The ``httpx`` transport that reaches this host: a store's ``transport=``."""
-        return self._server.transport
-
-    @property
-    def requests(self) -> list[Recorded]:
-        """Every request that reached this host, whichever key it carried."""
-        return self._server.requests
-
     def account(self, key: str) -> InMemoryMembase:
         """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
-        with self._server.lock:
-            found = self._server.accounts.get(key)
-        return found if found is not None else InMemoryMembase(key=key, _server=self._server)
+        return self._server.account(key)
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
@@ -173,7 +163,9 @@ class InMemoryMembase:
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` as the in-memory Membase does, ignoring injected faults (for custom responders)."""
-        route, body = (request.method, request.url.path), _body(request)
+        route, body = (request.method, request.url.path), _body(request) or {}
+        container = body.get("container")
+        unreached = container is not None and container not in {c["id"] for c in self.containers}
         if route == ("GET", "/v1/containers"):
             return httpx.Response(200, json={"containers": self.containers})
         if route == ("GET", "/v1/profile"):
@@ -183,15 +175,16 @@ class InMemoryMembase:
                 profile["results"] = self._hits(topic, None, 5)
             return httpx.Response(200, json=profile)
         if route == ("POST", "/v1/search"):
-            query, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
+            query, limit = body.get("q", ""), body.get("limit")
             if limit is not None and not 1 <= limit <= 50:
                 return error(400, "bad_request", "limit must be 1-50")
-            if container is not None and container not in {c["id"] for c in self.containers}:
+            if unreached:
                 return error(403, "unauthorized", f"container {container!r} is not in reach")
-            searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
-            for row in searched:
-                if row["id"] in self.unsearchable:
-                    row["error"] = self.unsearchable[row["id"]]
+            searched = [
+                {"id": c["id"], "name": c["name"]} | ({"error": why} if (why := self.unsearchable.get(c["id"])) else {})
+                for c in self.containers
+                if container in (None, c["id"])
+            ]
             hits = self._hits(query, container, limit or 8)
             return httpx.Response(200, json={"query": query, "results": hits, "containers": searched})
         if route == ("POST", "/v1/memories"):
@@ -201,12 +194,10 @@ class InMemoryMembase:
             if body.get("static"):
                 self.standing.append(content)
                 return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
-            container = body.get("container")
-            if container is None:
-                if len(self.containers) != 1:
-                    return error(400, "bad_request", "several containers are in reach; name one")
-                container = self.containers[0]["id"]
-            elif container not in {c["id"] for c in self.containers}:
+            if container is None and len(self.containers) != 1:
+                return error(400, "bad_request", "several containers are in reach; name one")
+            container = container or self.containers[0]["id"]
+            if unreached:
                 return error(403, "unauthorized", f"container {container!r} is not in reach")
             note = self._keep(Note(content=content, container=container, title=body.get("title") or ""))
             return httpx.Response(200, json={"memory_id": note.id, "memory_ids": [note.id], "container": container})

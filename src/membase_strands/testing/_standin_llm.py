@@ -14,7 +14,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -142,17 +142,11 @@ class StandInLLM:
 
     def _chat(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
-        if "episodic memory boundary detection expert" in prompt:
-            kind, reply = "boundary", {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
-        elif "episodic memory generation expert" in prompt:
-            kind, reply = "episode", _episode(prompt)
-        elif "You steer a multi-round memory search" in prompt:
-            kind, reply = "steering", _steer(prompt)
-        else:
-            kind, reply = "unknown", {}
+        kind, reply = next(((kind, reply) for marker, kind, reply in _PROMPTS if marker in prompt), ("unknown", None))
+        if reply is None:
             logger.warning("stand-in LLM: UNKNOWN PROMPT answered {} (add a rule to _standin_llm.py): %r", prompt[:300])
             self.unknown_prompts.append(prompt)
-        message = {"role": "assistant", "content": json.dumps(reply)}
+        message = {"role": "assistant", "content": json.dumps(reply(prompt) if reply else {})}
         return kind, {
             "id": f"standin-{time.monotonic_ns()}",
             "object": "chat.completion",
@@ -203,6 +197,15 @@ def _steer(prompt: str) -> dict[str, Any]:
     wanted = set(words(question))
     lines = (re.match(r"\s*(\d+):\s*(.*)$", line) for line in candidates.splitlines())
     return {"core": [int(line[1]) for line in lines if line and wanted & set(words(line[2]))], "next_queries": []}
+
+
+_ONE_EPISODE = {"reasoning": "stand-in: one episode", "boundaries": [], "should_wait": False}
+# How each engine prompt is told apart (a phrase in it), the kind recorded for it, and the answer to it.
+_PROMPTS: list[tuple[str, str, Callable[[str], dict[str, Any]]]] = [
+    ("episodic memory boundary detection expert", "boundary", lambda _: _ONE_EPISODE),
+    ("episodic memory generation expert", "episode", _episode),
+    ("You steer a multi-round memory search", "steering", _steer),
+]
 
 
 class _Handler(BaseHTTPRequestHandler):
