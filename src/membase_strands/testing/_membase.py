@@ -61,7 +61,8 @@ class _Server:
     def account(self, key: str) -> InMemoryMembase:
         with self.lock:
             found = self.accounts.get(key)
-        return found if found is not None else InMemoryMembase(key=key, _server=self)
+        # Two requests may bring a new key at once: both get the account registered first.
+        return found if found is not None else InMemoryMembase(key=key, _server=self).account(key)
 
 
 class InMemoryMembase:
