@@ -57,18 +57,19 @@ SENT_AGAIN_LOST = "a write the store sent again failed; it is not saved, and not
 MANAGER_SENDS_SEQUENCE_NUMBERS = "sequence_numbers" in {f.name for f in dataclasses.fields(AddMessagesContext)}
 
 
+def counts(source: Any, *names: str) -> tuple[int, ...]:
+    """The counters ``names`` of a store or pool, in order."""
+    counters = source.counters()
+    return tuple(counters[name] for name in names)
+
+
 def capturing(make_store, **options: Any) -> MembaseMemoryStore:
     options.setdefault("extraction", True)
     return make_store(capture=True, container="Main", **options)
 
 
 def held(fake: InMemoryMembase) -> list[str]:
-    """What Membase holds."""
     return [note.content for note in fake.notes]
-
-
-def occurrences(texts: list[str], words: str) -> int:
-    return sum(text.count(words) for text in texts)
 
 
 def batch(numbers: list[int]) -> Any:
@@ -218,28 +219,9 @@ async def test_a_refused_write_raises_an_access_error_and_any_other_failure_a_me
 # --- Never twice: the manager's retries, concurrent writes, new runs ---------------------------------
 
 
-def test_a_write_that_succeeds_late_is_not_sent_again_by_the_managers_retry(fake, make_store, gates):
-    gate = gates.new()
-    fake.on(*MEMORIES, hang(gate, then=routed(fake)))
-    store = capturing(make_store, write_timeout=BUDGET)
-    batches = spy_on_batches(store)
-    agent, _ = make_agent(store, ["Noted.", "Noted too."])
-
-    agent(GREEN_TEA)  # runs out of its budget: the manager keeps the batch for a retry
-    assert fake.notes == []
-    gate.set()
-    assert wait_until(lambda: store.counters()["writes_saved"] == 1, timeout=LONG)
-    agent(LISBON)
-
-    if MANAGER_SENDS_SEQUENCE_NUMBERS:
-        assert batches == [[0, 1], [0, 1, 2, 3]]  # the manager retried the old batch with the new turn ...
-    assert posted(fake) == [GREEN_TEA, LISBON]  # ... and only the new words were sent
-    assert held(fake) == [GREEN_TEA, LISBON]
-    counters = store.counters()
-    assert (counters["writes_deduplicated"], counters["writes_saved"], counters["write_timeouts"]) == (1, 2, 1)
-
-
-def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make_store, gates):
+@pytest.mark.parametrize("retry", ["after the write saved", "while the write runs"])
+def test_a_write_past_its_budget_is_not_sent_again_by_the_managers_retry(fake, make_store, gates, retry):
+    """A retry that comes while the write still runs waits for it; one after it saved sends only the new words."""
     gate = gates.new()
     fake.on(*MEMORIES, hang(gate, then=routed(fake)))
     store = capturing(make_store, write_timeout=BUDGET)
@@ -247,20 +229,26 @@ def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make
     original = store.add_messages
 
     async def release_once_the_retry_waits(messages, context=None):
-        if len(batches) == 1:  # the second flush, while the first write still hangs
-            retry = await started(original(messages, context))  # now waiting for the first request
+        if len(batches) == 1 and retry == "while the write runs":  # the second flush, while the first write hangs
+            waiting = await started(original(messages, context))  # now waiting for the first request
             gate.set()
-            return await retry
+            return await waiting
         return await original(messages, context)
 
     store.add_messages = release_once_the_retry_waits  # type: ignore[method-assign]
     agent, _ = make_agent(store, ["Noted.", "Noted too."])
-    agent(GREEN_TEA)
+    agent(GREEN_TEA)  # runs out of its budget: the manager keeps the batch for a retry
+    assert fake.notes == []
+    if retry == "after the write saved":
+        gate.set()
+        assert wait_until(lambda: store.counters()["writes_saved"] == 1, timeout=LONG)
     agent(LISBON)
 
-    assert posted(fake) == [GREEN_TEA, LISBON]
-    counters = store.counters()
-    assert (counters["write_timeouts"], counters["writes_deduplicated"], counters["writes_saved"]) == (1, 1, 2)
+    if MANAGER_SENDS_SEQUENCE_NUMBERS:
+        assert batches == [[0, 1], [0, 1, 2, 3]]  # the manager retried the old batch with the new turn ...
+    assert posted(fake) == [GREEN_TEA, LISBON]  # ... and only the new words were sent
+    assert held(fake) == [GREEN_TEA, LISBON]
+    assert counts(store, "writes_deduplicated", "writes_saved", "write_timeouts") == (1, 2, 1)
 
 
 async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_retry_sends_what_that_one_failed_to(
@@ -287,8 +275,7 @@ async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_ret
 
     assert held(fake)[:2] == [GREEN_TEA, f"{LISBON}\nCall me Sam"]
     assert sorted(held(fake)[2:]) == ["Sam likes oolong", "Sam runs"]
-    counters = store.counters()
-    assert (counters["writes_deduplicated"], counters["writes_sent_again"]) == (2, 0)  # nothing kept
+    assert counts(store, "writes_deduplicated", "writes_sent_again") == (2, 0)  # nothing kept
 
 
 FACTS = ("Sam prefers green tea", "Sam lives in Lisbon", "Sam works on ledgers")
@@ -381,8 +368,7 @@ def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true
     assert wait_until(lambda: posted(fake) == [GREEN_TEA], timeout=LONG) and fake.saved() == []
     assert membase_threads(WRITE_THREAD)
     assert [entry.content for entry in asyncio.run(store.search(QUESTION))] == [f"[Main] {FACT}"]
-    counters = store.counters()
-    assert (counters["write_timeouts"], counters["writes_saved"], counters["recall_timeouts"]) == (1, 0, 0)
+    assert counts(store, "write_timeouts", "writes_saved", "recall_timeouts") == (1, 0, 0)
     said = [line.split(" | ")[1] for line in lines(caplog, source="membase_strands")]
     assert said == ["Membase write ran out of time; it goes on in the background"]  # at INFO: the manager warns
     release.set()
@@ -449,8 +435,7 @@ async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves
     both = f"{GREEN_TEA}\n{LISBON}"
     assert posted(fake) == [both, both, FACTS[0], FACTS[0]]  # one attempt each (no SDK retries), then nothing
     assert held(fake) == [both, FACTS[0]]
-    counters = store.counters()
-    assert (counters["writes_saved"], counters["writes_deduplicated"], counters["writes_sent_again"]) == (3, 3, 0)
+    assert counts(store, "writes_saved", "writes_deduplicated", "writes_sent_again") == (3, 3, 0)
 
 
 def test_a_write_that_fails_late_is_kept_and_the_managers_retry_takes_its_place(fake, make_store, gates, caplog):
@@ -502,9 +487,8 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
 
     assert sorted(held(fake)) == ([GREEN_TEA, LISBON] if then == "next turn" else [GREEN_TEA])
     assert posted(fake).count(GREEN_TEA) == 2  # the request that failed, then the store's own, once
-    counters = store.counters()
-    assert (counters["write_cancellations"], counters["write_errors"], counters["errors.server_error"]) == (1, 1, 1)
-    assert (counters["writes_sent_again"], counters["writes_lost"]) == (1, 0)
+    assert counts(store, "write_cancellations", "write_errors", "errors.server_error") == (1, 1, 1)
+    assert counts(store, "writes_sent_again", "writes_lost") == (1, 0)
 
 
 async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, *then: Responder, said: str = KEPT):
@@ -538,8 +522,7 @@ async def test_a_managers_retry_that_comes_while_the_store_sends_the_batch_again
 
     assert posted(fake).count(GREEN_TEA) == 2
     assert held(fake) == [LISBON, GREEN_TEA]
-    counters = store.counters()
-    assert (counters["writes_sent_again"], counters["writes_deduplicated"], counters["writes_lost"]) == (1, 1, 0)
+    assert counts(store, "writes_sent_again", "writes_deduplicated", "writes_lost") == (1, 1, 0)
 
 
 async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(fake, make_store, caplog):
@@ -552,8 +535,7 @@ async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(
 
     assert posted(fake).count(GREEN_TEA) == 2
     assert held(fake) == [LISBON, "Call me Sam"]
-    counters = store.counters()
-    assert (counters["writes_sent_again"], counters["writes_lost"], counters["write_errors"]) == (1, 1, 2)
+    assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
 
 
 async def test_a_retry_cancelled_while_an_earlier_write_sends_part_of_it_keeps_the_rest_for_the_next_write(
@@ -600,8 +582,7 @@ async def test_every_cancelled_wait_is_counted_and_a_write_saved_after_it_is_not
 
     assert await store.add_messages(messages, context) is None
     assert posted(fake) == [GREEN_TEA]
-    counters = store.counters()
-    assert (counters["write_cancellations"], counters["writes_saved"], counters["write_errors"]) == (2, 1, 0)
+    assert counts(store, "write_cancellations", "writes_saved", "write_errors") == (2, 1, 0)
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------
@@ -758,8 +739,7 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
     assert no_thread_for_one_write.refused  # the write's thread was refused
     assert posted(fake) == []
     assert "memory extraction failed" in caplog.text  # the manager keeps the batch
-    counters = store.counters()
-    assert (counters["write_errors"], counters["write_timeouts"]) == (1, 0)
+    assert counts(store, "write_errors", "write_timeouts") == (1, 0)
     agent(LISBON)
     # The retry did not wait for a write that never started: it sent the old words with the new, at once.
     assert posted(fake) == [f"{GREEN_TEA}\n{LISBON}"]
