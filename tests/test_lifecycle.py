@@ -64,8 +64,7 @@ async def held_write(membase: InMemoryMembase, store: MembaseMemoryStore, then: 
 
 
 async def timed_out_write(membase: InMemoryMembase, store: MembaseMemoryStore, then: Any, release: threading.Event):
-    """A write of GREEN_TEA that runs out of the store's (short) budget while Membase holds it; ``then`` answers
-    it on ``release``."""
+    """A write of GREEN_TEA out of its (short) budget while Membase holds it; ``then`` answers on ``release``."""
     membase.on(*MEMORIES, hang(release, then=then))
     with pytest.raises(MembaseWriteTimeout):
         await store.add(GREEN_TEA)
@@ -156,21 +155,6 @@ async def test_aclose_waits_for_a_running_write_while_the_event_loop_keeps_runni
     await asyncio.wait_for(turn, LONG)  # the turn's own flush got the same answer
     assert (len(model.calls), len(fake.sent(*MEMORIES))) == (1, 1)
     assert logged(caplog, WAITING, logging.INFO)()
-
-
-async def test_aclose_lets_a_write_nobody_waits_for_finish_and_logs_it_before_returning(fake, gates, caplog):
-    caplog.set_level(logging.INFO)
-    release = gates.new()
-    store = capturing(fake)
-    await held_write(fake, store, fake.answer, release)
-
-    with Ticker(release_after=3, release=release.set):
-        await store.aclose()
-        said, counters = logged(caplog, CANCELLED_SAVED)(), store.counters()
-
-    assert said == 1
-    assert (counters["writes_saved"], counters["write_errors"]) == (1, 0)
-    assert fake.saved() == [GREEN_TEA]
 
 
 async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_saved_once_and_said_so(gates, caplog):
@@ -287,31 +271,37 @@ async def test_close_waits_for_the_outcome_of_a_write_that_ended_just_before_it_
     assert fake.saved() == [GREEN_TEA]
 
 
-@pytest.mark.parametrize("again", ["saved", "fails again"])
-async def test_a_write_that_fails_while_the_store_closes_is_sent_again_once_before_close_returns(
-    fake, gates, caplog, again
+@pytest.mark.parametrize(("outcome", "closer"), [("saved", "aclose"), ("failed", "close"), ("failed twice", "aclose")])
+async def test_a_close_waits_for_a_write_nobody_waits_for_and_sends_once_more_what_fails_meanwhile(
+    fake, gates, caplog, outcome, closer
 ):
+    """The write ends while the store closes: no manager retry can come any more, so what fails is sent again once,
+    and every outcome is logged and counted when the close returns."""
     caplog.set_level(logging.INFO)
     release = gates.new()
     store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), release)
-    if again == "fails again":
+    await held_write(fake, store, fake.answer if outcome == "saved" else status(500, "internal"), release)
+    if outcome == "failed twice":
         fake.on(*MEMORIES, status(500, "internal"))
-    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    closing = asyncio.ensure_future(store.aclose() if closer == "aclose" else asyncio.to_thread(store.close))
     assert await until(drain_began(caplog), timeout=LONG)
-    release.set()  # it fails while close() waits for it: no manager retry can come any more
+    release.set()
     await closing
 
-    said, counters = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")], store.counters()
+    said = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")]
+    names = ("writes_sent_again", "writes_saved", "writes_lost", "write_errors", "errors.server_error")
+    counters = {name: store.counters().get(name, 0) for name in names}
+    if outcome == "saved":
+        assert said.count(CANCELLED_SAVED) == 1 and fake.saved() == [GREEN_TEA]
+        assert list(counters.values()) == [0, 1, 0, 0, 0]
+        return
     assert "a write whose caller was cancelled failed; the store sends it again before it closes" in said
-    if again == "saved":
-        assert SENT_AGAIN_SAVED in said
-        assert (counters["writes_sent_again"], counters["writes_saved"], counters["writes_lost"]) == (1, 1, 0)
-        assert fake.saved() == [GREEN_TEA]
+    if outcome == "failed":
+        assert SENT_AGAIN_SAVED in said and fake.saved() == [GREEN_TEA]
+        assert list(counters.values()) == [1, 1, 0, 1, 1]
     else:
         assert "a write the store sent again failed; it is not saved, and nothing will send it again" in said
-        assert (counters["writes_sent_again"], counters["writes_saved"], counters["writes_lost"]) == (1, 0, 1)
-        assert (counters["write_errors"], counters["errors.server_error"]) == (2, 2)
+        assert list(counters.values()) == [1, 0, 1, 2, 2]
     assert len(fake.sent(*MEMORIES)) == 2
 
 
@@ -518,10 +508,6 @@ def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_time
     ]
     assert [line.split(" ", 2)[2] for line in said if "store=<cut>" in line][-3:] == cut_off
     assert not any(NOT_FINISHED in line for line in said if "store=<cut>" not in line)
-    counters = program.counters(parent)
-    assert (counters["graced"]["writes_saved"], counters["cut"]["write_timeouts"], counters["cut"]["writes_saved"]) == (
-        1,
-        1,
-        0,
-    )
+    graced_counted, cut_counted = program.counters(parent)["graced"], program.counters(parent)["cut"]
+    assert (graced_counted["writes_saved"], cut_counted["write_timeouts"], cut_counted["writes_saved"]) == (1, 1, 0)
     assert not any(GREEN_TEA in line for line in program.err if " membase_strands " in line)  # never the words
