@@ -225,10 +225,11 @@ def test_a_credential_that_is_no_key_is_refused_naming_the_user_and_never_a_key(
 
 
 def test_past_max_stores_the_pool_lets_go_of_the_least_recently_used_without_closing_it(fake, users):
-    with fake.pool(key_of, max_stores=2, recall_timeout=LONG) as pool:
+    with fake.pool(key_of, max_stores=2, capture=True, extraction=True, recall_timeout=LONG) as pool:
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
         assert pool.store_for("alice") is alice  # alice is now the most recent
         refs = {user: weakref.ref(store) for user, store in (("alice", alice), ("bob", bob))}
+        agent, model = make_agent(alice, ["ok"])
         del alice, bob
 
         carol = pool.store_for("carol")
@@ -239,19 +240,11 @@ def test_past_max_stores_the_pool_lets_go_of_the_least_recently_used_without_clo
         again = pool.store_for("bob")  # a new store for bob, which works; carol's is let go of, not closed
         assert [entry.content for entry in asyncio.run(again.search(QUESTION))] == [f"[Main] {FACTS['bob']}"]
         assert not is_closed(carol)
-
-
-def test_an_agent_keeps_its_memory_when_the_pool_lets_go_of_its_store_mid_turn(fake, users):
-    with fake.pool(key_of, max_stores=1, capture=True, extraction=True, recall_timeout=LONG) as pool:
-        store = pool.store_for("alice")
-        agent, model = make_agent(store, ["ok"])
-        pool.store_for("bob")  # another user's request fills the pool while alice's turn is in flight
-
-        agent(QUESTION)
-
+        pool.store_for("carol")  # alice's store is let go of too, while her agent still holds it mid-turn
+        agent(QUESTION)  # her agent keeps its memory: recalled and saved in her own account
         assert f"[Main] {FACTS['alice']}" in (model.memory_block() or "")
         assert users["alice"].saved() == [QUESTION]
-        assert pool.store_for("alice") is store  # still held by her agent: the same store comes back
+        assert pool.store_for("alice") is refs["alice"]()  # still held by her agent: the same store comes back
 
 
 def test_a_write_running_on_a_store_let_go_of_and_collected_is_saved_once_and_counted_by_the_pool(fake, users, gates):
@@ -270,12 +263,7 @@ def test_a_write_running_on_a_store_let_go_of_and_collected_is_saved_once_and_co
         del agent, store
         assert collected(gone)
         totals = pool.counters()  # alice's store is gone, its counts are not
-        assert (totals["recalls"], totals["recall_hits"], totals["write_timeouts"], totals["writes_saved"]) == (
-            2,
-            2,
-            1,
-            0,
-        )
+        assert [totals[name] for name in ("recalls", "recall_hits", "write_timeouts", "writes_saved")] == [2, 2, 1, 0]
 
         release.set()
         assert wait_until(lambda: alice.saved() == [QUESTION], timeout=LONG)
