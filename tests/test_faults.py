@@ -547,15 +547,6 @@ def test_a_hung_recall_is_logged_as_running_out_of_time_then_as_failing_late() -
     assert (o.counters["recall_timeouts"], o.counters["recall_late_completions"]) == (1, 1)
 
 
-def test_a_refused_recall_pauses_and_says_so_once() -> None:
-    o = outcome("recall", "403")
-    [paused] = [r for r in o.records if "automatic recall paused" in r.getMessage()]
-    # One warning for the refusal, the manager's (from the exception's text); the store's own line is INFO.
-    assert paused.levelname == "INFO"
-    [warned] = [r.getMessage() for r in o.records if r.levelno >= logging.WARNING]
-    assert "narrowed or revoked" in warned
-
-
 def test_an_error_that_carried_the_key_is_raised_masked_without_its_chain() -> None:
     raised = outcome("search", "500").raised
     assert isinstance(raised, membase.InternalServerError) and "[redacted]" in str(raised)

@@ -102,7 +102,7 @@ def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_atte
     assert tool_turn(store, ToolCall("membase_search", {"query": "ledger"})) == ("success", search_text())
 
 
-def search_text() -> str:
+def search_text() -> str:  # what membase_search reads to the model when the loopback server answers at once
     return f'Membase found 1 passage for "ledger":\n1. [Main] {FACT}'
 
 
@@ -155,22 +155,16 @@ def chunked(chunks: list[bytes], late: int, **options: Any) -> tuple[MembaseMemo
     return store, sent
 
 
-async def test_a_body_of_no_stated_length_whose_last_chunk_comes_late_is_kept_whole():
+async def test_a_body_of_no_stated_length_is_kept_whole_when_its_last_chunk_is_late_and_ended_when_more_comes():
     """Only more data tells that such a body was not whole: a saved note must not read as failed (and be resent)."""
     store, sent = chunked([b'{"memory_id": ', b'"mem_1"}'], 1, capture=True, write_timeout=LONG)
-
     assert await store.add(NOTE) is not None
-
     assert (len(sent), store.counters()["writes_saved"], store.counters()["write_errors"]) == (1, 1, 0)
     store.close()
 
-
-async def test_a_body_of_no_stated_length_still_arriving_after_the_deadline_is_ended():
     store, sent = chunked([b'{"results": [', b"1, ", b"2]}"], 1, recall_timeout=LONG)
-
     with pytest.raises(membase.APITimeoutError):
         await store.search(QUESTION)
-
     assert (len(sent), store.counters()["errors.timeout"]) == (1, 1)
     store.close()
 

@@ -538,51 +538,33 @@ async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(
     assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
 
 
-async def test_a_retry_cancelled_while_an_earlier_write_sends_part_of_it_keeps_the_rest_for_the_next_write(
-    fake, make_store, gates
-):
-    """A retry brings the old words and new ones and waits while an earlier request still sends the old. Cancelled
-    then (a flush a web server gave up on: no retry will come), its new words are sent with the next write."""
-    gate, in_flight = gates.new(), threading.Event()
-    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake))))
-    store = capturing(make_store)
-    old = user(GREEN_TEA)
-    first = asyncio.create_task(store.add_messages([old], batch([0])))
-    assert await until(in_flight.is_set, timeout=LONG)
-    retry = await started(store.add_messages([old, user(LISBON)], batch([0, 1])))  # waits for the first's words
-    retry.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await retry
-    gate.set()
-    assert (await first)["container"] == "ctr_main"
-
-    await store.add_messages([user("Call me Sam")], batch([2]))  # LISBON goes out beside it, GREEN_TEA not again
-    assert await until(lambda: len(fake.notes) == 3, timeout=LONG)
-    assert sorted(posted(fake)) == sorted([GREEN_TEA, LISBON, "Call me Sam"])
-    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
-
-
-async def test_every_cancelled_wait_is_counted_and_a_write_saved_after_it_is_not_sent_again(
+async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_its_new_words_for_the_next_write(
     fake, make_store, gates, caplog
 ):
+    """A retry brings the old words and new ones and waits while an earlier request still sends the old. Cancelled
+    then (a flush a web server gave up on: no retry will come), its new words are sent with the next write; the old
+    ones, saved after their caller was cancelled too, are never sent again."""
     caplog.set_level(logging.INFO)
     gate, in_flight = gates.new(), threading.Event()
     fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake))))
     store = capturing(make_store)
-    messages, context = [user(GREEN_TEA)], batch([0])
-    first = asyncio.create_task(store.add_messages(messages, context))
+    old = [user(GREEN_TEA)]
+    first = asyncio.create_task(store.add_messages(old, batch([0])))
     assert await until(in_flight.is_set, timeout=LONG)
-    second = await started(store.add_messages(messages, context))  # a retry: waits for the first
-    for task in (second, first):
+    retry = await started(store.add_messages([*old, user(LISBON)], batch([0, 1])))  # waits for the first's words
+    for task in (retry, first):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     gate.set()
     assert await until(logged(caplog, "a write whose caller was cancelled finished; it is saved"), timeout=LONG)
+    assert await store.add_messages(old, batch([0])) is None
 
-    assert await store.add_messages(messages, context) is None
-    assert posted(fake) == [GREEN_TEA]
-    assert counts(store, "write_cancellations", "writes_saved", "write_errors") == (2, 1, 0)
+    await store.add_messages([user("Call me Sam")], batch([2]))  # LISBON goes out beside it, GREEN_TEA not again
+    assert await until(lambda: len(fake.notes) == 3, timeout=LONG)
+    assert sorted(posted(fake)) == sorted([GREEN_TEA, LISBON, "Call me Sam"])
+    names = ("write_cancellations", "write_errors", "writes_sent_again", "writes_lost")
+    assert counts(store, *names) == (2, 0, 1, 0)
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------
