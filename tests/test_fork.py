@@ -179,28 +179,20 @@ async def test_a_forked_child_sends_its_own_writes_only_never_waiting_for_or_sen
 
 
 class Hammer:
-    """A daemon thread that calls ``work`` until stopped, counting its calls and keeping what it raised."""
+    """A daemon thread that calls ``work`` until stopped or it raises, counting its calls and keeping what it raised."""
 
     def __init__(self, name: str, work: Callable[[], object]) -> None:
-        self.calls = 0
-        self.errors: list[BaseException] = []
-        self._work, self._stop = work, threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"hammer-{name}", daemon=True)
-        self._thread.start()
+        self.calls, self.errors, self.stopping = 0, list[BaseException](), threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(work,), name=f"hammer-{name}", daemon=True)
+        self.thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self, work: Callable[[], object]) -> None:
+        while not self.stopping.is_set() and not self.errors:
             try:
-                self._work()
+                work()
+                self.calls += 1
             except BaseException as error:  # noqa: BLE001 - reported by the test
                 self.errors.append(error)
-                return
-            self.calls += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(LONG)
-        assert not self._thread.is_alive(), f"{self._thread.name} did not stop"
 
 
 def test_children_forked_while_threads_hammer_every_public_entry_point_each_finish_their_own_work(loopback) -> None:
@@ -228,7 +220,7 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
     children = []
     try:
         for hammer in hammers:
-            assert wait_until(lambda: hammer.calls > 0, timeout=LONG), f"{hammer._thread.name} never got going"  # noqa: B023
+            assert wait_until(lambda: hammer.calls > 0, timeout=LONG), f"{hammer.thread.name} never got going"  # noqa: B023
         for i in range(10):  # each fork at another moment of the hammers' work: after the next search has gone through
             done = hammers[1].calls
             assert wait_until(lambda: hammers[1].calls > done, timeout=LONG)  # noqa: B023
@@ -236,7 +228,8 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
     finally:
         reports = child_reports(children)
         for hammer in hammers:
-            hammer.stop()
+            hammer.stopping.set()
+            hammer.thread.join(LONG)
         pool.close()
         store.close()
 
@@ -245,7 +238,7 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
         {"store": note("child", i), "pool": note("child", i), "built": note("child", i), "errors": 0}
         for i in range(len(children))
     ]
-    assert [hammer.errors for hammer in hammers] == [[]] * len(hammers)
+    assert [(hammer.errors, hammer.thread.is_alive()) for hammer in hammers] == [([], False)] * len(hammers)
 
 
 def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_child_that_uses_everything(
@@ -284,12 +277,7 @@ def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_c
         pool.close()
         store.close()
 
-    assert got == {
-        "recalled": note("child", 7),
-        "saved": True,
-        "pooled": note("child", 8),
-        "fresh": note("child", 9),
-    }
+    assert got == {"recalled": note("child", 7), "saved": True, "pooled": note("child", 8), "fresh": note("child", 9)}
 
 
 def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_parents(gates) -> None:

@@ -152,10 +152,7 @@ def test_a_turn_saves_the_captured_roles_words_once_in_the_pinned_memory(fake, m
         {"content": text, "static": False, "title": "", "container": "ctr_main"} for text in (GREEN_TEA, LISBON)
     ]
 
-    for roles, saved in [
-        (("user", "assistant"), f"user: {GREEN_TEA}\nassistant: Noted."),
-        ("assistant", "Noted."),
-    ]:
+    for roles, saved in [(("user", "assistant"), f"user: {GREEN_TEA}\nassistant: Noted."), ("assistant", "Noted.")]:
         agent, _ = make_agent(capturing(make_store, capture_roles=roles), ["Noted."])
         agent(GREEN_TEA)
         assert posted(fake)[-1] == saved

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 PROGRAM = r"""
 import asyncio, atexit, json, logging, os, sys, warnings
@@ -67,33 +66,22 @@ os.wait()
 
 
 class Program:
-    """The program above, run in a subprocess; its log lines (stderr) read as they come."""
+    """The program above, run in a subprocess; its log lines (stderr) read as they come, its reports once it ends."""
 
     def __init__(self, *urls: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBASE_")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PROGRAM, *urls],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        self.process = subprocess.Popen([sys.executable, "-c", PROGRAM, *urls], text=True, env=env, **pipes)
         self.err: list[str] = []
         self.out: list[str] = []
         self._arriving: queue.Queue[str] = queue.Queue()
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.process.stderr, self.err), daemon=True),
-            threading.Thread(target=self._read, args=(self.process.stdout, self.out), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def _read(self, stream: Any, into: list[str]) -> None:
-        for line in stream:
-            into.append(line.rstrip("\n"))
-            if into is self.err:
-                self._arriving.put(line)
+    def _read(self) -> None:
+        for line in self.process.stderr:  # type: ignore[union-attr]
+            self.err.append(line.rstrip("\n"))
+            self._arriving.put(line)
 
     def wait_for_line(self, text: str, timeout: float = 60.0) -> bool:
         """Wait until a log line containing ``text`` arrives (or the program ends, or ``timeout`` passes)."""
@@ -109,21 +97,21 @@ class Program:
 
     def finish(self, timeout: float = 60.0) -> int:
         try:
-            code = self.process.wait(timeout)
+            self.process.wait(timeout)
+            self.out = self.process.stdout.read().splitlines()  # type: ignore[union-attr] # a few lines: no pipe fills
         finally:
             if self.process.poll() is None:
                 self.process.kill()  # our own child, by its handle
                 self.process.wait(10)
-        for reader in self._readers:
-            reader.join(10)
-        return code
+        self._reader.join(10)
+        return self.process.returncode
 
     def pid_of(self, line_end: str) -> int:
         return int(next(line for line in self.err if line.endswith(line_end)).split()[0])
 
     def counters(self, pid: int) -> dict[str, dict[str, int]]:
-        reports = [json.loads(line) for line in self.out if line.startswith("{")]
-        return next(r["counters"] for r in reports if r["pid"] == pid)
+        reports = (json.loads(line) for line in self.out if line.startswith("{"))
+        return next(report["counters"] for report in reports if report["pid"] == pid)
 
     def lines(self, pid: int) -> list[str]:
         return [line for line in self.err if line.startswith(f"{pid} ")]
