@@ -72,8 +72,6 @@ def held(gate: threading.Event, started: threading.Event | None = None) -> threa
 
 
 # --- A call on a thread --------------------------------------------------------------------------
-
-
 def test_a_call_runs_on_a_daemon_thread_named_after_it_in_its_callers_context(threads, monkeypatch):
     escaped: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
@@ -206,8 +204,6 @@ async def test_a_recall_whose_budget_runs_out_while_it_waits_for_a_thread_is_nev
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
-
-
 def test_wait_for_future_waits_from_any_loop_and_raises_what_the_call_raised(gates):
     gate = gates.new()
     shared = submit(lambda: gate.wait(LONG) and "shared", name="membase-test[shared]")
@@ -375,8 +371,6 @@ def test_a_burst_of_six_times_the_recall_threads_on_one_store_all_return_memory(
 
 
 # --- A stalled Membase, a refused key ---------------------------------------------------------------------
-
-
 def test_a_stalled_membase_holds_no_turn_and_leaves_at_most_one_recall_thread_per_store(fake, make_store, gates):
     fake.remember(FACT)
     gate = gates.new()

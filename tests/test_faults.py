@@ -245,8 +245,6 @@ def attempts(path: str, fault: Fault) -> int:
 
 
 # --- Running one case -----------------------------------------------------------------------------
-
-
 @dataclass
 class Outcome:
     """What one path did under one fault."""
@@ -366,8 +364,6 @@ def _drive(path: str, store: MembaseMemoryStore, o: Outcome, note_id: str) -> No
 
 
 # --- What every case must show --------------------------------------------------------------------
-
-
 def check_common(o: Outcome) -> None:
     assert o.held == (1 if budgeted(o.path, o.fault) else 0), f"{o.held} requests still held when it returned"
     where = {"logs": o.logs, "model": o.model_saw + o.text, "raised": o.raised_text()}
@@ -489,8 +485,6 @@ def run(paths: tuple[str, ...], faults: list[Fault] = FAULTS) -> None:
 
 
 # --- The matrix -----------------------------------------------------------------------------------
-
-
 def test_recall_under_every_fault_fails_open_and_never_shows_server_text_as_a_fact() -> None:
     run(RECALL_PATHS)
 
@@ -508,8 +502,6 @@ def test_the_memory_list_failing_while_a_pinned_name_is_resolved_sends_nothing_e
 
 
 # --- Across faults --------------------------------------------------------------------------------
-
-
 def test_a_tools_sentences_tell_kinds_of_fault_apart_and_name_their_status() -> None:
     for tool in TOOL_PATHS:
         by_kind: dict[str, set[str]] = {}

@@ -83,8 +83,6 @@ def warm(store: MembaseMemoryStore) -> None:
 
 
 # --- A store built from a key --------------------------------------------------------------------
-
-
 def test_a_forked_child_never_gets_its_parents_answers(loopback) -> None:
     store = built_store(loopback)
     try:
@@ -176,8 +174,6 @@ async def test_a_forked_child_sends_its_own_writes_only_never_waiting_for_or_sen
 
 
 # --- Forking while other threads are at work -------------------------------------------------------
-
-
 class Hammer:
     """A daemon thread that calls ``work`` until stopped or it raises, counting its calls and keeping what it raised."""
 
@@ -293,8 +289,6 @@ def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_par
 
 
 # --- A store given a client -----------------------------------------------------------------------
-
-
 def test_a_passed_in_client_serves_a_child_only_if_unused_before_the_fork(loopback) -> None:
     used, fresh = loopback.client(), loopback.client()
     before = MembaseMemoryStore(name=NAME, client=used, recall_timeout=LONG)

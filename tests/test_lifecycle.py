@@ -86,8 +86,6 @@ def no_bad_file_descriptor(caplog: pytest.LogCaptureFixture) -> bool:
 
 
 # --- Closed: refused at once, nothing sent, nothing else closed -------------------------------------------
-
-
 async def test_every_way_of_closing_leaves_the_host_and_a_passed_in_client_usable(fake):
     fake.remember(FACT)
     store = fake.store(recall_timeout=LONG)
@@ -134,8 +132,6 @@ async def test_a_closed_store_refuses_every_call_and_its_agent_goes_on_without_m
 
 
 # --- Closing waits for the writes still running ---------------------------------------------------------
-
-
 async def test_aclose_waits_for_a_running_write_while_the_event_loop_keeps_running(fake, gates, caplog):
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
@@ -328,8 +324,6 @@ async def test_aclose_awaited_by_a_task_nothing_references_finishes_and_sends_th
 
 
 # --- Interpreter exit, in process: the exit hook itself ------------------------------------------------
-
-
 @pytest.fixture
 def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """The atexit hook, over only the stores this test builds, with the 'exiting' flag put back afterwards."""
@@ -463,8 +457,6 @@ async def test_what_watches_a_store_for_exit_and_for_fork_keeps_no_store_alive(f
 
 
 # --- Interpreter exit, for real: one subprocess, three stores, two forks -------------------------------------
-
-
 def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_timeout_and_says_how_they_ended(gates):
     servers = [LoopbackMembase() for _ in range(3)]
     try:

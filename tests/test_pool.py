@@ -107,8 +107,6 @@ def in_thread(fn: Callable[..., T], *args: Any) -> Future[T]:
 
 
 # --- Each user's own memory -------------------------------------------------------------------------
-
-
 def test_each_users_agent_recalls_and_saves_only_in_that_users_own_memory(fake, users):
     """Issue 26 (7): the kit keeps each key's memory apart, so a pool's users can be tested offline."""
     with fake.pool(key_of, capture=True, extraction=True, container="Main", recall_timeout=LONG) as pool:
@@ -174,8 +172,6 @@ def test_shared_options_reach_every_users_store_and_building_one_sends_nothing(f
 
 
 # --- Refused when built, or for the one user -------------------------------------------------------------
-
-
 def test_the_pool_refuses_a_bad_or_misspelt_store_option_when_it_is_built(fake):
     """Issue 26 (5): checked once, at construction, not at every user's first turn (each value the store refuses is
     in test_store's BAD_OPTIONS)."""
@@ -222,8 +218,6 @@ def test_a_credential_that_is_no_key_is_refused_naming_the_user_and_never_a_key(
 
 
 # --- The bound: the pool lets go of the least recently used, never closing it under its user --------------
-
-
 def test_past_max_stores_the_pool_lets_go_of_the_least_recently_used_without_closing_it(fake, users):
     with fake.pool(key_of, max_stores=2, capture=True, extraction=True, recall_timeout=LONG) as pool:
         alice, bob = pool.store_for("alice"), pool.store_for("bob")
@@ -290,8 +284,6 @@ def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(fake, use
 
 
 # --- Closing: every store it built, side by side --------------------------------------------------------
-
-
 @pytest.fixture
 def built_stores(monkeypatch: pytest.MonkeyPatch) -> list[MembaseMemoryStore]:
     """Every store a pool builds for a user once it is built, including any built in a race and then dropped."""
@@ -453,8 +445,6 @@ def test_closing_from_a_context_that_holds_no_variable_finishes(fake, users, gat
 
 
 # --- Many threads, many users ------------------------------------------------------------------------
-
-
 def hammer(pool: MembaseStorePool, user_ids: list[str], threads: int, calls: int) -> list[tuple[str, Any]]:
     """``threads`` threads, started together, each asking for ``calls`` stores round the users."""
     start = threading.Barrier(threads)

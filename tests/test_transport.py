@@ -75,8 +75,6 @@ def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str]:
 
 
 # --- Answers that drip, and bodies of no stated length ----------------------------------------------
-
-
 def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_attempt_at_request_timeout(
     loopback, built, instant_backoff
 ):
@@ -170,8 +168,6 @@ async def test_a_body_of_no_stated_length_is_kept_whole_when_its_last_chunk_is_l
 
 
 # --- More hits than were asked for ----------------------------------------------------------------
-
-
 def three_hundred_hits(request: httpx.Request) -> httpx.Response:
     hits = [{"content": f"Passage {i} about the ledger.", "container": "ctr_main", "score": 1.0} for i in range(300)]
     return httpx.Response(200, json={"results": hits, "containers": [{"id": "ctr_main", "name": "Main"}]})
@@ -195,8 +191,6 @@ def test_recall_the_tool_and_search_keep_at_most_their_limit_when_a_server_sends
 
 
 # --- Connections, TLS and proxies -----------------------------------------------------------------
-
-
 def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_retires(loopback, built):
     users = 12
     # The server holds each search until all of them are in: twelve requests in flight at once, a socket each.

@@ -122,8 +122,6 @@ class ByWords:
 
 
 # --- Capture is opt-in ------------------------------------------------------------------------------
-
-
 async def test_capture_is_off_by_default_and_nothing_is_written(fake, make_store):
     store = make_store()
     assert (store.writable, store.extraction) == (False, None)
@@ -214,8 +212,6 @@ async def test_a_refused_write_raises_an_access_error_and_any_other_failure_a_me
 
 
 # --- Never twice: the manager's retries, concurrent writes, new runs ---------------------------------
-
-
 @pytest.mark.parametrize("retry", ["after the write saved", "while the write runs"])
 def test_a_write_past_its_budget_is_not_sent_again_by_the_managers_retry(fake, make_store, gates, retry):
     """A retry that comes while the write still runs waits for it; one after it saved sends only the new words."""
@@ -343,8 +339,6 @@ async def test_without_a_context_a_retried_batch_sends_only_what_is_new(fake, ma
 
 
 # --- A write past its budget: the turn goes on, and one line tells how the write ended ------------------
-
-
 @pytest.mark.parametrize("late", ["saved", "failed"])
 def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true_line_when_it_ends(
     fake, make_store, gates, caplog, late
@@ -411,8 +405,6 @@ async def test_without_a_write_timeout_the_caller_waits_for_the_request(fake, ma
 
 
 # --- A failed write: raised to the caller, or kept by the store and sent again once ----------------------
-
-
 async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves_it_once(fake, make_store):
     fake.on(*MEMORIES, status(500, "internal"))
     store = capturing(make_store)
@@ -565,8 +557,6 @@ async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------
-
-
 async def test_kept_batches_stay_within_the_byte_bound_and_a_batch_over_it_is_lost_at_once(
     fake, make_store, gates, caplog
 ):
@@ -678,8 +668,6 @@ async def test_past_its_size_bound_the_store_forgets_the_oldest_saved_part_never
 
 
 # --- A write whose thread cannot start -----------------------------------------------------------------
-
-
 @pytest.fixture
 def no_thread_for_one_write(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """The next write thread fails to start, as when the process is out of threads. The library's threads start
