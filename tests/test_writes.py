@@ -198,19 +198,6 @@ async def test_add_saves_one_note_with_its_flags_a_batch_its_captured_lines_and_
     assert third["content"] == f"{GREEN_TEA}\nAnd oolong"
 
 
-async def test_a_refused_write_raises_an_access_error_and_any_other_failure_a_membase_error(fake, make_store):
-    store = capturing(make_store)
-    fake.on(*MEMORIES, status(403), status(403), status(500, "internal"))
-    with pytest.raises(MembaseAccessError, match="narrowed or revoked") as refused:
-        await store.add("Prefers green tea")
-    assert isinstance(refused.value, PermissionError)
-    with pytest.raises(MembaseAccessError):
-        await store.add_messages([user(GREEN_TEA)])
-    with pytest.raises(membase.MembaseError):
-        await store.add("Prefers oolong")
-    assert len(posted(fake)) == 3  # one attempt each: a write is never retried by the SDK
-
-
 # --- Never twice: the manager's retries, concurrent writes, new runs ---------------------------------
 @pytest.mark.parametrize("retry", ["after the write saved", "while the write runs"])
 def test_a_write_past_its_budget_is_not_sent_again_by_the_managers_retry(fake, make_store, gates, retry):
@@ -405,7 +392,9 @@ async def test_without_a_write_timeout_the_caller_waits_for_the_request(fake, ma
 
 
 # --- A failed write: raised to the caller, or kept by the store and sent again once ----------------------
-async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves_it_once(fake, make_store):
+async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_the_next_attempt_saves_it_once(
+    fake, make_store
+):
     fake.on(*MEMORIES, status(500, "internal"))
     store = capturing(make_store)
     messages, context = [user(GREEN_TEA), assistant("Noted."), user(LISBON)], batch([0, 1, 2])
@@ -420,9 +409,13 @@ async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves
         await store.add(FACTS[0])
     await store.add(FACTS[0])
     await store.add(FACTS[0])
+    fake.on(*MEMORIES, status(403), status(403))
+    for refused in (store.add("Prefers oolong"), store.add_messages([user("Call me Sam")])):
+        with pytest.raises(MembaseAccessError, match="narrowed or revoked"):  # a PermissionError
+            await refused
 
     both = f"{GREEN_TEA}\n{LISBON}"
-    assert posted(fake) == [both, both, FACTS[0], FACTS[0]]  # one attempt each (no SDK retries), then nothing
+    assert posted(fake) == [both, both, FACTS[0], FACTS[0], "Prefers oolong", "Call me Sam"]  # one attempt each
     assert held(fake) == [both, FACTS[0]]
     assert counts(store, "writes_saved", "writes_deduplicated", "writes_sent_again") == (3, 3, 0)
 
@@ -668,15 +661,15 @@ async def test_past_its_size_bound_the_store_forgets_the_oldest_saved_part_never
 
 
 # --- A write whose thread cannot start -----------------------------------------------------------------
-@pytest.fixture
-def no_thread_for_one_write(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
+    fake, make_store, monkeypatch, caplog
+):
     """The next write thread fails to start, as when the process is out of threads. The library's threads start
     afresh and retire as soon as they are idle, so no thread is left to take the write instead."""
     earlier = set(threading.enumerate())  # the threads of the set replaced here: they never take its calls
     monkeypatch.setattr(_background, "_threads", _background._Threads())
     monkeypatch.setattr(_background, "IDLE_SECONDS", 0.0)
-    refused: list[str] = []
-    start = threading.Thread.start
+    refused, start = [], threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:
         if thread.name.startswith(WRITE_THREAD) and not refused:
@@ -685,17 +678,12 @@ def no_thread_for_one_write(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
-    return SimpleNamespace(refused=refused, earlier=earlier)
-
-
-def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
-    fake, make_store, no_thread_for_one_write, caplog
-):
     store = capturing(make_store, write_timeout=5.0)  # failing at once, the write never meets its budget
     original = store.add_messages
 
-    async def once_no_thread_is_left(messages, context=None):
-        assert await until(lambda: not (set(threads_of_ours()) - no_thread_for_one_write.earlier), timeout=LONG)
+    async def once_no_thread_is_left(messages, context=None):  # not even an idle one that could take the write
+        ours = lambda: {thread for thread in threading.enumerate() if thread.name.startswith("membase-")}  # noqa: E731
+        assert await until(lambda: not ours() - earlier, timeout=LONG)
         return await original(messages, context)
 
     store.add_messages = once_no_thread_is_left  # type: ignore[method-assign]
@@ -703,16 +691,11 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
 
     agent(GREEN_TEA)
 
-    assert no_thread_for_one_write.refused  # the write's thread was refused
+    assert refused  # the write's thread was refused
     assert posted(fake) == []
     assert "memory extraction failed" in caplog.text  # the manager keeps the batch
     assert counts(store, "write_errors", "write_timeouts") == (1, 0)
     agent(LISBON)
     # The retry did not wait for a write that never started: it sent the old words with the new, at once.
     assert posted(fake) == [f"{GREEN_TEA}\n{LISBON}"]
-    assert (store.counters()["writes_saved"], store.counters()["write_timeouts"]) == (2, 0)
-
-
-def threads_of_ours() -> list[threading.Thread]:
-    """The library's threads, at work or idle (an idle one could take the next call)."""
-    return [thread for thread in threading.enumerate() if thread.name.startswith("membase-")]
+    assert counts(store, "writes_saved", "write_timeouts") == (2, 0)
