@@ -358,38 +358,27 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
     idle.close()
 
 
-async def test_the_exit_hook_names_the_store_of_a_write_that_did_not_finish_never_its_words(
+async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing_in_its_wait_is_lost_in_one_line(
     exit_hook, fake, gates, caplog, no_key_in_logs
 ):
-    store = capturing(fake, name="notes", write_timeout=BUDGET)
-    await timed_out_write(fake, store, fake.answer, gates.new())
-
-    await asyncio.to_thread(exit_hook)
-
-    assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
-    assert [line for line in lines(caplog, logging.WARNING) if NOT_FINISHED in line] == [
-        f"store=<notes>, writes=<1> | writes still running after {BUDGET:g} s; they were not confirmed saved"
-    ]
-    assert all(GREEN_TEA not in line for line in lines(caplog))
-
-
-async def test_a_write_that_fails_during_the_exit_wait_says_nothing_will_send_it_again(exit_hook, fake, gates, caplog):
-    caplog.set_level(logging.INFO)
-    release = gates.new()
-    store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), release)
+    notes, other, release = capturing(fake, name="notes", write_timeout=BUDGET), InMemoryMembase(), gates.new()
+    await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
+    failing = capturing(other)
+    await held_write(other, failing, status(500, "internal"), release)
 
     hook = asyncio.create_task(asyncio.to_thread(exit_hook))
-    assert await until(logged(caplog, EXITING), timeout=LONG)
-    release.set()
+    assert await until(logged(caplog, f"store=<membase> | {EXITING}"), timeout=LONG)
+    release.set()  # it fails within the wait
     await asyncio.wait_for(hook, LONG)
 
-    warned = lines(caplog, logging.WARNING, "membase_strands")
-    assert warned == [
+    assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
+    assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
         "store=<membase>, reason=<internal> | a write whose caller was cancelled failed; it is not saved, and "
-        "nothing will send it again"
-    ]  # it ended within the wait: one line, not two
-    assert (store.counters()["write_errors"], store.counters()["writes_lost"]) == (1, 1)
+        "nothing will send it again",  # one line, not two
+        f"store=<notes>, writes=<1> | writes still running after {BUDGET:g} s; they were not confirmed saved",
+    ]
+    assert (failing.counters()["write_errors"], failing.counters()["writes_lost"]) == (1, 1)
+    assert all(GREEN_TEA not in line for line in lines(caplog))
 
 
 async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_in_one_line(

@@ -267,7 +267,9 @@ def test_a_write_running_on_a_store_let_go_of_and_collected_is_saved_once_and_co
     assert len(alice.sent(*MEMORIES)) == 1
 
 
-def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(fake, users, gates):
+def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of_and_a_close_from_an_empty_context_does(
+    fake, users, gates
+):
     release, alice = gates.new(), users["alice"]
     alice.on(*MEMORIES, hang(release, then=alice.answer))
     with fake.pool(key_of, max_stores=1, capture=True, extraction=True, write_timeout=LONG) as pool:
@@ -278,9 +280,15 @@ def test_store_for_never_waits_for_the_writes_of_a_store_it_lets_go_of(fake, use
         bob = in_thread(pool.store_for, "bob").result(timeout=LONG)  # no wait for alice's write
 
         assert bob is not store and not turn.done() and not is_closed(store)
+        # A thread starts with an empty context (until something, OpenTelemetry say, sets a variable in it), and so
+        # does a server's lifespan task started there: a close from it runs its calls as from anywhere else.
+        closing = in_thread(contextvars.Context().run, asyncio.run, store.aclose())  # waits for the running write
+        assert not closing.done()
         release.set()
+        closing.result(timeout=LONG)
         turn.result(timeout=LONG)
-        assert store.counters()["writes_saved"] == 1
+        in_thread(contextvars.Context().run, pool.close).result(timeout=LONG)
+        assert store.counters()["writes_saved"] == 1 and alice.saved() == [QUESTION] and is_closed(store)
 
 
 # --- Closing: every store it built, side by side --------------------------------------------------------
@@ -423,25 +431,6 @@ async def test_pool_aclose_awaited_by_a_task_nothing_references_finishes_and_sen
     assert alice.saved() == [GREEN_TEA]
     assert len(alice.sent(*MEMORIES)) == 2
     assert "Task was destroyed but it is pending" not in caplog.text
-
-
-def test_closing_from_a_context_that_holds_no_variable_finishes(fake, users, gates):
-    """A thread starts with an empty context (until something, OpenTelemetry say, sets a variable in it), and so
-    does a server's lifespan task started there: a close from it runs its calls as from anywhere else."""
-    release, alice = gates.new(), users["alice"]
-    alice.on(*MEMORIES, hang(release, then=alice.answer))
-    pool = fake.pool(key_of, capture=True, write_timeout=LONG)
-    store = pool.store_for("alice")
-    write = in_thread(asyncio.run, store.add(GREEN_TEA))
-    assert wait_until(lambda: len(alice.sent(*MEMORIES)) == 1, timeout=LONG)
-
-    closing = in_thread(contextvars.Context().run, asyncio.run, store.aclose())  # waits for the running write
-    assert not closing.done()
-    release.set()
-    closing.result(timeout=LONG)
-    write.result(timeout=LONG)
-    in_thread(contextvars.Context().run, pool.close).result(timeout=LONG)
-    assert alice.saved() == [GREEN_TEA] and is_closed(store)
 
 
 # --- Many threads, many users ------------------------------------------------------------------------
