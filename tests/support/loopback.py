@@ -124,16 +124,15 @@ class LoopbackMembase:
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
 
-    def requests(self, method: str, path: str, keys: Any = None) -> list[Seen]:
-        """The requests read to ``method path``, optionally only those carrying one of ``keys``."""
+    def requests(self, method: str, path: str, keys: Any = None, answered: bool = False) -> list[Seen]:
+        """The requests read to ``method path`` (``answered``: those whose whole answer went out), optionally only
+        those carrying one of ``keys``."""
         with self._lock:
-            return [s for s in self.seen if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+            records = self.answered if answered else self.seen
+            return [s for s in records if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
 
     def answers(self, method: str, path: str, keys: Any = None) -> list[Seen]:
-        """The requests to ``method path`` (optionally carrying one of ``keys``) whose whole answer went out."""
-        with self._lock:
-            done = self.answered
-            return [s for s in done if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+        return self.requests(method, path, keys, answered=True)
 
     def always(self, method: str, path: str, action: RawAction) -> None:
         """Do ``action`` for every request to ``method path`` that no queued action (:meth:`on`) takes."""
@@ -163,15 +162,11 @@ class LoopbackMembase:
             into.append(entry)
             self._changed.notify_all()
 
-    def _count(self, opened: int) -> None:
+    def _count(self, opened: int = 0, serving: int = 0) -> None:
         with self._lock:
-            if opened > 0:
-                self.connections += 1
+            self.connections += opened > 0
             self.open_connections += opened
-
-    def _serving(self, change: int) -> None:
-        with self._lock:
-            self.in_flight += change
+            self.in_flight += serving
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
 
@@ -222,11 +217,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bytes) -> None:
         owner = self.server.owner
-        owner._serving(+1)
+        owner._count(serving=+1)
         try:
             self._answer(body)
         finally:
-            owner._serving(-1)
+            owner._count(serving=-1)
         if owner.close_after is not None and not self.close_connection:
             # Read nothing more: a request the client sends meanwhile is never seen, and closing with it unread
             # resets the connection, as a server closing an idle keep-alive connection does over a real network.
