@@ -300,15 +300,10 @@ def own_threads() -> list[threading.Thread]:
     return [t for t in membase_threads() if t.name.endswith(f"[{STORE}]") or t.name == "membase-request"]
 
 
-def outcome(path: str, fault_id: str, pinned: bool = False) -> Outcome:
-    """What ``path`` did under the fault, each case run once."""
-    return _outcome(path, fault_id, pinned)
-
-
 @functools.cache
-def _outcome(path: str, fault_id: str, pinned: bool) -> Outcome:
-    """Drive ``path`` through the fault (on the Memory list, ``pinned`` to "Main") with a fresh fake, store and agent;
-    then open the host's gate, wait for the store's threads and close it."""
+def outcome(path: str, fault_id: str, pinned: bool = False) -> Outcome:
+    """What ``path`` did under the fault (on the Memory list, ``pinned`` to "Main"), each case run once (callers pass
+    ``pinned`` only when it is True): a fresh fake, store and agent; then the host's gate opens, the store closes."""
     fault = LIST_FAULTS_BY_ID[fault_id] if pinned else FAULTS_BY_ID[fault_id]
     fake, host = InMemoryMembase(), Host(fault.respond, TOOL_HANG if path in TOOL_PATHS else GENEROUS)
     note_id = fake.remember(FACT)
@@ -469,7 +464,7 @@ def run(paths: tuple[str, ...], faults: list[Fault] = FAULTS) -> None:
     failures = []
     for path in paths:
         for fault in faults:
-            o = outcome(path, fault.id, pinned)
+            o = outcome(path, fault.id, True) if pinned else outcome(path, fault.id)
             try:
                 check_common(o)
                 CHECKS.get(path, check_tool)(o)

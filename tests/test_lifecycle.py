@@ -424,22 +424,6 @@ async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(e
     assert not logged(caplog, NOT_FINISHED)()
 
 
-async def test_what_watches_a_store_for_exit_and_for_fork_keeps_no_store_alive(fake):
-    store = capturing(fake)
-    agent, _ = make_agent(store, ["Noted."])
-    await turn_and_flush(agent, GREEN_TEA)
-    assert fake.saved() == [GREEN_TEA]
-    gone = weakref.ref(store)
-    del store, agent
-
-    def collected() -> bool:
-        gc.collect()
-        return gone() is None
-
-    # The thread that ran the write lets go of it just after the write's caller wakes: wait (bounded) for that.
-    assert await until(collected, timeout=LONG)
-
-
 # --- Interpreter exit, for real: one subprocess, three stores, two forks -------------------------------------
 def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_timeout_and_says_how_they_ended(gates):
     servers = [LoopbackMembase() for _ in range(3)]

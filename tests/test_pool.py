@@ -124,38 +124,6 @@ def test_each_users_agent_recalls_and_saves_only_in_that_users_own_memory(fake, 
     assert fake.notes == []
 
 
-def test_a_users_turns_from_several_event_loops_at_once_reuse_that_users_one_store(fake, users):
-    seen: dict[str, set[int]] = {user: set() for user in FACTS}
-    failures: list[BaseException] = []
-    lock = threading.Lock()
-
-    async def turns(pool: MembaseStorePool) -> None:
-        for _ in range(5):
-            for user, fact in FACTS.items():
-                store = pool.store_for(user)
-                assert [entry.content for entry in await store.search(QUESTION)] == [f"[Main] {fact}"]
-                with lock:
-                    seen[user].add(id(store))
-
-    def in_own_loop(pool: MembaseStorePool) -> None:
-        try:
-            asyncio.run(turns(pool))
-        except BaseException as failure:  # noqa: BLE001 - reported by the test below
-            failures.append(failure)
-
-    with fake.pool(key_of, recall_timeout=LONG) as pool:
-        threads = [threading.Thread(target=in_own_loop, args=(pool,)) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(LONG)
-        assert len(pool) == 3
-
-    assert failures == []
-    assert all(len(ids) == 1 for ids in seen.values())
-    assert [len(account.sent("POST", "/v1/search")) for account in users.values()] == [20, 20, 20]
-
-
 def test_shared_options_reach_every_users_store_and_building_one_sends_nothing(fake, users):
     for account in users.values():
         account.add_memory("Work", "ctr_work")

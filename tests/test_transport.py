@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import shutil
 import ssl
@@ -26,7 +25,7 @@ import membase
 import membase.client
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _http
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
 from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
 from tests.support.store_helpers import FACT, QUESTION, make_agent, result_text, until, wait_until
@@ -208,17 +207,6 @@ def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_reti
     assert loopback.connections == users
     # Idle threads retire (after 2 s) and close the connections they kept: none is left open.
     assert wait_until(lambda: loopback.open_connections == 0, timeout=LONG)
-
-
-def test_a_request_made_from_a_thread_with_no_context_variables_is_sent(loopback):
-    # A fresh process's main thread, or a server's shutdown thread, has no context variable set: its request must
-    # still run on a library thread (the set-up check's command line makes every request from such a thread).
-    client = _http.client_for(_http.route(loopback.url, None, LONG, 1 << 20))
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-
-    answer = contextvars.Context().run(client.get, "/v1/containers", headers=headers)
-
-    assert answer.json()["containers"] == loopback.fake.containers
 
 
 @pytest.fixture
