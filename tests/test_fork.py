@@ -99,43 +99,34 @@ def test_a_forked_child_never_gets_its_parents_answers(loopback) -> None:
         store.close()
 
 
-def test_a_forked_child_finishes_its_recall_while_a_parent_request_is_in_flight(loopback) -> None:
-    """A thread of the parent is mid-request at the fork: that thread does not exist in the child, which must not
-    wait for it, nor read its socket."""
+async def test_a_forked_child_recalls_while_parent_recalls_are_in_flight_one_waited_for_and_one_nobody_waits_for(
+    loopback,
+) -> None:
+    """Threads of the parent mid-request at the fork do not exist in the child, which must not wait for them, nor read
+    their sockets, nor skip its recalls while the parent's late one runs."""
     store = built_store(loopback)
-    sent, release = threading.Event(), threading.Event()
-    answers: list[list[str]] = []
-    in_flight = threading.Thread(target=lambda: answers.append(recall(store, "parent03")), daemon=True)
+    waited_sent, late_sent, release = threading.Event(), threading.Event(), threading.Event()
     try:
-        warm(store)
-        loopback.on("POST", "/v1/search", arrived(sent, stall(release, as_usual)))
-        in_flight.start()
-        assert sent.wait(LONG)
-        try:
-            assert run_in_child(lambda: recall(store, "child07")) == note("child", 7)
-        finally:
-            release.set()
-            in_flight.join(LONG)
-        assert answers == [note("parent", 3)]  # and the parent's request got its own answer
-    finally:
-        release.set()
-        store.close()
-
-
-async def test_a_forked_child_is_not_held_off_by_its_parents_recall_that_nobody_waits_for(loopback) -> None:
-    sent, release = threading.Event(), threading.Event()
-    loopback.on("POST", "/v1/search", arrived(sent, stall(release, ok_json({"results": [], "containers": []}))))
-    store = built_store(loopback)
-    try:
+        await asyncio.to_thread(warm, store)
+        loopback.on(
+            "POST",
+            "/v1/search",
+            arrived(waited_sent, stall(release, as_usual)),
+            arrived(late_sent, stall(release, ok_json({"results": [], "containers": []}))),
+        )
+        waited = asyncio.ensure_future(asyncio.to_thread(recall, store, "parent03"))
+        assert await until(waited_sent.is_set, timeout=LONG)
         # In the parent, a recall nobody waits for any more is still running: recalls skip until it ends.
-        await cancelled_once_sent(store.search("ledger"), sent)
+        await cancelled_once_sent(store.search("ledger"), late_sent)
         assert await store.search("child07") == []
 
         child = await asyncio.to_thread(run_in_child, lambda: (recall(store, "child07"), store.counters()))
 
-        assert child[0] == note("child", 7)  # that request's thread does not exist in the child: it recalls
+        assert child[0] == note("child", 7)
         assert child[1]["recall_skipped"] == 1  # the parent's skip, counted before the fork; none since
         assert await store.search("child07") == []  # the parent still skips while its request runs
+        release.set()
+        assert await asyncio.wait_for(waited, LONG) == note("parent", 3)  # the parent's request got its own answer
     finally:
         release.set()
         store.close()
