@@ -53,10 +53,6 @@ def where() -> threading.Thread:
     return threading.current_thread()
 
 
-def named(prefix: str) -> list[threading.Thread]:
-    return [thread for thread in threading.enumerate() if thread.name.startswith(prefix)]
-
-
 def meet(barrier: threading.Barrier) -> threading.Thread:
     """A call that returns once all the barrier's parties run at the same time; where it ran."""
     barrier.wait()
@@ -137,7 +133,9 @@ def test_past_its_kinds_cap_a_call_waits_its_turn_and_the_lanes_take_turns(threa
         submit(functools.partial(held, gate, running if n == 0 else None), name=f"membase-test[busy-{n}]")
         for n, gate in enumerate(gates_of)
     ]
-    assert running.wait(LONG) and wait_until(lambda: len(named("membase-test[busy")) == len(busy), timeout=LONG)
+    assert running.wait(LONG) and wait_until(
+        lambda: len(membase_threads("membase-test[busy")) == len(busy), timeout=LONG
+    )
     ran: list[tuple[str, threading.Thread]] = []
     in_line = [
         submit(
@@ -147,7 +145,7 @@ def test_past_its_kinds_cap_a_call_waits_its_turn_and_the_lanes_take_turns(threa
     ]
 
     # No thread started for the calls past the cap; recalls and closes have threads of their own all the same.
-    assert named("membase-test[lane") == [] and ran == []
+    assert membase_threads("membase-test[lane") == [] and ran == []
     assert submit(lambda: "recalled", name="membase-test[recall]", kind="recall").result(timeout=LONG) == "recalled"
     assert submit(lambda: "closed", name="membase-test[close]", kind="close").result(timeout=LONG) == "closed"
     assert in_line[3].cancel()  # still in line: nobody has started it, and nobody will

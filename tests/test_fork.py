@@ -270,7 +270,7 @@ def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_c
 def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_parents(gates) -> None:
     gate = gates.new()
     busy = [_background.submit(gate.wait, name=f"membase-test[busy-{n}]") for n in range(_background.WORK_THREADS)]
-    assert wait_until(lambda: len([t for t in threading.enumerate() if t.name.startswith("membase-test[busy")]) == 24)
+    assert wait_until(lambda: len(membase_threads("membase-test[busy")) == len(busy))
 
     child = run_in_child(lambda: _background.submit(lambda: "child", name="membase-test[child]").result(timeout=LONG))
 
