@@ -316,10 +316,8 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
 
 
 def stall(release: threading.Event, then: RawAction | None = None, limit: float = LIMIT) -> RawAction:
-    """Hold the connection without answering until ``release`` is set (at most ``limit`` s), then ``then``.
-
-    Without ``then`` the connection is closed with no answer.
-    """
+    """Hold the connection without answering until ``release`` is set (at most ``limit`` s), then ``then`` (without
+    it, the connection is closed with no answer)."""
 
     def act(handler: _Handler) -> None:
         release.wait(limit)
@@ -337,10 +335,8 @@ def ok_json(body: Any) -> RawAction:
 
 
 def meet(barrier: threading.Barrier, then: RawAction = as_usual) -> RawAction:
-    """Wait until ``barrier``'s other parties are in too (at most ``LIMIT`` s), then ``then``.
-
-    Requests that meet are in flight at the same time, each on a connection of its own.
-    """
+    """Wait until ``barrier``'s other parties are in too (at most ``LIMIT`` s), then ``then``: requests that meet are
+    in flight at the same time, each on a connection of its own."""
 
     def act(handler: _Handler) -> None:
         barrier.wait(LIMIT)
@@ -350,10 +346,8 @@ def meet(barrier: threading.Barrier, then: RawAction = as_usual) -> RawAction:
 
 
 def arrived(event: threading.Event, then: RawAction) -> RawAction:
-    """Set ``event`` once the request is in (the fake has recorded it), then do ``then``.
-
-    Lets a test wait for the moment a request is on the wire instead of sleeping.
-    """
+    """Set ``event`` once the request is in (the fake has recorded it), then do ``then``: a test waits for the moment
+    a request is on the wire instead of sleeping."""
 
     def act(handler: _Handler) -> None:
         event.set()
@@ -363,12 +357,8 @@ def arrived(event: threading.Event, then: RawAction) -> RawAction:
 
 
 def drip_header_lines(every: float = 0.2, limit: float = 60.0, stop: threading.Event | None = None) -> RawAction:
-    """Send the status line, then one whole header line every ``every`` seconds, never ending the headers.
-
-    Each line arrives well inside any per-read timeout, so only a bound on the whole attempt ends the call. The
-    server stops after ``limit`` seconds, once ``stop`` is set, or when the client hangs up (a line fails to send),
-    then closes the connection; :attr:`LoopbackMembase.drips` records the lines sent and whether the client hung up.
-    """
+    """Send the status line, then one whole header line every ``every`` seconds (well inside any per-read timeout),
+    never ending the headers, until ``limit`` s pass, ``stop`` is set or the client hangs up; recorded in ``drips``."""
 
     def act(handler: _Handler) -> None:
         handler.close_connection = True
