@@ -80,39 +80,24 @@ async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, cap
 
 
 # --- Closed: refused at once, nothing sent, nothing else closed -------------------------------------------
-async def test_every_way_of_closing_leaves_the_host_and_a_passed_in_client_usable(fake):
+async def test_every_way_of_closing_refuses_later_calls_and_leaves_the_host_and_a_passed_in_client_usable(fake, caplog):
     fake.remember(FACT)
-    store = fake.store(recall_timeout=LONG)
+    store = fake.store(capture=True, container="Main", recall_timeout=LONG)
+    calls = [ToolCall("membase_search", {"query": "ledger"}), ToolCall("membase_save", {"content": "a note"})]
+    agent, model = make_agent(store, [*calls, ToolCall("membase_profile", {}), "ok", "ok"])
     store.close()
     store.close()  # twice is harmless
     with fake.store(recall_timeout=LONG) as second:
         assert await second.search(QUESTION)
     async with fake.store(recall_timeout=LONG) as third:
         assert [entry.content for entry in await third.search(QUESTION)] == [f"[Main] {FACT}"]
-    for closed in (store, second, third):
-        with pytest.raises(RuntimeError, match="closed"):
-            await closed.search(QUESTION)
-
-    client = fake.client()
-    with MembaseMemoryStore(client=client):
-        pass
-    async with MembaseMemoryStore(client=client):
-        pass
-    assert client.search("Postgres")["results"]  # still open: a store never closes a client it was given
-    async with fake.store(recall_timeout=LONG) as again:  # and the host's shared connections still serve
-        assert await again.search(QUESTION)
-
-
-async def test_a_closed_store_refuses_every_call_and_its_agent_goes_on_without_memory(fake, caplog):
-    fake.remember(FACT)
-    store = fake.store(capture=True, container="Main")
-    calls = [ToolCall("membase_search", {"query": "ledger"}), ToolCall("membase_save", {"content": "a note"})]
-    agent, model = make_agent(store, [*calls, ToolCall("membase_profile", {}), "ok", "ok"])
-    store.close()
-    sent = len(fake.requests)  # the set-up check the agent ran when it was built, before the close
+    sent = len(fake.requests)
     for call in (store.search("ledger"), store.add("a note"), store.add_messages([user("a note")])):
         with pytest.raises(RuntimeError, match="MembaseMemoryStore 'membase' is closed; create a new store"):
             await call
+    for closed in (second, third):
+        with pytest.raises(RuntimeError, match="closed"):
+            await closed.search(QUESTION)
 
     await agent.invoke_async("go")  # the tools: each says the store was closed, in a sentence
     for result in model.tool_results():
@@ -123,6 +108,15 @@ async def test_a_closed_store_refuses_every_call_and_its_agent_goes_on_without_m
     assert model.memory_block() is None
     assert len(fake.requests) == sent
     assert any("is closed" in r.getMessage() for r in caplog.records if r.name.startswith("strands.memory"))
+
+    client = fake.client()
+    with MembaseMemoryStore(client=client):
+        pass
+    async with MembaseMemoryStore(client=client):
+        pass
+    assert client.search("Postgres")["results"]  # still open: a store never closes a client it was given
+    async with fake.store(recall_timeout=LONG) as again:  # and the host's shared connections still serve
+        assert await again.search(QUESTION)
 
 
 # --- Closing waits for the writes still running ---------------------------------------------------------

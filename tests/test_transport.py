@@ -28,12 +28,11 @@ import pytest
 from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
 from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
-from tests.support.store_helpers import FACT, QUESTION, make_agent, result_text, until, wait_until
+from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, result_text, until, wait_until
 
 DEADLINE = 0.5  # request_timeout, for the tests about it
 DRIP_EVERY = 0.1  # well inside httpx's per-read timeout: only the whole-attempt bound ends the call
 DRIP_BOUND = int(10 * DEADLINE / DRIP_EVERY)  # bytes a drip sends in ten deadlines: far more than one attempt takes
-LONG = 30.0  # every other wait: a loaded machine cannot run out of it
 LONG_BODY = b'{"results": [], "pad": "' + b"x" * 500 + b'"}'  # 50 s of drip
 NOTE = "Remember that the ledger runs on Postgres."
 

@@ -480,36 +480,34 @@ async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, 
     return messages, context
 
 
-async def test_a_managers_retry_that_comes_while_the_store_sends_the_batch_again_waits_for_it(fake, make_store, caplog):
+@pytest.mark.parametrize("resend", ["saved", "fails"])
+async def test_a_kept_batch_goes_out_once_with_the_next_write_and_a_retry_waits_for_it_or_is_lost_if_it_fails(
+    fake, make_store, caplog, resend
+):
     answers, store = ByWords(fake), capturing(make_store)
-    resending, release_resend = threading.Event(), threading.Event()
+    resending, release = threading.Event(), threading.Event()
+    then = signalling(resending, hang(release, then=fake.answer)) if resend == "saved" else status(503, "busy")
     try:
-        resent = signalling(resending, hang(release_resend, then=fake.answer))
-        messages, context = await kept(store, answers, caplog, GREEN_TEA, resent)
+        messages, context = await kept(store, answers, caplog, GREEN_TEA, then)
         await store.add_messages([user(LISBON)], batch([1]))  # the next write: the kept batch goes out too
-        assert await until(resending.is_set, timeout=LONG)
-        retry = await started(store.add_messages(messages, context))  # the manager's retry, while that runs
-        release_resend.set()
-        assert await retry is None  # it waited for the store's own request, which saved the words
+        if resend == "saved":
+            assert await until(resending.is_set, timeout=LONG)
+            retry = await started(store.add_messages(messages, context))  # the manager's retry, while that runs
+            release.set()
+            assert await retry is None  # it waited for the store's own request, which saved the words
+        else:
+            assert await until(logged(caplog, SENT_AGAIN_LOST, logging.WARNING), timeout=LONG)
+            await store.add_messages([user("Call me Sam")], batch([2]))  # never a third attempt
     finally:
-        release_resend.set()
+        release.set()
 
     assert posted(fake).count(GREEN_TEA) == 2
-    assert held(fake) == [LISBON, GREEN_TEA]
-    assert counts(store, "writes_sent_again", "writes_deduplicated", "writes_lost") == (1, 1, 0)
-
-
-async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(fake, make_store, caplog):
-    answers, store = ByWords(fake), capturing(make_store)
-    await kept(store, answers, caplog, GREEN_TEA, status(503, "busy"))
-
-    await store.add_messages([user(LISBON)], batch([1]))  # sends the kept batch again: 503
-    assert await until(logged(caplog, SENT_AGAIN_LOST, logging.WARNING), timeout=LONG)
-    await store.add_messages([user("Call me Sam")], batch([2]))  # never a third attempt
-
-    assert posted(fake).count(GREEN_TEA) == 2
-    assert held(fake) == [LISBON, "Call me Sam"]
-    assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
+    if resend == "saved":
+        assert held(fake) == [LISBON, GREEN_TEA]
+        assert counts(store, "writes_sent_again", "writes_deduplicated", "writes_lost") == (1, 1, 0)
+    else:
+        assert held(fake) == [LISBON, "Call me Sam"]
+        assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
 
 
 async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_its_new_words_for_the_next_write(
