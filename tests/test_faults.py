@@ -1,13 +1,9 @@
 """The fault matrix: every path of the store through every fault a Membase host or its network can bring.
 
-Paths: automatic recall (an agent turn), the manager's ``search_memory``, ``store.search``, the four tools
-(``membase_forget`` opted in) and the captured writes (``store.add``, the manager's ``add_memory``, ``add_messages``
-with extraction). Faults: a host that never answers, refused or reset connections, 5xx, 429, 4xx, 2xx answers that
-cannot be read or have the wrong shape, 10 MB, an endless answer, and the Memory list failing while a pinned name is
-resolved. Every fault's text echoes the key (across the 300th character, where a server's message is cut): no
-:data:`PIECE` consecutive characters of it may reach a log record (every logger at DEBUG, tracebacks too), the model,
-an error raised to the caller or a span. Each case has its own fake, store (``fake.store()``: from the key, as in
-production) and agent. Nothing is timed: a budget holds when the path returns while the host still holds its
+Paths and faults are listed below. Every fault's text echoes the key (across the 300th character, where a server's
+message is cut): no :data:`PIECE` consecutive characters of it may reach a log record (every logger at DEBUG,
+tracebacks too), the model, an error raised to the caller or a span. Each case has its own fake, store (from the key,
+as in production) and agent. Nothing is timed: a budget holds when the path returns while the host still holds its
 request; every other bound is shown by counting requests and bytes.
 """
 

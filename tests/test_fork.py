@@ -56,18 +56,15 @@ def loopback() -> Iterator[LoopbackMembase]:
 
 def built_store(loopback: LoopbackMembase, **options: Any) -> MembaseMemoryStore:
     """A store built from the key for the loopback server, as in production."""
-    return MembaseMemoryStore(
-        api_key=API_KEY, base_url=loopback.url, **{"name": NAME, "recall_timeout": LONG, **options}
-    )
+    options = {"name": NAME, "recall_timeout": LONG, **options}
+    return MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, **options)
 
 
-def recall(store: MembaseMemoryStore, query: str) -> list[str]:
-    """What one recall returned (nothing, when it was skipped)."""
+def recall(store: MembaseMemoryStore, query: str) -> list[str]:  # what one recall returned (nothing: skipped)
     return [entry.content for entry in asyncio.run(store.search(query))]
 
 
-def note(who: str, i: int) -> list[str]:
-    """What a recall for ``who`` and ``i`` finds: that one note."""
+def note(who: str, i: int) -> list[str]:  # the one note a recall for ``who`` and ``i`` finds
     return [f"[Main] Note for {who}{i:02d}."]
 
 
@@ -303,7 +300,5 @@ def test_a_passed_in_client_serves_a_child_only_if_unused_before_the_fork(loopba
         assert len(loopback.fake.sent("POST", "/v1/search")) == 1 + SEARCHES  # the warm-up; none from the used one
         assert searches(before, "parent") == [note("parent", i) for i in range(SEARCHES)]  # the parent goes on
     finally:
-        for store in (before, after):
-            store.close()
-        used.close()
-        fresh.close()
+        for closable in (before, after, used, fresh):
+            closable.close()

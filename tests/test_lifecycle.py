@@ -1,10 +1,8 @@
 """Closing a store: ``close()``, ``await aclose()``, ``with`` / ``async with``, and interpreter exit.
 
-A close waits up to ``write_timeout`` for the captured writes still running, then sends once more what failed with
-nobody left to retry it, and returns once every outcome it waited for is logged and counted. ``aclose()`` does so
-without blocking the event loop (a ticker task beside it is the only one that releases the held write), and finishes
-even when the task awaiting it is referenced by nothing else. Interpreter exit is tested in process (the exit hook
-over only the test's own stores) and once for real, in one subprocess whose log lines the test reads as they come.
+A close waits up to ``write_timeout`` for the writes still running, sends once more what failed with nobody left to
+retry it, and returns once every outcome it waited for is on record; ``aclose()`` without blocking the event loop.
+Interpreter exit is tested in process (the exit hook over the test's own stores) and once for real, in a subprocess.
 """
 
 from __future__ import annotations

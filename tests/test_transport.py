@@ -1,9 +1,8 @@
 """How a store's requests travel: whole-attempt bounds on dripping answers, bodies of no stated length, more hits than
 asked for, connections of its own per library thread, and TLS and proxy settings read once, when the store is built.
 
-Dripping answers, sockets, TLS and proxies come from the real loopback HTTP server (``tests/support/loopback.py``);
-``httpx.MockTransport`` has no socket. What a hostile server does to users sharing the runtime (cookies, stale
-connections, starvation, the size cap, a key echoed at any offset) is in ``test_shared_runtime.py``.
+Sockets come from the real loopback HTTP server (``httpx.MockTransport`` has none). What a hostile server does to
+users sharing the runtime (cookies, stale connections, the size cap, an echoed key) is in ``test_shared_runtime.py``.
 """
 
 from __future__ import annotations

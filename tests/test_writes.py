@@ -1,8 +1,7 @@
 """Captured writes: off by default, time-boxed, never sent twice for the same thing, never lost without a word.
 
-Driven through a real Agent and ``MemoryManager`` where the manager's retry is the point, and through the store's
-``add`` / ``add_messages`` where the batch is. A write that is about the budget runs out of a short one
-(``BUDGET``) while a gate holds its request, so the budget always runs out; the rest wait on events.
+Driven through a real Agent where the manager's retry is the point, through ``add`` / ``add_messages`` where the
+batch is. A write about the budget runs out of a short one (``BUDGET``) while a gate holds its request.
 """
 
 from __future__ import annotations

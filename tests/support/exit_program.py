@@ -1,8 +1,7 @@
-"""A program that exits with captured writes still running, run in a subprocess whose log lines a test reads as they
-come: three stores over three loopback servers (``argv[1:4]``), one used only in a child forked before any use (as
-gunicorn ``--preload`` does), one whose write's caller hung up, one whose turn's write outlived its 0.5 s budget, and
-a second child forked while the parent's writes run. Each process prints its stores' counters last, as JSON.
-"""
+"""A program that exits with captured writes still running: three stores over three loopback servers (``argv[1:4]``),
+one used only in a child forked before any use (gunicorn ``--preload``), one whose write's caller hung up, one whose
+turn's write outlived its 0.5 s budget, and a child forked while the parent's writes run. Each process prints its
+stores' counters last, as JSON; a test reads the log lines as they come."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ stores = {}
 # Registered before the library's exit hook (importing the library registers that one), so it runs after it.
 report = lambda: {"pid": os.getpid(), "counters": {name: store.counters() for name, store in stores.items()}}
 atexit.register(lambda: print(json.dumps(report()), flush=True))
-logging.basicConfig(
-    level=logging.INFO, stream=sys.stderr, format="%(process)d %(relativeCreated)d %(levelname)s %(name)s %(message)s"
-)
+logging.basicConfig(level=logging.INFO, format="%(process)d %(relativeCreated)d %(levelname)s %(name)s %(message)s")
 
 from strands import Agent
 from strands.memory import MemoryManager
@@ -33,10 +30,8 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, ScriptedModel
 
 for name, url in zip(("preloaded", "graced", "cut"), sys.argv[1:4]):
-    stores[name] = MembaseMemoryStore(
-        api_key=API_KEY, base_url=url, name=name, container="Main", capture=True, extraction=True,
-        write_timeout=0.5 if name == "cut" else 30.0,
-    )
+    options = dict(container="Main", capture=True, extraction=True, write_timeout=0.5 if name == "cut" else 30.0)
+    stores[name] = MembaseMemoryStore(api_key=API_KEY, base_url=url, name=name, **options)
 
 
 async def write_then_hang_up(store):  # a web handler whose client hung up: the write goes on in the background
