@@ -56,18 +56,15 @@ def loopback() -> Iterator[LoopbackMembase]:
 
 def built_store(loopback: LoopbackMembase, **options: Any) -> MembaseMemoryStore:
     """A store built from the key for the loopback server, as in production."""
-    return MembaseMemoryStore(
-        api_key=API_KEY, base_url=loopback.url, **{"name": NAME, "recall_timeout": LONG, **options}
-    )
+    options = {"name": NAME, "recall_timeout": LONG, **options}
+    return MembaseMemoryStore(api_key=API_KEY, base_url=loopback.url, **options)
 
 
-def recall(store: MembaseMemoryStore, query: str) -> list[str]:
-    """What one recall returned (nothing, when it was skipped)."""
+def recall(store: MembaseMemoryStore, query: str) -> list[str]:  # what one recall returned (nothing: skipped)
     return [entry.content for entry in asyncio.run(store.search(query))]
 
 
-def note(who: str, i: int) -> list[str]:
-    """What a recall for ``who`` and ``i`` finds: that one note."""
+def note(who: str, i: int) -> list[str]:  # the one note a recall for ``who`` and ``i`` finds
     return [f"[Main] Note for {who}{i:02d}."]
 
 
@@ -83,8 +80,6 @@ def warm(store: MembaseMemoryStore) -> None:
 
 
 # --- A store built from a key --------------------------------------------------------------------
-
-
 def test_a_forked_child_never_gets_its_parents_answers(loopback) -> None:
     store = built_store(loopback)
     try:
@@ -101,43 +96,34 @@ def test_a_forked_child_never_gets_its_parents_answers(loopback) -> None:
         store.close()
 
 
-def test_a_forked_child_finishes_its_recall_while_a_parent_request_is_in_flight(loopback) -> None:
-    """A thread of the parent is mid-request at the fork: that thread does not exist in the child, which must not
-    wait for it, nor read its socket."""
+async def test_a_forked_child_recalls_while_parent_recalls_are_in_flight_one_waited_for_and_one_nobody_waits_for(
+    loopback,
+) -> None:
+    """Threads of the parent mid-request at the fork do not exist in the child, which must not wait for them, nor read
+    their sockets, nor skip its recalls while the parent's late one runs."""
     store = built_store(loopback)
-    sent, release = threading.Event(), threading.Event()
-    answers: list[list[str]] = []
-    in_flight = threading.Thread(target=lambda: answers.append(recall(store, "parent03")), daemon=True)
+    waited_sent, late_sent, release = threading.Event(), threading.Event(), threading.Event()
     try:
-        warm(store)
-        loopback.on("POST", "/v1/search", arrived(sent, stall(release, as_usual)))
-        in_flight.start()
-        assert sent.wait(LONG)
-        try:
-            assert run_in_child(lambda: recall(store, "child07")) == note("child", 7)
-        finally:
-            release.set()
-            in_flight.join(LONG)
-        assert answers == [note("parent", 3)]  # and the parent's request got its own answer
-    finally:
-        release.set()
-        store.close()
-
-
-async def test_a_forked_child_is_not_held_off_by_its_parents_recall_that_nobody_waits_for(loopback) -> None:
-    sent, release = threading.Event(), threading.Event()
-    loopback.on("POST", "/v1/search", arrived(sent, stall(release, ok_json({"results": [], "containers": []}))))
-    store = built_store(loopback)
-    try:
+        await asyncio.to_thread(warm, store)
+        loopback.on(
+            "POST",
+            "/v1/search",
+            arrived(waited_sent, stall(release, as_usual)),
+            arrived(late_sent, stall(release, ok_json({"results": [], "containers": []}))),
+        )
+        waited = asyncio.ensure_future(asyncio.to_thread(recall, store, "parent03"))
+        assert await until(waited_sent.is_set, timeout=LONG)
         # In the parent, a recall nobody waits for any more is still running: recalls skip until it ends.
-        await cancelled_once_sent(store.search("ledger"), sent)
+        await cancelled_once_sent(store.search("ledger"), late_sent)
         assert await store.search("child07") == []
 
         child = await asyncio.to_thread(run_in_child, lambda: (recall(store, "child07"), store.counters()))
 
-        assert child[0] == note("child", 7)  # that request's thread does not exist in the child: it recalls
+        assert child[0] == note("child", 7)
         assert child[1]["recall_skipped"] == 1  # the parent's skip, counted before the fork; none since
         assert await store.search("child07") == []  # the parent still skips while its request runs
+        release.set()
+        assert await asyncio.wait_for(waited, LONG) == note("parent", 3)  # the parent's request got its own answer
     finally:
         release.set()
         store.close()
@@ -176,31 +162,21 @@ async def test_a_forked_child_sends_its_own_writes_only_never_waiting_for_or_sen
 
 
 # --- Forking while other threads are at work -------------------------------------------------------
-
-
 class Hammer:
-    """A daemon thread that calls ``work`` until stopped, counting its calls and keeping what it raised."""
+    """A daemon thread that calls ``work`` until stopped or it raises, counting its calls and keeping what it raised."""
 
     def __init__(self, name: str, work: Callable[[], object]) -> None:
-        self.calls = 0
-        self.errors: list[BaseException] = []
-        self._work, self._stop = work, threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"hammer-{name}", daemon=True)
-        self._thread.start()
+        self.calls, self.errors, self.stopping = 0, list[BaseException](), threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(work,), name=f"hammer-{name}", daemon=True)
+        self.thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def run(self, work: Callable[[], object]) -> None:
+        while not self.stopping.is_set() and not self.errors:
             try:
-                self._work()
+                work()
+                self.calls += 1
             except BaseException as error:  # noqa: BLE001 - reported by the test
                 self.errors.append(error)
-                return
-            self.calls += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(LONG)
-        assert not self._thread.is_alive(), f"{self._thread.name} did not stop"
 
 
 def test_children_forked_while_threads_hammer_every_public_entry_point_each_finish_their_own_work(loopback) -> None:
@@ -228,7 +204,7 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
     children = []
     try:
         for hammer in hammers:
-            assert wait_until(lambda: hammer.calls > 0, timeout=LONG), f"{hammer._thread.name} never got going"  # noqa: B023
+            assert wait_until(lambda: hammer.calls > 0, timeout=LONG), f"{hammer.thread.name} never got going"  # noqa: B023
         for i in range(10):  # each fork at another moment of the hammers' work: after the next search has gone through
             done = hammers[1].calls
             assert wait_until(lambda: hammers[1].calls > done, timeout=LONG)  # noqa: B023
@@ -236,7 +212,8 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
     finally:
         reports = child_reports(children)
         for hammer in hammers:
-            hammer.stop()
+            hammer.stopping.set()
+            hammer.thread.join(LONG)
         pool.close()
         store.close()
 
@@ -245,7 +222,7 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
         {"store": note("child", i), "pool": note("child", i), "built": note("child", i), "errors": 0}
         for i in range(len(children))
     ]
-    assert [hammer.errors for hammer in hammers] == [[]] * len(hammers)
+    assert [(hammer.errors, hammer.thread.is_alive()) for hammer in hammers] == [([], False)] * len(hammers)
 
 
 def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_child_that_uses_everything(
@@ -284,18 +261,13 @@ def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_c
         pool.close()
         store.close()
 
-    assert got == {
-        "recalled": note("child", 7),
-        "saved": True,
-        "pooled": note("child", 8),
-        "fresh": note("child", 9),
-    }
+    assert got == {"recalled": note("child", 7), "saved": True, "pooled": note("child", 8), "fresh": note("child", 9)}
 
 
 def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_parents(gates) -> None:
     gate = gates.new()
     busy = [_background.submit(gate.wait, name=f"membase-test[busy-{n}]") for n in range(_background.WORK_THREADS)]
-    assert wait_until(lambda: len([t for t in threading.enumerate() if t.name.startswith("membase-test[busy")]) == 24)
+    assert wait_until(lambda: len(membase_threads("membase-test[busy")) == len(busy))
 
     child = run_in_child(lambda: _background.submit(lambda: "child", name="membase-test[child]").result(timeout=LONG))
 
@@ -305,8 +277,6 @@ def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_par
 
 
 # --- A store given a client -----------------------------------------------------------------------
-
-
 def test_a_passed_in_client_serves_a_child_only_if_unused_before_the_fork(loopback) -> None:
     used, fresh = loopback.client(), loopback.client()
     before = MembaseMemoryStore(name=NAME, client=used, recall_timeout=LONG)
@@ -315,16 +285,12 @@ def test_a_passed_in_client_serves_a_child_only_if_unused_before_the_fork(loopba
         warm(before)
 
         def child() -> dict[str, Any]:
-            heard: list[str] = []
-            handler = logging.Handler(logging.WARNING)
-            handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
-            logging.getLogger("membase_strands").addHandler(handler)
             answers = searches(after, "child")
             try:
                 recall(before, "child07")
             except RuntimeError as refused:
                 return {"refused": str(refused), "errors": before.counters()["recall_errors"], "answers": answers}
-            return {"refused": None, "warnings": heard}
+            return {"refused": "not refused"}
 
         got = run_in_child(child)
 
@@ -334,7 +300,5 @@ def test_a_passed_in_client_serves_a_child_only_if_unused_before_the_fork(loopba
         assert len(loopback.fake.sent("POST", "/v1/search")) == 1 + SEARCHES  # the warm-up; none from the used one
         assert searches(before, "parent") == [note("parent", i) for i in range(SEARCHES)]  # the parent goes on
     finally:
-        for store in (before, after):
-            store.close()
-        used.close()
-        fresh.close()
+        for closable in (before, after, used, fresh):
+            closable.close()

@@ -1,10 +1,8 @@
 """Closing a store: ``close()``, ``await aclose()``, ``with`` / ``async with``, and interpreter exit.
 
-A close waits up to ``write_timeout`` for the captured writes still running, then sends once more what failed with
-nobody left to retry it, and returns once every outcome it waited for is logged and counted. ``aclose()`` does so
-without blocking the event loop (a ticker task beside it is the only one that releases the held write), and finishes
-even when the task awaiting it is referenced by nothing else. Interpreter exit is tested in process (the exit hook
-over only the test's own stores) and once for real, in one subprocess whose log lines the test reads as they come.
+A close waits up to ``write_timeout`` for the writes still running, sends once more what failed with nobody left to
+retry it, and returns once every outcome it waited for is on record; ``aclose()`` without blocking the event loop.
+Interpreter exit is tested in process (the exit hook over the test's own stores) and once for real, in a subprocess.
 """
 
 from __future__ import annotations
@@ -64,8 +62,7 @@ async def held_write(membase: InMemoryMembase, store: MembaseMemoryStore, then: 
 
 
 async def timed_out_write(membase: InMemoryMembase, store: MembaseMemoryStore, then: Any, release: threading.Event):
-    """A write of GREEN_TEA that runs out of the store's (short) budget while Membase holds it; ``then`` answers
-    it on ``release``."""
+    """A write of GREEN_TEA out of its (short) budget while Membase holds it; ``then`` answers on ``release``."""
     membase.on(*MEMORIES, hang(release, then=then))
     with pytest.raises(MembaseWriteTimeout):
         await store.add(GREEN_TEA)
@@ -80,48 +77,25 @@ async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, cap
     return store
 
 
-def no_bad_file_descriptor(caplog: pytest.LogCaptureFixture) -> bool:
-    """No log line (nor the traceback of one) says a socket was closed under a request."""
-    texts = [*lines(caplog), *(record.exc_text or "" for record in caplog.records)]
-    return not any("Bad file descriptor" in text or "Errno 9" in text for text in texts)
-
-
 # --- Closed: refused at once, nothing sent, nothing else closed -------------------------------------------
-
-
-async def test_every_way_of_closing_leaves_the_host_and_a_passed_in_client_usable(fake):
+async def test_every_way_of_closing_refuses_later_calls_and_leaves_the_host_and_a_passed_in_client_usable(fake, caplog):
     fake.remember(FACT)
-    store = fake.store(recall_timeout=LONG)
+    store = fake.store(capture=True, container="Main", recall_timeout=LONG)
+    calls = [ToolCall("membase_search", {"query": "ledger"}), ToolCall("membase_save", {"content": "a note"})]
+    agent, model = make_agent(store, [*calls, ToolCall("membase_profile", {}), "ok", "ok"])
     store.close()
     store.close()  # twice is harmless
     with fake.store(recall_timeout=LONG) as second:
         assert await second.search(QUESTION)
     async with fake.store(recall_timeout=LONG) as third:
         assert [entry.content for entry in await third.search(QUESTION)] == [f"[Main] {FACT}"]
-    for closed in (store, second, third):
-        with pytest.raises(RuntimeError, match="closed"):
-            await closed.search(QUESTION)
-
-    client = fake.client()
-    with MembaseMemoryStore(client=client):
-        pass
-    async with MembaseMemoryStore(client=client):
-        pass
-    assert client.search("Postgres")["results"]  # still open: a store never closes a client it was given
-    async with fake.store(recall_timeout=LONG) as again:  # and the host's shared connections still serve
-        assert await again.search(QUESTION)
-
-
-async def test_a_closed_store_refuses_every_call_and_its_agent_goes_on_without_memory(fake, caplog):
-    fake.remember(FACT)
-    store = fake.store(capture=True, container="Main")
-    calls = [ToolCall("membase_search", {"query": "ledger"}), ToolCall("membase_save", {"content": "a note"})]
-    agent, model = make_agent(store, [*calls, ToolCall("membase_profile", {}), "ok", "ok"])
-    store.close()
-    sent = len(fake.requests)  # the set-up check the agent ran when it was built, before the close
+    sent = len(fake.requests)
     for call in (store.search("ledger"), store.add("a note"), store.add_messages([user("a note")])):
         with pytest.raises(RuntimeError, match="MembaseMemoryStore 'membase' is closed; create a new store"):
             await call
+    for closed in (second, third):
+        with pytest.raises(RuntimeError, match="closed"):
+            await closed.search(QUESTION)
 
     await agent.invoke_async("go")  # the tools: each says the store was closed, in a sentence
     for result in model.tool_results():
@@ -133,10 +107,17 @@ async def test_a_closed_store_refuses_every_call_and_its_agent_goes_on_without_m
     assert len(fake.requests) == sent
     assert any("is closed" in r.getMessage() for r in caplog.records if r.name.startswith("strands.memory"))
 
+    client = fake.client()
+    with MembaseMemoryStore(client=client):
+        pass
+    async with MembaseMemoryStore(client=client):
+        pass
+    assert client.search("Postgres")["results"]  # still open: a store never closes a client it was given
+    async with fake.store(recall_timeout=LONG) as again:  # and the host's shared connections still serve
+        assert await again.search(QUESTION)
+
 
 # --- Closing waits for the writes still running ---------------------------------------------------------
-
-
 async def test_aclose_waits_for_a_running_write_while_the_event_loop_keeps_running(fake, gates, caplog):
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
@@ -156,21 +137,6 @@ async def test_aclose_waits_for_a_running_write_while_the_event_loop_keeps_runni
     await asyncio.wait_for(turn, LONG)  # the turn's own flush got the same answer
     assert (len(model.calls), len(fake.sent(*MEMORIES))) == (1, 1)
     assert logged(caplog, WAITING, logging.INFO)()
-
-
-async def test_aclose_lets_a_write_nobody_waits_for_finish_and_logs_it_before_returning(fake, gates, caplog):
-    caplog.set_level(logging.INFO)
-    release = gates.new()
-    store = capturing(fake)
-    await held_write(fake, store, fake.answer, release)
-
-    with Ticker(release_after=3, release=release.set):
-        await store.aclose()
-        said, counters = logged(caplog, CANCELLED_SAVED)(), store.counters()
-
-    assert said == 1
-    assert (counters["writes_saved"], counters["write_errors"]) == (1, 0)
-    assert fake.saved() == [GREEN_TEA]
 
 
 async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_saved_once_and_said_so(gates, caplog):
@@ -201,7 +167,8 @@ async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_sa
     assert len(server.fake.sent(*MEMORIES)) == 1  # saved once
     counters = store.counters()
     assert (counters["writes_saved"], counters["write_errors"], counters["writes_lost"]) == (1, 0, 0)
-    assert no_bad_file_descriptor(caplog)
+    texts = [*lines(caplog), *(record.exc_text or "" for record in caplog.records)]  # lines and their tracebacks
+    assert not any("Bad file descriptor" in text or "Errno 9" in text for text in texts)  # no socket closed under it
 
 
 async def test_a_cancelled_aclose_still_closes_and_every_later_close_returns_once_the_writes_are_on_record(
@@ -287,31 +254,37 @@ async def test_close_waits_for_the_outcome_of_a_write_that_ended_just_before_it_
     assert fake.saved() == [GREEN_TEA]
 
 
-@pytest.mark.parametrize("again", ["saved", "fails again"])
-async def test_a_write_that_fails_while_the_store_closes_is_sent_again_once_before_close_returns(
-    fake, gates, caplog, again
+@pytest.mark.parametrize(("outcome", "closer"), [("saved", "aclose"), ("failed", "close"), ("failed twice", "aclose")])
+async def test_a_close_waits_for_a_write_nobody_waits_for_and_sends_once_more_what_fails_meanwhile(
+    fake, gates, caplog, outcome, closer
 ):
+    """The write ends while the store closes: no manager retry can come any more, so what fails is sent again once,
+    and every outcome is logged and counted when the close returns."""
     caplog.set_level(logging.INFO)
     release = gates.new()
     store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), release)
-    if again == "fails again":
+    await held_write(fake, store, fake.answer if outcome == "saved" else status(500, "internal"), release)
+    if outcome == "failed twice":
         fake.on(*MEMORIES, status(500, "internal"))
-    closing = asyncio.ensure_future(asyncio.to_thread(store.close))
+    closing = asyncio.ensure_future(store.aclose() if closer == "aclose" else asyncio.to_thread(store.close))
     assert await until(drain_began(caplog), timeout=LONG)
-    release.set()  # it fails while close() waits for it: no manager retry can come any more
+    release.set()
     await closing
 
-    said, counters = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")], store.counters()
+    said = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")]
+    names = ("writes_sent_again", "writes_saved", "writes_lost", "write_errors", "errors.server_error")
+    counters = {name: store.counters().get(name, 0) for name in names}
+    if outcome == "saved":
+        assert said.count(CANCELLED_SAVED) == 1 and fake.saved() == [GREEN_TEA]
+        assert list(counters.values()) == [0, 1, 0, 0, 0]
+        return
     assert "a write whose caller was cancelled failed; the store sends it again before it closes" in said
-    if again == "saved":
-        assert SENT_AGAIN_SAVED in said
-        assert (counters["writes_sent_again"], counters["writes_saved"], counters["writes_lost"]) == (1, 1, 0)
-        assert fake.saved() == [GREEN_TEA]
+    if outcome == "failed":
+        assert SENT_AGAIN_SAVED in said and fake.saved() == [GREEN_TEA]
+        assert list(counters.values()) == [1, 1, 0, 1, 1]
     else:
         assert "a write the store sent again failed; it is not saved, and nothing will send it again" in said
-        assert (counters["writes_sent_again"], counters["writes_saved"], counters["writes_lost"]) == (1, 0, 1)
-        assert (counters["write_errors"], counters["errors.server_error"]) == (2, 2)
+        assert list(counters.values()) == [1, 0, 1, 2, 2]
     assert len(fake.sent(*MEMORIES)) == 2
 
 
@@ -338,8 +311,6 @@ async def test_aclose_awaited_by_a_task_nothing_references_finishes_and_sends_th
 
 
 # --- Interpreter exit, in process: the exit hook itself ------------------------------------------------
-
-
 @pytest.fixture
 def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """The atexit hook, over only the stores this test builds, with the 'exiting' flag put back afterwards."""
@@ -374,38 +345,27 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
     idle.close()
 
 
-async def test_the_exit_hook_names_the_store_of_a_write_that_did_not_finish_never_its_words(
+async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing_in_its_wait_is_lost_in_one_line(
     exit_hook, fake, gates, caplog, no_key_in_logs
 ):
-    store = capturing(fake, name="notes", write_timeout=BUDGET)
-    await timed_out_write(fake, store, fake.answer, gates.new())
-
-    await asyncio.to_thread(exit_hook)
-
-    assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
-    assert [line for line in lines(caplog, logging.WARNING) if NOT_FINISHED in line] == [
-        f"store=<notes>, writes=<1> | writes still running after {BUDGET:g} s; they were not confirmed saved"
-    ]
-    assert all(GREEN_TEA not in line for line in lines(caplog))
-
-
-async def test_a_write_that_fails_during_the_exit_wait_says_nothing_will_send_it_again(exit_hook, fake, gates, caplog):
-    caplog.set_level(logging.INFO)
-    release = gates.new()
-    store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), release)
+    notes, other, release = capturing(fake, name="notes", write_timeout=BUDGET), InMemoryMembase(), gates.new()
+    await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
+    failing = capturing(other)
+    await held_write(other, failing, status(500, "internal"), release)
 
     hook = asyncio.create_task(asyncio.to_thread(exit_hook))
-    assert await until(logged(caplog, EXITING), timeout=LONG)
-    release.set()
+    assert await until(logged(caplog, f"store=<membase> | {EXITING}"), timeout=LONG)
+    release.set()  # it fails within the wait
     await asyncio.wait_for(hook, LONG)
 
-    warned = lines(caplog, logging.WARNING, "membase_strands")
-    assert warned == [
+    assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
+    assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
         "store=<membase>, reason=<internal> | a write whose caller was cancelled failed; it is not saved, and "
-        "nothing will send it again"
-    ]  # it ended within the wait: one line, not two
-    assert (store.counters()["write_errors"], store.counters()["writes_lost"]) == (1, 1)
+        "nothing will send it again",  # one line, not two
+        f"store=<notes>, writes=<1> | writes still running after {BUDGET:g} s; they were not confirmed saved",
+    ]
+    assert (failing.counters()["write_errors"], failing.counters()["writes_lost"]) == (1, 1)
+    assert all(GREEN_TEA not in line for line in lines(caplog))
 
 
 async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_in_one_line(
@@ -456,25 +416,7 @@ async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(e
     assert not logged(caplog, NOT_FINISHED)()
 
 
-async def test_what_watches_a_store_for_exit_and_for_fork_keeps_no_store_alive(fake):
-    store = capturing(fake)
-    agent, _ = make_agent(store, ["Noted."])
-    await turn_and_flush(agent, GREEN_TEA)
-    assert fake.saved() == [GREEN_TEA]
-    gone = weakref.ref(store)
-    del store, agent
-
-    def collected() -> bool:
-        gc.collect()
-        return gone() is None
-
-    # The thread that ran the write lets go of it just after the write's caller wakes: wait (bounded) for that.
-    assert await until(collected, timeout=LONG)
-
-
 # --- Interpreter exit, for real: one subprocess, three stores, two forks -------------------------------------
-
-
 def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_timeout_and_says_how_they_ended(gates):
     servers = [LoopbackMembase() for _ in range(3)]
     try:
@@ -518,10 +460,6 @@ def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_time
     ]
     assert [line.split(" ", 2)[2] for line in said if "store=<cut>" in line][-3:] == cut_off
     assert not any(NOT_FINISHED in line for line in said if "store=<cut>" not in line)
-    counters = program.counters(parent)
-    assert (counters["graced"]["writes_saved"], counters["cut"]["write_timeouts"], counters["cut"]["writes_saved"]) == (
-        1,
-        1,
-        0,
-    )
+    graced_counted, cut_counted = program.counters(parent)["graced"], program.counters(parent)["cut"]
+    assert (graced_counted["writes_saved"], cut_counted["write_timeouts"], cut_counted["writes_saved"]) == (1, 1, 0)
     assert not any(GREEN_TEA in line for line in program.err if " membase_strands " in line)  # never the words

@@ -1,16 +1,14 @@
 """How a store's requests travel: whole-attempt bounds on dripping answers, bodies of no stated length, more hits than
 asked for, connections of its own per library thread, and TLS and proxy settings read once, when the store is built.
 
-Dripping answers, sockets, TLS and proxies come from the real loopback HTTP server (``tests/support/loopback.py``);
-``httpx.MockTransport`` has no socket. What a hostile server does to users sharing the runtime (cookies, stale
-connections, starvation, the size cap, a key echoed at any offset) is in ``test_shared_runtime.py``.
+Sockets come from the real loopback HTTP server (``httpx.MockTransport`` has none). What a hostile server does to
+users sharing the runtime (cookies, stale connections, the size cap, an echoed key) is in ``test_shared_runtime.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import shutil
 import ssl
@@ -26,15 +24,14 @@ import membase
 import membase.client
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _http
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
 from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
-from tests.support.store_helpers import FACT, QUESTION, make_agent, result_text, until, wait_until
+from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, result_text, until, wait_until
 
 DEADLINE = 0.5  # request_timeout, for the tests about it
 DRIP_EVERY = 0.1  # well inside httpx's per-read timeout: only the whole-attempt bound ends the call
 DRIP_BOUND = int(10 * DEADLINE / DRIP_EVERY)  # bytes a drip sends in ten deadlines: far more than one attempt takes
-LONG = 30.0  # every other wait: a loaded machine cannot run out of it
 LONG_BODY = b'{"results": [], "pad": "' + b"x" * 500 + b'"}'  # 50 s of drip
 NOTE = "Remember that the ledger runs on Postgres."
 
@@ -75,8 +72,6 @@ def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str]:
 
 
 # --- Answers that drip, and bodies of no stated length ----------------------------------------------
-
-
 def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_attempt_at_request_timeout(
     loopback, built, instant_backoff
 ):
@@ -102,7 +97,7 @@ def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_atte
     assert tool_turn(store, ToolCall("membase_search", {"query": "ledger"})) == ("success", search_text())
 
 
-def search_text() -> str:
+def search_text() -> str:  # what membase_search reads to the model when the loopback server answers at once
     return f'Membase found 1 passage for "ledger":\n1. [Main] {FACT}'
 
 
@@ -155,29 +150,21 @@ def chunked(chunks: list[bytes], late: int, **options: Any) -> tuple[MembaseMemo
     return store, sent
 
 
-async def test_a_body_of_no_stated_length_whose_last_chunk_comes_late_is_kept_whole():
+async def test_a_body_of_no_stated_length_is_kept_whole_when_its_last_chunk_is_late_and_ended_when_more_comes():
     """Only more data tells that such a body was not whole: a saved note must not read as failed (and be resent)."""
     store, sent = chunked([b'{"memory_id": ', b'"mem_1"}'], 1, capture=True, write_timeout=LONG)
-
     assert await store.add(NOTE) is not None
-
     assert (len(sent), store.counters()["writes_saved"], store.counters()["write_errors"]) == (1, 1, 0)
     store.close()
 
-
-async def test_a_body_of_no_stated_length_still_arriving_after_the_deadline_is_ended():
     store, sent = chunked([b'{"results": [', b"1, ", b"2]}"], 1, recall_timeout=LONG)
-
     with pytest.raises(membase.APITimeoutError):
         await store.search(QUESTION)
-
     assert (len(sent), store.counters()["errors.timeout"]) == (1, 1)
     store.close()
 
 
 # --- More hits than were asked for ----------------------------------------------------------------
-
-
 def three_hundred_hits(request: httpx.Request) -> httpx.Response:
     hits = [{"content": f"Passage {i} about the ledger.", "container": "ctr_main", "score": 1.0} for i in range(300)]
     return httpx.Response(200, json={"results": hits, "containers": [{"id": "ctr_main", "name": "Main"}]})
@@ -201,8 +188,6 @@ def test_recall_the_tool_and_search_keep_at_most_their_limit_when_a_server_sends
 
 
 # --- Connections, TLS and proxies -----------------------------------------------------------------
-
-
 def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_retires(loopback, built):
     users = 12
     # The server holds each search until all of them are in: twelve requests in flight at once, a socket each.
@@ -220,17 +205,6 @@ def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_reti
     assert loopback.connections == users
     # Idle threads retire (after 2 s) and close the connections they kept: none is left open.
     assert wait_until(lambda: loopback.open_connections == 0, timeout=LONG)
-
-
-def test_a_request_made_from_a_thread_with_no_context_variables_is_sent(loopback):
-    # A fresh process's main thread, or a server's shutdown thread, has no context variable set: its request must
-    # still run on a library thread (the set-up check's command line makes every request from such a thread).
-    client = _http.client_for(_http.route(loopback.url, None, LONG, 1 << 20))
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-
-    answer = contextvars.Context().run(client.get, "/v1/containers", headers=headers)
-
-    assert answer.json()["containers"] == loopback.fake.containers
 
 
 @pytest.fixture

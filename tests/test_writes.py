@@ -1,8 +1,7 @@
 """Captured writes: off by default, time-boxed, never sent twice for the same thing, never lost without a word.
 
-Driven through a real Agent and ``MemoryManager`` where the manager's retry is the point, and through the store's
-``add`` / ``add_messages`` where the batch is. A write that is about the budget runs out of a short one
-(``BUDGET``) while a gate holds its request, so the budget always runs out; the rest wait on events.
+Driven through a real Agent where the manager's retry is the point, through ``add`` / ``add_messages`` where the
+batch is. A write about the budget runs out of a short one (``BUDGET``) while a gate holds its request.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContex
 from strands.types.content import Message
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _background, _writes
-from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ToolCall, hang, status
+from membase_strands.testing import InMemoryMembase, Responder, ToolCall, hang, status
 from tests.support.store_helpers import (
     FACT,
     GREEN_TEA,
@@ -57,18 +56,19 @@ SENT_AGAIN_LOST = "a write the store sent again failed; it is not saved, and not
 MANAGER_SENDS_SEQUENCE_NUMBERS = "sequence_numbers" in {f.name for f in dataclasses.fields(AddMessagesContext)}
 
 
+def counts(source: Any, *names: str) -> tuple[int, ...]:
+    """The counters ``names`` of a store or pool, in order."""
+    counters = source.counters()
+    return tuple(counters[name] for name in names)
+
+
 def capturing(make_store, **options: Any) -> MembaseMemoryStore:
     options.setdefault("extraction", True)
     return make_store(capture=True, container="Main", **options)
 
 
 def held(fake: InMemoryMembase) -> list[str]:
-    """What Membase holds."""
     return [note.content for note in fake.notes]
-
-
-def occurrences(texts: list[str], words: str) -> int:
-    return sum(text.count(words) for text in texts)
 
 
 def batch(numbers: list[int]) -> Any:
@@ -121,8 +121,6 @@ class ByWords:
 
 
 # --- Capture is opt-in ------------------------------------------------------------------------------
-
-
 async def test_capture_is_off_by_default_and_nothing_is_written(fake, make_store):
     store = make_store()
     assert (store.writable, store.extraction) == (False, None)
@@ -151,31 +149,20 @@ def test_a_turn_saves_the_captured_roles_words_once_in_the_pinned_memory(fake, m
         {"content": text, "static": False, "title": "", "container": "ctr_main"} for text in (GREEN_TEA, LISBON)
     ]
 
-    for roles, saved in [
-        (("user", "assistant"), f"user: {GREEN_TEA}\nassistant: Noted."),
-        ("assistant", "Noted."),
-    ]:
+    for roles, saved in [(("user", "assistant"), f"user: {GREEN_TEA}\nassistant: Noted."), ("assistant", "Noted.")]:
         agent, _ = make_agent(capturing(make_store, capture_roles=roles), ["Noted."])
         agent(GREEN_TEA)
         assert posted(fake)[-1] == saved
 
 
-def test_the_managers_add_memory_tool_saves_through_add_and_a_refusal_is_an_error_without_the_key(
-    fake, make_store, no_key_in_logs
-):
+def test_the_managers_add_memory_tool_saves_through_add(fake, make_store, no_key_in_logs):
     script = [ToolCall("add_memory", {"entries": ["Sam prefers green tea"]}), "Saved."]
     agent, model = make_agent(capturing(make_store, extraction=None), list(script), add_tool_config=True)
     agent("Please remember that I prefer green tea.")
     assert model.tool_results()[-1]["status"] == "success"
     assert [(r.body["content"], r.body["container"]) for r in fake.sent(*MEMORIES)] == [
         ("Sam prefers green tea", "ctr_main")
-    ]
-
-    fake.always(*MEMORIES, status(403))
-    agent, model = make_agent(capturing(make_store, extraction=None), list(script), add_tool_config=True)
-    agent("Please remember that I prefer green tea.")
-    assert model.tool_results()[-1]["status"] == "error"
-    assert API_KEY not in model.tool_result_text()
+    ]  # a refusal (an error result, without the key) is in the fault matrix
 
 
 async def test_add_saves_one_note_with_its_flags_a_batch_its_captured_lines_and_each_refuses_what_is_no_note(
@@ -202,44 +189,10 @@ async def test_add_saves_one_note_with_its_flags_a_batch_its_captured_lines_and_
     assert third["content"] == f"{GREEN_TEA}\nAnd oolong"
 
 
-async def test_a_refused_write_raises_an_access_error_and_any_other_failure_a_membase_error(fake, make_store):
-    store = capturing(make_store)
-    fake.on(*MEMORIES, status(403), status(403), status(500, "internal"))
-    with pytest.raises(MembaseAccessError, match="narrowed or revoked") as refused:
-        await store.add("Prefers green tea")
-    assert isinstance(refused.value, PermissionError)
-    with pytest.raises(MembaseAccessError):
-        await store.add_messages([user(GREEN_TEA)])
-    with pytest.raises(membase.MembaseError):
-        await store.add("Prefers oolong")
-    assert len(posted(fake)) == 3  # one attempt each: a write is never retried by the SDK
-
-
 # --- Never twice: the manager's retries, concurrent writes, new runs ---------------------------------
-
-
-def test_a_write_that_succeeds_late_is_not_sent_again_by_the_managers_retry(fake, make_store, gates):
-    gate = gates.new()
-    fake.on(*MEMORIES, hang(gate, then=routed(fake)))
-    store = capturing(make_store, write_timeout=BUDGET)
-    batches = spy_on_batches(store)
-    agent, _ = make_agent(store, ["Noted.", "Noted too."])
-
-    agent(GREEN_TEA)  # runs out of its budget: the manager keeps the batch for a retry
-    assert fake.notes == []
-    gate.set()
-    assert wait_until(lambda: store.counters()["writes_saved"] == 1, timeout=LONG)
-    agent(LISBON)
-
-    if MANAGER_SENDS_SEQUENCE_NUMBERS:
-        assert batches == [[0, 1], [0, 1, 2, 3]]  # the manager retried the old batch with the new turn ...
-    assert posted(fake) == [GREEN_TEA, LISBON]  # ... and only the new words were sent
-    assert held(fake) == [GREEN_TEA, LISBON]
-    counters = store.counters()
-    assert (counters["writes_deduplicated"], counters["writes_saved"], counters["write_timeouts"]) == (1, 2, 1)
-
-
-def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make_store, gates):
+@pytest.mark.parametrize("retry", ["after the write saved", "while the write runs"])
+def test_a_write_past_its_budget_is_not_sent_again_by_the_managers_retry(fake, make_store, gates, retry):
+    """A retry that comes while the write still runs waits for it; one after it saved sends only the new words."""
     gate = gates.new()
     fake.on(*MEMORIES, hang(gate, then=routed(fake)))
     store = capturing(make_store, write_timeout=BUDGET)
@@ -247,20 +200,26 @@ def test_a_retry_that_arrives_while_the_write_still_runs_waits_for_it(fake, make
     original = store.add_messages
 
     async def release_once_the_retry_waits(messages, context=None):
-        if len(batches) == 1:  # the second flush, while the first write still hangs
-            retry = await started(original(messages, context))  # now waiting for the first request
+        if len(batches) == 1 and retry == "while the write runs":  # the second flush, while the first write hangs
+            waiting = await started(original(messages, context))  # now waiting for the first request
             gate.set()
-            return await retry
+            return await waiting
         return await original(messages, context)
 
     store.add_messages = release_once_the_retry_waits  # type: ignore[method-assign]
     agent, _ = make_agent(store, ["Noted.", "Noted too."])
-    agent(GREEN_TEA)
+    agent(GREEN_TEA)  # runs out of its budget: the manager keeps the batch for a retry
+    assert fake.notes == []
+    if retry == "after the write saved":
+        gate.set()
+        assert wait_until(lambda: store.counters()["writes_saved"] == 1, timeout=LONG)
     agent(LISBON)
 
-    assert posted(fake) == [GREEN_TEA, LISBON]
-    counters = store.counters()
-    assert (counters["write_timeouts"], counters["writes_deduplicated"], counters["writes_saved"]) == (1, 1, 2)
+    if MANAGER_SENDS_SEQUENCE_NUMBERS:
+        assert batches == [[0, 1], [0, 1, 2, 3]]  # the manager retried the old batch with the new turn ...
+    assert posted(fake) == [GREEN_TEA, LISBON]  # ... and only the new words were sent
+    assert held(fake) == [GREEN_TEA, LISBON]
+    assert counts(store, "writes_deduplicated", "writes_saved", "write_timeouts") == (1, 2, 1)
 
 
 async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_retry_sends_what_that_one_failed_to(
@@ -287,8 +246,7 @@ async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_ret
 
     assert held(fake)[:2] == [GREEN_TEA, f"{LISBON}\nCall me Sam"]
     assert sorted(held(fake)[2:]) == ["Sam likes oolong", "Sam runs"]
-    counters = store.counters()
-    assert (counters["writes_deduplicated"], counters["writes_sent_again"]) == (2, 0)  # nothing kept
+    assert counts(store, "writes_deduplicated", "writes_sent_again") == (2, 0)  # nothing kept
 
 
 FACTS = ("Sam prefers green tea", "Sam lives in Lisbon", "Sam works on ledgers")
@@ -359,8 +317,6 @@ async def test_without_a_context_a_retried_batch_sends_only_what_is_new(fake, ma
 
 
 # --- A write past its budget: the turn goes on, and one line tells how the write ended ------------------
-
-
 @pytest.mark.parametrize("late", ["saved", "failed"])
 def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true_line_when_it_ends(
     fake, make_store, gates, caplog, late
@@ -381,8 +337,7 @@ def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true
     assert wait_until(lambda: posted(fake) == [GREEN_TEA], timeout=LONG) and fake.saved() == []
     assert membase_threads(WRITE_THREAD)
     assert [entry.content for entry in asyncio.run(store.search(QUESTION))] == [f"[Main] {FACT}"]
-    counters = store.counters()
-    assert (counters["write_timeouts"], counters["writes_saved"], counters["recall_timeouts"]) == (1, 0, 0)
+    assert counts(store, "write_timeouts", "writes_saved", "recall_timeouts") == (1, 0, 0)
     said = [line.split(" | ")[1] for line in lines(caplog, source="membase_strands")]
     assert said == ["Membase write ran out of time; it goes on in the background"]  # at INFO: the manager warns
     release.set()
@@ -428,9 +383,9 @@ async def test_without_a_write_timeout_the_caller_waits_for_the_request(fake, ma
 
 
 # --- A failed write: raised to the caller, or kept by the store and sent again once ----------------------
-
-
-async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves_it_once(fake, make_store):
+async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_the_next_attempt_saves_it_once(
+    fake, make_store
+):
     fake.on(*MEMORIES, status(500, "internal"))
     store = capturing(make_store)
     messages, context = [user(GREEN_TEA), assistant("Noted."), user(LISBON)], batch([0, 1, 2])
@@ -445,12 +400,15 @@ async def test_a_failed_write_is_never_reported_saved_and_the_next_attempt_saves
         await store.add(FACTS[0])
     await store.add(FACTS[0])
     await store.add(FACTS[0])
+    fake.on(*MEMORIES, status(403), status(403))
+    for refused in (store.add("Prefers oolong"), store.add_messages([user("Call me Sam")])):
+        with pytest.raises(MembaseAccessError, match="narrowed or revoked"):  # a PermissionError
+            await refused
 
     both = f"{GREEN_TEA}\n{LISBON}"
-    assert posted(fake) == [both, both, FACTS[0], FACTS[0]]  # one attempt each (no SDK retries), then nothing
+    assert posted(fake) == [both, both, FACTS[0], FACTS[0], "Prefers oolong", "Call me Sam"]  # one attempt each
     assert held(fake) == [both, FACTS[0]]
-    counters = store.counters()
-    assert (counters["writes_saved"], counters["writes_deduplicated"], counters["writes_sent_again"]) == (3, 3, 0)
+    assert counts(store, "writes_saved", "writes_deduplicated", "writes_sent_again") == (3, 3, 0)
 
 
 def test_a_write_that_fails_late_is_kept_and_the_managers_retry_takes_its_place(fake, make_store, gates, caplog):
@@ -502,9 +460,8 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
 
     assert sorted(held(fake)) == ([GREEN_TEA, LISBON] if then == "next turn" else [GREEN_TEA])
     assert posted(fake).count(GREEN_TEA) == 2  # the request that failed, then the store's own, once
-    counters = store.counters()
-    assert (counters["write_cancellations"], counters["write_errors"], counters["errors.server_error"]) == (1, 1, 1)
-    assert (counters["writes_sent_again"], counters["writes_lost"]) == (1, 0)
+    assert counts(store, "write_cancellations", "write_errors", "errors.server_error") == (1, 1, 1)
+    assert counts(store, "writes_sent_again", "writes_lost") == (1, 0)
 
 
 async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, *then: Responder, said: str = KEPT):
@@ -522,91 +479,66 @@ async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, 
     return messages, context
 
 
-async def test_a_managers_retry_that_comes_while_the_store_sends_the_batch_again_waits_for_it(fake, make_store, caplog):
-    answers, store = ByWords(fake), capturing(make_store)
-    resending, release_resend = threading.Event(), threading.Event()
-    try:
-        resent = signalling(resending, hang(release_resend, then=fake.answer))
-        messages, context = await kept(store, answers, caplog, GREEN_TEA, resent)
-        await store.add_messages([user(LISBON)], batch([1]))  # the next write: the kept batch goes out too
-        assert await until(resending.is_set, timeout=LONG)
-        retry = await started(store.add_messages(messages, context))  # the manager's retry, while that runs
-        release_resend.set()
-        assert await retry is None  # it waited for the store's own request, which saved the words
-    finally:
-        release_resend.set()
-
-    assert posted(fake).count(GREEN_TEA) == 2
-    assert held(fake) == [LISBON, GREEN_TEA]
-    counters = store.counters()
-    assert (counters["writes_sent_again"], counters["writes_deduplicated"], counters["writes_lost"]) == (1, 1, 0)
-
-
-async def test_a_kept_batch_that_fails_again_is_lost_with_a_warning_and_counted(fake, make_store, caplog):
-    answers, store = ByWords(fake), capturing(make_store)
-    await kept(store, answers, caplog, GREEN_TEA, status(503, "busy"))
-
-    await store.add_messages([user(LISBON)], batch([1]))  # sends the kept batch again: 503
-    assert await until(logged(caplog, SENT_AGAIN_LOST, logging.WARNING), timeout=LONG)
-    await store.add_messages([user("Call me Sam")], batch([2]))  # never a third attempt
-
-    assert posted(fake).count(GREEN_TEA) == 2
-    assert held(fake) == [LISBON, "Call me Sam"]
-    counters = store.counters()
-    assert (counters["writes_sent_again"], counters["writes_lost"], counters["write_errors"]) == (1, 1, 2)
-
-
-async def test_a_retry_cancelled_while_an_earlier_write_sends_part_of_it_keeps_the_rest_for_the_next_write(
-    fake, make_store, gates
+@pytest.mark.parametrize("resend", ["saved", "fails"])
+async def test_a_kept_batch_goes_out_once_with_the_next_write_and_a_retry_waits_for_it_or_is_lost_if_it_fails(
+    fake, make_store, caplog, resend
 ):
-    """A retry brings the old words and new ones and waits while an earlier request still sends the old. Cancelled
-    then (a flush a web server gave up on: no retry will come), its new words are sent with the next write."""
-    gate, in_flight = gates.new(), threading.Event()
-    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake))))
-    store = capturing(make_store)
-    old = user(GREEN_TEA)
-    first = asyncio.create_task(store.add_messages([old], batch([0])))
-    assert await until(in_flight.is_set, timeout=LONG)
-    retry = await started(store.add_messages([old, user(LISBON)], batch([0, 1])))  # waits for the first's words
-    retry.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await retry
-    gate.set()
-    assert (await first)["container"] == "ctr_main"
+    answers, store = ByWords(fake), capturing(make_store)
+    resending, release = threading.Event(), threading.Event()
+    then = signalling(resending, hang(release, then=fake.answer)) if resend == "saved" else status(503, "busy")
+    try:
+        messages, context = await kept(store, answers, caplog, GREEN_TEA, then)
+        await store.add_messages([user(LISBON)], batch([1]))  # the next write: the kept batch goes out too
+        if resend == "saved":
+            assert await until(resending.is_set, timeout=LONG)
+            retry = await started(store.add_messages(messages, context))  # the manager's retry, while that runs
+            release.set()
+            assert await retry is None  # it waited for the store's own request, which saved the words
+        else:
+            assert await until(logged(caplog, SENT_AGAIN_LOST, logging.WARNING), timeout=LONG)
+            await store.add_messages([user("Call me Sam")], batch([2]))  # never a third attempt
+    finally:
+        release.set()
 
-    await store.add_messages([user("Call me Sam")], batch([2]))  # LISBON goes out beside it, GREEN_TEA not again
-    assert await until(lambda: len(fake.notes) == 3, timeout=LONG)
-    assert sorted(posted(fake)) == sorted([GREEN_TEA, LISBON, "Call me Sam"])
-    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
+    assert posted(fake).count(GREEN_TEA) == 2
+    if resend == "saved":
+        assert held(fake) == [LISBON, GREEN_TEA]
+        assert counts(store, "writes_sent_again", "writes_deduplicated", "writes_lost") == (1, 1, 0)
+    else:
+        assert held(fake) == [LISBON, "Call me Sam"]
+        assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
 
 
-async def test_every_cancelled_wait_is_counted_and_a_write_saved_after_it_is_not_sent_again(
+async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_its_new_words_for_the_next_write(
     fake, make_store, gates, caplog
 ):
+    """A retry brings the old words and new ones and waits while an earlier request still sends the old. Cancelled
+    then (a flush a web server gave up on: no retry will come), its new words are sent with the next write; the old
+    ones, saved after their caller was cancelled too, are never sent again."""
     caplog.set_level(logging.INFO)
     gate, in_flight = gates.new(), threading.Event()
     fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake))))
     store = capturing(make_store)
-    messages, context = [user(GREEN_TEA)], batch([0])
-    first = asyncio.create_task(store.add_messages(messages, context))
+    old = [user(GREEN_TEA)]
+    first = asyncio.create_task(store.add_messages(old, batch([0])))
     assert await until(in_flight.is_set, timeout=LONG)
-    second = await started(store.add_messages(messages, context))  # a retry: waits for the first
-    for task in (second, first):
+    retry = await started(store.add_messages([*old, user(LISBON)], batch([0, 1])))  # waits for the first's words
+    for task in (retry, first):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     gate.set()
     assert await until(logged(caplog, "a write whose caller was cancelled finished; it is saved"), timeout=LONG)
+    assert await store.add_messages(old, batch([0])) is None
 
-    assert await store.add_messages(messages, context) is None
-    assert posted(fake) == [GREEN_TEA]
-    counters = store.counters()
-    assert (counters["write_cancellations"], counters["writes_saved"], counters["write_errors"]) == (2, 1, 0)
+    await store.add_messages([user("Call me Sam")], batch([2]))  # LISBON goes out beside it, GREEN_TEA not again
+    assert await until(lambda: len(fake.notes) == 3, timeout=LONG)
+    assert sorted(posted(fake)) == sorted([GREEN_TEA, LISBON, "Call me Sam"])
+    names = ("write_cancellations", "write_errors", "writes_sent_again", "writes_lost")
+    assert counts(store, *names) == (2, 0, 1, 0)
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------
-
-
 async def test_kept_batches_stay_within_the_byte_bound_and_a_batch_over_it_is_lost_at_once(
     fake, make_store, gates, caplog
 ):
@@ -718,17 +650,15 @@ async def test_past_its_size_bound_the_store_forgets_the_oldest_saved_part_never
 
 
 # --- A write whose thread cannot start -----------------------------------------------------------------
-
-
-@pytest.fixture
-def no_thread_for_one_write(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
+    fake, make_store, monkeypatch, caplog
+):
     """The next write thread fails to start, as when the process is out of threads. The library's threads start
     afresh and retire as soon as they are idle, so no thread is left to take the write instead."""
     earlier = set(threading.enumerate())  # the threads of the set replaced here: they never take its calls
     monkeypatch.setattr(_background, "_threads", _background._Threads())
     monkeypatch.setattr(_background, "IDLE_SECONDS", 0.0)
-    refused: list[str] = []
-    start = threading.Thread.start
+    refused, start = [], threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:
         if thread.name.startswith(WRITE_THREAD) and not refused:
@@ -737,17 +667,12 @@ def no_thread_for_one_write(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
-    return SimpleNamespace(refused=refused, earlier=earlier)
-
-
-def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
-    fake, make_store, no_thread_for_one_write, caplog
-):
     store = capturing(make_store, write_timeout=5.0)  # failing at once, the write never meets its budget
     original = store.add_messages
 
-    async def once_no_thread_is_left(messages, context=None):
-        assert await until(lambda: not (set(threads_of_ours()) - no_thread_for_one_write.earlier), timeout=LONG)
+    async def once_no_thread_is_left(messages, context=None):  # not even an idle one that could take the write
+        ours = lambda: {thread for thread in threading.enumerate() if thread.name.startswith("membase-")}  # noqa: E731
+        assert await until(lambda: not ours() - earlier, timeout=LONG)
         return await original(messages, context)
 
     store.add_messages = once_no_thread_is_left  # type: ignore[method-assign]
@@ -755,17 +680,11 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
 
     agent(GREEN_TEA)
 
-    assert no_thread_for_one_write.refused  # the write's thread was refused
+    assert refused  # the write's thread was refused
     assert posted(fake) == []
     assert "memory extraction failed" in caplog.text  # the manager keeps the batch
-    counters = store.counters()
-    assert (counters["write_errors"], counters["write_timeouts"]) == (1, 0)
+    assert counts(store, "write_errors", "write_timeouts") == (1, 0)
     agent(LISBON)
     # The retry did not wait for a write that never started: it sent the old words with the new, at once.
     assert posted(fake) == [f"{GREEN_TEA}\n{LISBON}"]
-    assert (store.counters()["writes_saved"], store.counters()["write_timeouts"]) == (2, 0)
-
-
-def threads_of_ours() -> list[threading.Thread]:
-    """The library's threads, at work or idle (an idle one could take the next call)."""
-    return [thread for thread in threading.enumerate() if thread.name.startswith("membase-")]
+    assert counts(store, "writes_saved", "write_timeouts") == (2, 0)

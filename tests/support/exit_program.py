@@ -1,8 +1,7 @@
-"""A program that exits with captured writes still running, run in a subprocess whose log lines a test reads as they
-come: three stores over three loopback servers (``argv[1:4]``), one used only in a child forked before any use (as
-gunicorn ``--preload`` does), one whose write's caller hung up, one whose turn's write outlived its 0.5 s budget, and
-a second child forked while the parent's writes run. Each process prints its stores' counters last, as JSON.
-"""
+"""A program that exits with captured writes still running: three stores over three loopback servers (``argv[1:4]``),
+one used only in a child forked before any use (gunicorn ``--preload``), one whose write's caller hung up, one whose
+turn's write outlived its 0.5 s budget, and a child forked while the parent's writes run. Each process prints its
+stores' counters last, as JSON; a test reads the log lines as they come."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 PROGRAM = r"""
 import asyncio, atexit, json, logging, os, sys, warnings
@@ -23,9 +21,7 @@ stores = {}
 # Registered before the library's exit hook (importing the library registers that one), so it runs after it.
 report = lambda: {"pid": os.getpid(), "counters": {name: store.counters() for name, store in stores.items()}}
 atexit.register(lambda: print(json.dumps(report()), flush=True))
-logging.basicConfig(
-    level=logging.INFO, stream=sys.stderr, format="%(process)d %(relativeCreated)d %(levelname)s %(name)s %(message)s"
-)
+logging.basicConfig(level=logging.INFO, format="%(process)d %(relativeCreated)d %(levelname)s %(name)s %(message)s")
 
 from strands import Agent
 from strands.memory import MemoryManager
@@ -34,10 +30,8 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, ScriptedModel
 
 for name, url in zip(("preloaded", "graced", "cut"), sys.argv[1:4]):
-    stores[name] = MembaseMemoryStore(
-        api_key=API_KEY, base_url=url, name=name, container="Main", capture=True, extraction=True,
-        write_timeout=0.5 if name == "cut" else 30.0,
-    )
+    options = dict(container="Main", capture=True, extraction=True, write_timeout=0.5 if name == "cut" else 30.0)
+    stores[name] = MembaseMemoryStore(api_key=API_KEY, base_url=url, name=name, **options)
 
 
 async def write_then_hang_up(store):  # a web handler whose client hung up: the write goes on in the background
@@ -67,33 +61,22 @@ os.wait()
 
 
 class Program:
-    """The program above, run in a subprocess; its log lines (stderr) read as they come."""
+    """The program above, run in a subprocess; its log lines (stderr) read as they come, its reports once it ends."""
 
     def __init__(self, *urls: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MEMBASE_")}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PROGRAM, *urls],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        self.process = subprocess.Popen([sys.executable, "-c", PROGRAM, *urls], text=True, env=env, **pipes)
         self.err: list[str] = []
         self.out: list[str] = []
         self._arriving: queue.Queue[str] = queue.Queue()
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.process.stderr, self.err), daemon=True),
-            threading.Thread(target=self._read, args=(self.process.stdout, self.out), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def _read(self, stream: Any, into: list[str]) -> None:
-        for line in stream:
-            into.append(line.rstrip("\n"))
-            if into is self.err:
-                self._arriving.put(line)
+    def _read(self) -> None:
+        for line in self.process.stderr:  # type: ignore[union-attr]
+            self.err.append(line.rstrip("\n"))
+            self._arriving.put(line)
 
     def wait_for_line(self, text: str, timeout: float = 60.0) -> bool:
         """Wait until a log line containing ``text`` arrives (or the program ends, or ``timeout`` passes)."""
@@ -109,21 +92,21 @@ class Program:
 
     def finish(self, timeout: float = 60.0) -> int:
         try:
-            code = self.process.wait(timeout)
+            self.process.wait(timeout)
+            self.out = self.process.stdout.read().splitlines()  # type: ignore[union-attr] # a few lines: no pipe fills
         finally:
             if self.process.poll() is None:
                 self.process.kill()  # our own child, by its handle
                 self.process.wait(10)
-        for reader in self._readers:
-            reader.join(10)
-        return code
+        self._reader.join(10)
+        return self.process.returncode
 
     def pid_of(self, line_end: str) -> int:
         return int(next(line for line in self.err if line.endswith(line_end)).split()[0])
 
     def counters(self, pid: int) -> dict[str, dict[str, int]]:
-        reports = [json.loads(line) for line in self.out if line.startswith("{")]
-        return next(r["counters"] for r in reports if r["pid"] == pid)
+        reports = (json.loads(line) for line in self.out if line.startswith("{"))
+        return next(report["counters"] for report in reports if report["pid"] == pid)
 
     def lines(self, pid: int) -> list[str]:
         return [line for line in self.err if line.startswith(f"{pid} ")]

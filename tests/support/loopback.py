@@ -1,24 +1,16 @@
 """A real HTTP server on 127.0.0.1 that answers like :class:`InMemoryMembase`, for faults that live in the transport.
 
-``httpx.MockTransport`` never opens a socket, so it cannot show what a dripping server, a reset
-connection, a forked process sharing a pooled socket or a cancelled request does to the store.
-:class:`LoopbackMembase` serves the same routes as the fake (it hands each request to the fake),
-over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route with a raw action
-on the socket: :func:`drip`, :func:`drip_header_lines`, :func:`stall`, :func:`meet`, :func:`raw_answer`,
-:func:`echo_key`, :func:`endless` or :func:`huge` (and :func:`arrived`, which signals that a request is in before
-doing another action). A raw action may be queued for one key's requests only.
-
-Server-wide behaviours: :attr:`LoopbackMembase.cookie_for` (a ``Set-Cookie`` on every answer, by key) and
-:attr:`LoopbackMembase.close_after` (close each connection a moment after each answer, reading nothing sent
-meanwhile). The server records every request it reads (:attr:`LoopbackMembase.seen`: route, key, cookie) and
-every answer it finished sending (:attr:`LoopbackMembase.answered`); :meth:`LoopbackMembase.wait_for` waits on
-those records, and on the ends of drips and streams, without polling. The fake answers each key from its account.
+``httpx.MockTransport`` never opens a socket, so it cannot show what a dripping server, a reset connection, a forked
+process sharing a pooled socket or a cancelled request does to the store. :class:`LoopbackMembase` hands each request
+to its fake (one account per key) over HTTP/1.1 with keep-alive, and lets a test replace the answer to one route (or
+one key's requests on it) with a raw action on the socket (:func:`drip`, :func:`stall`, :func:`endless`...). It
+records every request it reads (``seen``) and every answer it finished (``answered``); :meth:`LoopbackMembase.wait_for`
+waits on those records, and on the ends of drips and streams, without polling.
 
 Each server's URL is one no earlier server in this process had (a path of its own on a fresh port): the library
-keeps one connection pool per base URL for the life of the process, so a server that happens to get the port
-of an earlier one must not inherit that one's pool, built under another test's deadline or limits.
-
-Every wait in here is bounded, the server binds to loopback only, and its threads are daemons.
+keeps one connection pool per base URL for the life of the process, so a server that happens to get the port of an
+earlier one must not inherit its pool. Every wait in here is bounded, the server binds to loopback only, and its
+threads are daemons.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -61,11 +53,7 @@ class Seen:
 
 @dataclass(frozen=True)
 class Streamed:
-    """What one :func:`endless` or :func:`huge` answer managed to send of its body, and why it ended.
-
-    ``ended`` is ``"hung up"`` (the client closed the connection), ``"stop"`` (the test's stop event), or ``"whole"``
-    (the whole body, or the most an endless one sends, went out).
-    """
+    """What one :func:`endless` or :func:`huge` answer sent of its body; ``ended``: "hung up", "stop" or "whole"."""
 
     sent: int
     ended: str
@@ -90,21 +78,13 @@ class LoopbackMembase:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # notified whenever a record below grows
         self._prefix = f"/loopback-{next(_SERVERS)}"
-        self.connections = 0
-        self.open_connections = 0
-        self.in_flight = 0
-        self.peak_in_flight = 0
-        """The most requests the server was handling at once (from its arrival to its answer or raw action's end)."""
-        self.latency = 0.0
-        """Seconds the server waits before each answer it gives as the fake (not before a raw action)."""
-        self.drips: list[Dripped] = []
-        """One entry per :func:`drip` or :func:`drip_header_lines` that has ended, in order."""
-        self.streams: list[Streamed] = []
-        """One entry per :func:`endless` or :func:`huge` answer that has ended, in the order they ended."""
-        self.seen: list[Seen] = []
-        """Every request the server read, in the order it read them (before any raw action)."""
-        self.answered: list[Seen] = []
-        """The requests whose whole answer the server has written (as the fake, or a raw answer), in that order."""
+        self.connections = self.open_connections = 0
+        self.in_flight = self.peak_in_flight = 0  # requests being handled now, and the most at once
+        self.latency = 0.0  # seconds the server waits before each answer it gives as the fake
+        self.drips: list[Dripped] = []  # each drip that ended, in order
+        self.streams: list[Streamed] = []  # each endless or huge answer that ended, in order
+        self.seen: list[Seen] = []  # every request read, in order, before any raw action
+        self.answered: list[Seen] = []  # the requests whose whole answer was written, in order
         self.cookie_for: Callable[[str], str | None] | None = None
         """When set, every answer carries ``Set-Cookie: <cookie_for(key)>; Path=/`` for the key of its request."""
         self.close_after: float | None = None
@@ -144,16 +124,15 @@ class LoopbackMembase:
         with self._changed:
             return self._changed.wait_for(predicate, timeout)
 
-    def requests(self, method: str, path: str, keys: Any = None) -> list[Seen]:
-        """The requests read to ``method path``, optionally only those carrying one of ``keys``."""
+    def requests(self, method: str, path: str, keys: Any = None, answered: bool = False) -> list[Seen]:
+        """The requests read to ``method path`` (``answered``: those whose whole answer went out), optionally only
+        those carrying one of ``keys``."""
         with self._lock:
-            return [s for s in self.seen if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+            records = self.answered if answered else self.seen
+            return [s for s in records if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
 
     def answers(self, method: str, path: str, keys: Any = None) -> list[Seen]:
-        """The requests to ``method path`` (optionally carrying one of ``keys``) whose whole answer went out."""
-        with self._lock:
-            done = self.answered
-            return [s for s in done if (s.method, s.path) == (method, path) and (keys is None or s.key in keys)]
+        return self.requests(method, path, keys, answered=True)
 
     def always(self, method: str, path: str, action: RawAction) -> None:
         """Do ``action`` for every request to ``method path`` that no queued action (:meth:`on`) takes."""
@@ -183,18 +162,11 @@ class LoopbackMembase:
             into.append(entry)
             self._changed.notify_all()
 
-    def _dripped(self, sent: int, hung_up: bool) -> None:
-        self._record(self.drips, Dripped(sent, hung_up))
-
-    def _count(self, opened: int) -> None:
+    def _count(self, opened: int = 0, serving: int = 0) -> None:
         with self._lock:
-            if opened > 0:
-                self.connections += 1
+            self.connections += opened > 0
             self.open_connections += opened
-
-    def _serving(self, change: int) -> None:
-        with self._lock:
-            self.in_flight += change
+            self.in_flight += serving
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
 
@@ -245,11 +217,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, body: bytes) -> None:
         owner = self.server.owner
-        owner._serving(+1)
+        owner._count(serving=+1)
         try:
             self._answer(body)
         finally:
-            owner._serving(-1)
+            owner._count(serving=-1)
         if owner.close_after is not None and not self.close_connection:
             # Read nothing more: a request the client sends meanwhile is never seen, and closing with it unread
             # resets the connection, as a server closing an idle keep-alive connection does over a real network.
@@ -316,10 +288,8 @@ def raw_answer(status: int, body: bytes) -> RawAction:
 
 
 def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LIMIT) -> RawAction:
-    """Announce ``body`` and send it one byte every ``every`` seconds (for at most ``limit`` seconds).
-
-    Each byte arrives well inside httpx's per-read timeout, so only a whole-call deadline ends the call.
-    """
+    """Announce ``body`` and send it one byte every ``every`` seconds (for at most ``limit`` seconds), each byte well
+    inside httpx's per-read timeout, so only a whole-call deadline ends the call; recorded in ``drips``."""
 
     def act(handler: _Handler) -> None:
         handler.send_response(200)
@@ -328,40 +298,26 @@ def drip(body: bytes = b'{"results": []}', every: float = 0.2, limit: float = LI
         handler.end_headers()
         handler.wfile.flush()
         handler.close_connection = True
-        _send_slowly(handler, body, every, limit)
+        deadline, sent, hung_up = time.monotonic() + limit, 0, False
+        for byte in body:
+            try:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            except OSError:
+                hung_up = True  # the client gave up and closed the connection
+                break
+            sent += 1
+            time.sleep(every)
+            if time.monotonic() > deadline:
+                break
+        handler.server.owner._record(handler.server.owner.drips, Dripped(sent, hung_up))
 
     return act
 
 
-def _send_slowly(
-    handler: _Handler, data: bytes, every: float, limit: float, stop: threading.Event | None = None
-) -> None:
-    """Write ``data`` one byte every ``every`` seconds, for at most ``limit`` seconds, until ``stop`` is set or
-    the client leaves; what was sent is recorded in the server's :attr:`LoopbackMembase.drips`."""
-    deadline = time.monotonic() + limit
-    stop = stop if stop is not None else threading.Event()
-    sent = 0
-    hung_up = False
-    for byte in data:
-        if time.monotonic() > deadline or stop.is_set():
-            break
-        try:
-            handler.wfile.write(bytes([byte]))
-            handler.wfile.flush()
-        except OSError:
-            hung_up = True  # the client gave up and closed the connection
-            break
-        sent += 1
-        if stop.wait(every):
-            break
-    handler.server.owner._dripped(sent, hung_up)
-
-
 def stall(release: threading.Event, then: RawAction | None = None, limit: float = LIMIT) -> RawAction:
-    """Hold the connection without answering until ``release`` is set (at most ``limit`` s), then ``then``.
-
-    Without ``then`` the connection is closed with no answer.
-    """
+    """Hold the connection without answering until ``release`` is set (at most ``limit`` s), then ``then`` (without
+    it, the connection is closed with no answer)."""
 
     def act(handler: _Handler) -> None:
         release.wait(limit)
@@ -379,10 +335,8 @@ def ok_json(body: Any) -> RawAction:
 
 
 def meet(barrier: threading.Barrier, then: RawAction = as_usual) -> RawAction:
-    """Wait until ``barrier``'s other parties are in too (at most ``LIMIT`` s), then ``then``.
-
-    Requests that meet are in flight at the same time, each on a connection of its own.
-    """
+    """Wait until ``barrier``'s other parties are in too (at most ``LIMIT`` s), then ``then``: requests that meet are
+    in flight at the same time, each on a connection of its own."""
 
     def act(handler: _Handler) -> None:
         barrier.wait(LIMIT)
@@ -392,10 +346,8 @@ def meet(barrier: threading.Barrier, then: RawAction = as_usual) -> RawAction:
 
 
 def arrived(event: threading.Event, then: RawAction) -> RawAction:
-    """Set ``event`` once the request is in (the fake has recorded it), then do ``then``.
-
-    Lets a test wait for the moment a request is on the wire instead of sleeping.
-    """
+    """Set ``event`` once the request is in (the fake has recorded it), then do ``then``: a test waits for the moment
+    a request is on the wire instead of sleeping."""
 
     def act(handler: _Handler) -> None:
         event.set()
@@ -405,12 +357,8 @@ def arrived(event: threading.Event, then: RawAction) -> RawAction:
 
 
 def drip_header_lines(every: float = 0.2, limit: float = 60.0, stop: threading.Event | None = None) -> RawAction:
-    """Send the status line, then one whole header line every ``every`` seconds, never ending the headers.
-
-    Each line arrives well inside any per-read timeout, so only a bound on the whole attempt ends the call. The
-    server stops after ``limit`` seconds, once ``stop`` is set, or when the client hangs up (a line fails to send),
-    then closes the connection; :attr:`LoopbackMembase.drips` records the lines sent and whether the client hung up.
-    """
+    """Send the status line, then one whole header line every ``every`` seconds (well inside any per-read timeout),
+    never ending the headers, until ``limit`` s pass, ``stop`` is set or the client hangs up; recorded in ``drips``."""
 
     def act(handler: _Handler) -> None:
         handler.close_connection = True
@@ -426,7 +374,7 @@ def drip_header_lines(every: float = 0.2, limit: float = 60.0, stop: threading.E
                 lines += 1
         except OSError:
             hung_up = True  # the client gave up and closed the connection
-        handler.server.owner._dripped(lines, hung_up)
+        handler.server.owner._record(handler.server.owner.drips, Dripped(lines, hung_up))
 
     return act
 
@@ -449,72 +397,44 @@ def echo_key(offset: int, status: int = 400, tail: int = 300) -> RawAction:
 
 _CHUNK = b"x" * 65536
 _SEND_BUFFER = 64 * 1024  # the server's socket send buffer for streams: what it has sent is nearly what was read
+_HEAD = b'{"results": [{"content": "'
+_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+
+
+def _stream(handler: _Handler, start: bytes, body: Iterator[bytes], stop: threading.Event | None) -> None:
+    """Send ``start`` (ending in the JSON head), then ``body``'s pieces until they end, ``stop`` is set or the client
+    hangs up; :attr:`LoopbackMembase.streams` records the body bytes sent (chunk framing aside) and why it ended."""
+    handler.close_connection = True
+    handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+    sent, ended = 0, "whole"
+    try:
+        handler.wfile.write(start)
+        sent = len(_HEAD)
+        for piece in body:
+            if stop is not None and stop.is_set():
+                ended = "stop"
+                break
+            handler.wfile.write(piece)
+            sent += min(len(piece), len(_CHUNK))
+        handler.wfile.flush()
+    except OSError:
+        ended = "hung up"
+    handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
 
 
 def endless(most: int, stop: threading.Event | None = None) -> RawAction:
-    """Answer 200 with a chunked body that never ends, as fast as the client reads it (a JSON start, then filler).
-
-    The server stops once the client hangs up, ``stop`` is set, or it has sent ``most`` bytes of body (a bound of the
-    test's, so a client that reads everything cannot exhaust the machine); :attr:`LoopbackMembase.streams` records
-    how much it sent and why it ended.
-    """
+    """Answer 200 with a chunked body that never ends, as fast as the client reads it (a JSON start, then filler),
+    until the client hangs up, ``stop`` is set, or ``most`` bytes went out (a bound of the test's, so a client that
+    reads everything cannot exhaust the machine)."""
+    start = _OK + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(_HEAD) + _HEAD + b"\r\n"
     framed = b"%x\r\n" % len(_CHUNK) + _CHUNK + b"\r\n"
-
-    def act(handler: _Handler) -> None:
-        handler.close_connection = True
-        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-        head = b'{"results": [{"content": "'
-        sent, ended = 0, "whole"
-        try:
-            handler.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-            handler.wfile.write(b"Transfer-Encoding: chunked\r\n\r\n")
-            handler.wfile.write(b"%x\r\n" % len(head) + head + b"\r\n")
-            sent += len(head)
-            while sent < most:
-                if stop is not None and stop.is_set():
-                    ended = "stop"
-                    break
-                handler.wfile.write(framed)
-                sent += len(_CHUNK)
-            else:
-                handler.wfile.write(b"0\r\n\r\n")
-            handler.wfile.flush()
-        except OSError:
-            ended = "hung up"
-        handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
-
-    return act
+    body = itertools.repeat(framed, -(-(most - len(_HEAD)) // len(_CHUNK)))
+    return lambda handler: _stream(handler, start, itertools.chain(body, [b"0\r\n\r\n"]), stop)
 
 
 def huge(length: int, stop: threading.Event | None = None) -> RawAction:
-    """Answer 200 announcing a body of ``length`` bytes and stream it (a JSON start, then filler), never building it.
-
-    The server stops once the whole body is out, the client hangs up, or ``stop`` is set; :attr:`LoopbackMembase
-    .streams` records how much it sent and why it ended.
-    """
-
-    def act(handler: _Handler) -> None:
-        handler.close_connection = True
-        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-        head = b'{"results": [{"content": "'
-        sent, ended = 0, "whole"
-        try:
-            handler.send_response(200)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(length))
-            handler.end_headers()
-            handler.wfile.write(head)
-            sent = len(head)
-            while sent < length:
-                if stop is not None and stop.is_set():
-                    ended = "stop"
-                    break
-                piece = _CHUNK if length - sent >= len(_CHUNK) else _CHUNK[: length - sent]
-                handler.wfile.write(piece)
-                sent += len(piece)
-            handler.wfile.flush()
-        except OSError:
-            ended = "hung up"
-        handler.server.owner._record(handler.server.owner.streams, Streamed(sent, ended))
-
-    return act
+    """Answer 200 announcing a body of ``length`` bytes and stream it (a JSON start, then filler), never building it,
+    until it is all out, the client hangs up, or ``stop`` is set."""
+    start = _OK + b"Content-Length: %d\r\n\r\n" % length + _HEAD
+    sizes = range(len(_HEAD), length, len(_CHUNK))
+    return lambda handler: _stream(handler, start, (_CHUNK[: length - sent] for sent in sizes), stop)
