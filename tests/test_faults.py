@@ -37,7 +37,9 @@ from tests.support.leaks import span_texts
 from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
 
 SERVER_TEXT = "SRV-DETAIL"  # every fault's server text carries it, to spot where server text must not go
-HANG_BUDGET = 0.1  # the recall or write budget of a path under the hang: the one place a budget is the point
+# The recall or write budget of a path under the hang (the one place a budget is the point): long enough for a loaded
+# machine to start the thread that sends the request, since one whose budget ends before it is sent is never sent.
+HANG_BUDGET = 0.5
 GENEROUS = 30.0  # every other budget, and the longest a hung host holds a request
 SDK_ATTEMPTS = 3  # the SDK's first try and its two retries (the tools that read)
 TOOL_HANG = 0.05  # one simulated SDK attempt that times out
