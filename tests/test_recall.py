@@ -27,18 +27,19 @@ from tests.support.agents import entries, logged, recall_turn
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
     FACT,
+    LONG,
     QUESTION,
     RECALL_THREAD,
     delayed,
     make_agent,
     membase_threads,
     routed,
+    sized,
     until,
     wait_until,
 )
 
 BUDGET = 0.5  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
-LONG = 30.0  # every other budget and wait: a loaded machine cannot run out of it
 
 
 def searches(fake: InMemoryMembase) -> int:
@@ -337,11 +338,6 @@ def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: d
     )
 
 
-def sized(head: str, size: int) -> str:
-    """A passage of exactly ``size`` characters that starts with ``head``."""
-    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
-
-
 INTERLEAVED = [hit(PARTY, "Garden", 0.016), hit(LEDGER, "Work", 0.033), hit(CELLO, "Home", 0.017)]
 INTERLEAVED.append(hit(BACKUPS, "Work", 0.030))
 BEST_FIRST = [f"[Work] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}", f"[Garden] {PARTY}"]
@@ -517,6 +513,9 @@ def test_a_memory_that_could_not_answer_is_still_reported(fake, make_store, hits
 # --- The profile's standing facts, with recall_profile=True ---------------------------------------------
 
 
+PROFILE = "[Membase profile] Standing facts about the user:"
+
+
 def profile_reads(fake: InMemoryMembase) -> int:
     return len(fake.sent("GET", "/v1/profile"))
 
@@ -533,10 +532,7 @@ def test_the_standing_facts_come_first_and_two_turns_read_the_profile_once(fake,
 
     for call in (0, 1):
         shown = entries(model.memory_block(call))
-        assert (
-            shown[0]
-            == "[Membase profile] Standing facts about the user:\n- The user is vegetarian.\n- Lives in\n  Lisbon."
-        )
+        assert shown[0] == f"{PROFILE}\n- The user is vegetarian.\n- Lives in\n  Lisbon."
         assert len(shown) == 3 and shown[1].startswith("[Main] ")  # the profile takes one of the entries asked for
     assert profile_reads(fake) == 1 and searches(fake) == 2
     assert fake.sent("GET", "/v1/profile")[0].params == {}
@@ -580,7 +576,7 @@ def test_a_profile_that_fails_or_is_late_costs_no_passage_and_a_failed_one_is_re
     assert wait_until(lambda: agent(QUESTION) and "[Membase profile]" in model.memory_block(), timeout=LONG)
 
     assert profile_reads(fake) == (1 if failure == "hang" else 2)
-    assert entries(model.memory_block())[0].startswith("[Membase profile] Standing facts about the user:\n- The user")
+    assert entries(model.memory_block())[0].startswith(f"{PROFILE}\n- The user")
 
 
 def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):

@@ -19,7 +19,7 @@ from membase_strands import MembaseMemoryStore
 from membase_strands._tools import CLOSED_SENTENCE
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
 from tests.support.agents import ALL_TOOLS, entries, resume, tool_texts, tool_turn
-from tests.support.store_helpers import make_agent, result_text
+from tests.support.store_helpers import make_agent, result_text, sized
 
 OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_x", "name": "Work"}]
@@ -161,10 +161,6 @@ def test_search_and_profile_retry_a_503_and_say_when_an_answer_could_not_be_read
 
 QUERY = "alpha bravo charlie delta?"
 CUT = "[... cut:"
-
-
-def sized(head: str, size: int) -> str:
-    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
 
 
 # The fake ranks passages by how many query words they share: these arrive in this order.

@@ -116,6 +116,11 @@ def make_agent(
     return agent, model
 
 
+def sized(head: str, size: int) -> str:
+    """A passage of exactly ``size`` characters that starts with ``head``."""
+    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
+
+
 def result_text(result: dict[str, Any]) -> str:
     return "\n".join(item["text"] for item in result["content"] if "text" in item)
 
