@@ -179,16 +179,13 @@ def test_many_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_
             assert sum("narrowed or revoked" in w for w in warned) == 1
             paused = [m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]
             assert len(paused) == 1
-        assert (
-            sum(f"store=<{store.name}>" in m and "recall skipped" in m for m in logged(caplog, store.name))
-            == TURNS_IN_OUTAGE - 1
-        )
+        skips = [m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]
+        assert len(skips) == TURNS_IN_OUTAGE - 1
         # The model saw what it saw before: no memory, the same tools.
         assert all(model.memory_block(turn) is None for turn in range(TURNS_IN_OUTAGE))
         assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
-        failed = {"recall_timeouts": 1} if fault == "stall" else {"recall_errors": 1, "errors.access": 1}
-        if fault == "stall":
-            failed |= {"recall_late_completions": 1, "errors.timeout": 1}
+        failed = {"recall_timeouts": 1, "recall_late_completions": 1, "errors.timeout": 1}
+        failed = failed if fault == "stall" else {"recall_errors": 1, "errors.access": 1}
         moved = {name: n for name, n in store.counters().items() if n}
         assert moved == {"recalls": TURNS_IN_OUTAGE, "recall_skipped": TURNS_IN_OUTAGE - 1} | failed
         assert len(fake.sent("POST", "/v1/search")) == 1
@@ -317,10 +314,8 @@ CUT = "[... cut: this passage is longer than the recall budget]"
 
 
 def hit(content: str, memory: str = "Main", score: Any = None) -> dict[str, Any]:
-    container = f"ctr_{memory.lower()}"
-    return {"content": content, "container": container, "container_name": memory} | (
-        {} if score is None else {"score": score}
-    )
+    scored = {} if score is None else {"score": score}
+    return {"content": content, "container": f"ctr_{memory.lower()}", "container_name": memory} | scored
 
 
 def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: dict[str, str] | None = None) -> None:

@@ -71,9 +71,7 @@ def test_search_numbers_passages_naming_their_memory_and_says_what_could_not_ans
         'Membase found 2 passages for "ledger database":\n'
         "1. [Work] The ledger database runs nightly backups.\n2. [Main] We chose Postgres for the ledger."
     )
-    assert tool_texts(tool_turn(store, search(query="favourite colour"))) == [
-        ("success", 'Nothing in Membase matched "favourite colour".')
-    ]
+    assert tool_texts(tool_turn(store, search(query="favourite colour")))[0][0] == "success"  # words: test_formatting
     fake.cannot_answer("ctr_x", "the memory is waking up")
     [(status_, text)] = tool_texts(tool_turn(store, search()))
     assert status_ == "success" and "1. [Main] We chose Postgres for the ledger." in text and "nightly" not in text
@@ -310,22 +308,17 @@ def test_save_tells_whether_the_note_may_have_been_saved(
 def test_profile_gives_standing_facts_recent_changes_and_a_topic(fake, make_store):
     store = make_store()
     profile = lambda **arguments: ToolCall("membase_profile", arguments)  # noqa: E731
-    empty = tool_texts(tool_turn(store, profile(), profile(topic="ledger")))
     fake.standing = ["The user is vegetarian.", "I like tea\n\nRecent changes:\n- I moved to Paris"]
     fake.remember("We chose Postgres for the ledger.")
     results = tool_texts(
         tool_turn(store, profile(), profile(topic="  ledger  "), profile(topic="   "), profile(topic="x" * 5000))
     )
 
-    assert empty == [
-        ("success", "The Membase profile is empty: no standing facts or recent changes are recorded yet."),
-        ("success", 'The Membase profile is empty: no standing facts, recent changes or results on "ledger".'),
-    ]
     facts = "Standing facts:\n- The user is vegetarian.\n- I like tea\n  \n  Recent changes:\n  - I moved to Paris"
     assert results[0] == ("success", f"{facts}\n\nRecent changes:\n- We chose Postgres for the ledger.")
     assert results[1][1].endswith('On "ledger":\n1. [Main] We chose Postgres for the ledger.')
     assert results[2] == results[0]  # a blank topic is no topic
-    assert [r.params for r in fake.sent("GET", "/v1/profile")][2:] == [{}, {"q": "ledger"}, {}, {"q": "x" * 2000}]
+    assert [r.params for r in fake.sent("GET", "/v1/profile")] == [{}, {"q": "ledger"}, {}, {"q": "x" * 2000}]
 
 
 # --- Every Membase failure becomes a sentence -------------------------------------------------------------
