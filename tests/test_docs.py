@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -100,19 +101,6 @@ def _next_step(messages: list[dict[str, Any]], tools: list[str]) -> str | ToolCa
     return f"From your memory: {recalled.group(1)}" if recalled else "I do not know."
 
 
-class _TimeForBlocks:
-    """The ``time`` module as a block's own ``import time`` sees it: ``sleep`` is recorded, not slept."""
-
-    def __init__(self, sleeps: list[float]) -> None:
-        self._sleeps = sleeps
-
-    def sleep(self, seconds: float) -> None:
-        self._sleeps.append(seconds)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
 @dataclass
 class Run:
     """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps."""
@@ -155,11 +143,10 @@ def offline() -> Iterator[Run]:
 
 def execute(block: Block, run: Run) -> None:
     """Run the block's code as written in a fresh namespace, then any ``test_`` functions it defines."""
-    real_import = builtins.__import__
+    real_import, block_time = builtins.__import__, SimpleNamespace(**{**vars(time), "sleep": run.sleeps.append})
 
-    def block_import(name: str, *args: Any, **kwargs: Any) -> Any:
-        module = real_import(name, *args, **kwargs)
-        return _TimeForBlocks(run.sleeps) if name == "time" else module
+    def block_import(name: str, *args: Any, **kwargs: Any) -> Any:  # a block's time.sleep is recorded, not slept
+        return block_time if name == "time" else real_import(name, *args, **kwargs)
 
     namespace: dict[str, Any] = run.namespace
     namespace.update({"__name__": "docs_block", "__builtins__": {**vars(builtins), "__import__": block_import}})
