@@ -243,42 +243,26 @@ def test_save_writes_where_it_is_told_and_asks_which_memory_when_it_cannot_tell(
     fake.containers = TWO_MEMORIES
     save = lambda **arguments: ToolCall("membase_save", {"content": "I prefer tea.", **arguments})  # noqa: E731
     calls = [save(container="Work"), save(standing_fact=True), save(), save(content=""), save(content=" \u3000\n")]
-    calls += [
-        save(container="Holidays"),
-        save(container="No\nSuch]"),
-        save(content=f"tea 🚀 دفتر {LONE}", container="Main"),
-    ]
+    calls += [save(container=name) for name in ("Holidays", "No\nSuch]")]
+    calls.append(save(content=f"tea 🚀 دفتر {LONE}", container="Main"))
     calls.append(save(content=("note " * 40_000), container="Main"))  # a note is sent whole: only queries are cut
 
     results = tool_texts(tool_turn(make_store(), *calls)) + tool_texts(tool_turn(make_store(container="work"), save()))
 
-    assert results == [
-        ("success", "Saved to the Memory 'Work'."),
-        ("success", "Saved as a standing fact in the user's Membase profile."),
-        ("error", results[2][1]),
-        *[("error", "Nothing was saved: the content was empty.")] * 2,
-        ("error", results[5][1]),
-        ("error", results[6][1]),
-        ("success", "Saved to the Memory 'Main'."),
-        ("success", "Saved to the Memory 'Main'."),
-        ("success", "Saved to the Memory 'work'."),
-    ]
+    saved_to, empty = "Saved to the Memory '{}'.", ("error", "Nothing was saved: the content was empty.")
+    assert results[:2] == [("success", saved_to.format("Work")), ("success", results[1][1])]
+    assert results[1][1] == "Saved as a standing fact in the user's Membase profile."
+    assert results[3:5] == [empty, empty] and [status_ for status_, _ in results[2:7]] == ["error"] * 5
+    assert results[7:] == [("success", saved_to.format(name)) for name in ("Main", "Main", "work")]
     assert "Nothing was saved: several Memories are in reach ('Main', 'Work')" in results[2][1]
     assert "which one" in results[2][1]
     assert results[5][1].startswith("Nothing was saved: container 'Holidays'") and "'Main', 'Work'" in results[5][1]
     assert results[6][1].startswith("Nothing was saved: container 'No Such]'") and "\n" not in results[6][1]
     sent = [(r.body.get("container"), r.body["content"], r.body["static"]) for r in fake.sent("POST", "/v1/memories")]
-    tea = "I prefer tea."
-    assert sent == [
-        ("ctr_x", tea, False),
-        (None, tea, True),
-        (None, tea, False),
-        ("ctr_main", "tea 🚀 دفتر ?", False),
-    ] + [
-        ("ctr_main", "note " * 40_000, False),
-        ("ctr_x", tea, False),
-    ]
-    assert fake.standing == [tea] and [n.content for n in fake.notes] == [tea, "tea 🚀 دفتر ?", "note " * 40_000, tea]
+    tea, odd, long = "I prefer tea.", "tea 🚀 دفتر ?", "note " * 40_000
+    first = [("ctr_x", tea, False), (None, tea, True), (None, tea, False), ("ctr_main", odd, False)]
+    assert sent == [*first, ("ctr_main", long, False), ("ctr_x", tea, False)]
+    assert fake.standing == [tea] and [n.content for n in fake.notes] == [tea, odd, long, tea]
 
 
 @pytest.mark.parametrize(
