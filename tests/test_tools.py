@@ -195,24 +195,13 @@ def test_search_lists_passages_best_first_once_and_says_how_many_are_below_the_f
     fake.always("POST", "/v1/search", lambda request: httpx.Response(200, json=body))
     texts = [tool_texts(tool_turn(make_store(min_score=floor), search()))[0] for floor in (None, 0.025, 0.5)]
 
-    found = 'Membase found {} passages for "ledger":'
-    assert texts[0] == (
-        "success",
-        "\n".join(
-            [found.format(3), "1. [Work] [Home] The ledger runs on Postgres.", "2. [Work] Ledger backups run nightly."]
-            + ["3. [Garden] The garden party is on Sunday."]
-        ),
-    )
-    assert texts[1] == (
-        "success",
-        "\n".join([found.format(2), *texts[0][1].splitlines()[1:3], ""])
-        + "\n(1 weaker passage scored below the relevance floor (min_score=0.025) and is not shown.)",
-    )
-    assert texts[2] == (
-        "success",
-        'Nothing matched "ledger" above the relevance floor: 3 weaker passages scored below the relevance floor '
-        "(min_score=0.5) and are not shown.",
-    )
+    shown = ["1. [Work] [Home] The ledger runs on Postgres.", "2. [Work] Ledger backups run nightly."]
+    below = "weaker passage{} scored below the relevance floor (min_score={}) and {} not shown"
+    whole = ['Membase found 3 passages for "ledger":', *shown, "3. [Garden] The garden party is on Sunday."]
+    assert [status_ for status_, _ in texts] == ["success"] * 3 and texts[0][1].splitlines() == whole
+    floored = ['Membase found 2 passages for "ledger":', *shown, "", f"(1 {below.format('', 0.025, 'is')}.)"]
+    assert texts[1][1].splitlines() == floored
+    assert texts[2][1] == f'Nothing matched "ledger" above the relevance floor: 3 {below.format("s", 0.5, "are")}.'
 
 
 def test_a_hostile_name_passage_or_reason_cannot_forge_lines_in_the_tool_text(fake, make_store):
