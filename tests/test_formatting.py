@@ -271,7 +271,7 @@ def reference_entries(
     kept: list[list[Any]] = []
     used = 0
     for memories, text, long, metadata in shown:
-        label = "".join(f"[{m}] " for m in memories)
+        label = labels(memories)
         if budget is None or (not long and used + len(label) + len(text) <= budget):
             kept.append([memories, text, metadata])
             used += len(label) + len(text)
@@ -279,13 +279,12 @@ def reference_entries(
             room = max(0, budget - len(label) - len(CUT_MARKER))
             kept.append([memories, text[:room].rstrip() + CUT_MARKER, {**metadata, "cut": True}])
             used = budget
-    return [
-        (
-            "".join(f"[{m}] " for m in memories) + text,
-            {"memory": memories[0], **metadata, **({"memories": memories} if len(memories) > 1 else {})},
-        )
-        for memories, text, metadata in kept
-    ]
+    folded = lambda memories: {"memories": memories} if len(memories) > 1 else {}  # noqa: E731
+    return [(labels(ms) + text, {"memory": ms[0], **metadata, **folded(ms)}) for ms, text, metadata in kept]
+
+
+def labels(memories: list[str]) -> str:
+    return "".join(f"[{memory}] " for memory in memories)
 
 
 def random_text(rnd: random.Random, size: int, words: list[str] = WORDS, noise: float = 0.15) -> str:
@@ -319,19 +318,10 @@ def random_answer(rnd: random.Random, longest: int = 30_000) -> dict[str, Any]:
             contents.append(rnd.choice(contents)[: rnd.randint(200, 400)] + random_text(rnd, rnd.randint(1, 300)))
         else:
             contents.append(random_text(rnd, rnd.choice([1, 5, 60, 250, 256, 257, 300, 1000, 3000, 30_000])))
-    scored = rnd.random() < 0.7
-    return {
-        "results": [
-            {
-                "content": content[:longest],
-                "container": "ctr",
-                "container_name": rnd.choice(["Main", "Work", "Home"]),
-                **({"score": round(rnd.random(), 2)} if scored or rnd.random() < 0.5 else {}),
-            }
-            for content in contents
-        ],
-        "containers": [],
-    }
+    scored, names = rnd.random() < 0.7, ["Main", "Work", "Home"]
+    hits = [{"content": text[:longest], "container": "ctr", "container_name": rnd.choice(names)} for text in contents]
+    some = [hit | ({"score": round(rnd.random(), 2)} if scored or rnd.random() < 0.5 else {}) for hit in hits]
+    return {"results": some, "containers": []}
 
 
 def test_the_entries_and_the_tool_text_follow_the_rule_read_plainly() -> None:
