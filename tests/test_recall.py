@@ -336,7 +336,9 @@ def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: d
 INTERLEAVED = [hit(PARTY, "Garden", 0.016), hit(LEDGER, "Work", 0.033), hit(CELLO, "Home", 0.017)]
 INTERLEAVED.append(hit(BACKUPS, "Work", 0.030))
 BEST_FIRST = [f"[Work] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}", f"[Garden] {PARTY}"]
-MEMBASE_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
+IN_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
+LOW, UP, WEAK = hit(PARTY, "Garden", 0.1), hit(CELLO, "Home", 0.9), hit("weak", "Garden", 0.001)
+TIED = [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)]
 CAP = 300
 CAPPED = {"max_recall_chars": CAP}
 # Scored by rank: 157 with its label (fits), 207 more (skipped), 47 more (fits after the skip), 157 more (skipped).
@@ -345,7 +347,13 @@ BUDGETED.append(hit(sized("fourth", 150), score=1))
 LONG_LEDGER = LEDGER + " It was chosen in March after the load tests."
 LONG_BACKUPS = BACKUPS + " They are kept for thirty days, offsite in Oslo."
 FOLDED_FIT = [f"[Work] [Home] {LONG_LEDGER}", f"[Work] {LONG_BACKUPS}"]
+EXACT, HUGE_FIRST = [hit(sized("exact", CAP - 7))], [hit(sized("huge", 1000), score=2), hit("small", score=1)]
+FLOOD, LONG_ONE = [hit("flood " + "z" * 10_000_000)], [hit(sized("long", 19_000))]
 HISTORY = "The billing ledger history, in detail: " + "one more line of history. " * 20
+
+
+def in_main(hits: list[dict[str, Any]]) -> list[str]:
+    return [f"[Main] {h['content']}" for h in hits]
 
 
 def cut_alone(start: str, cap: int = CAP) -> Any:
@@ -359,28 +367,16 @@ COPIES = [hit(LEDGER, "Work", 0.03), hit("  The billing ledger runs on\nPostgres
 # name -> (hits, the store's options, what the model is shown); max_entries goes to the injection config.
 RECALLS = {
     "best first across memories": (INTERLEAVED, {}, BEST_FIRST),
-    "the best survive the entry limit": (
-        [*INTERLEAVED, hit("weak", "Garden", 0.001)],
-        {"max_entries": 3},
-        BEST_FIRST[:3],
-    ),
+    "the best survive the entry limit": ([*INTERLEAVED, WEAK], {"max_entries": 3}, BEST_FIRST[:3]),
     "the best survive the budget": (
         [hit("A long and weak passage about gardening. " * 6, "Garden", 0.01), *INTERLEAVED[1:3]],
         {"max_recall_chars": 200},
         [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
     ),
-    "ties keep Membase's order": (
-        [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)],
-        {},
-        MEMBASE_ORDER,
-    ),
+    "ties keep Membase's order": (TIED, {}, IN_ORDER),
     **{
-        f"a score {name} leaves Membase's order": (
-            [hit(PARTY, "Garden", 0.1), hit(LEDGER, "Work") | score, hit(CELLO, "Home", 0.9)],
-            {},
-            MEMBASE_ORDER,
-        )
-        for name, score in ODD_SCORES.items()
+        f"a score {name} leaves Membase's order": ([LOW, hit(LEDGER, "Work") | odd, UP], {}, IN_ORDER)
+        for name, odd in ODD_SCORES.items()
     },
     "a passage in two memories is shown once naming both": (
         [*COPIES, hit(CELLO, "Home", 0.01)],
@@ -416,41 +412,13 @@ RECALLS = {
         [f"[Work] {LEDGER}"],
     ),
     "below the floor nothing is injected": (INTERLEAVED, {"min_score": 0.9}, []),
-    "whole passages best first and a smaller later one still fits": (
-        BUDGETED,
-        CAPPED,
-        [f"[Main] {h['content']}" for h in BUDGETED[::2]],
-    ),
-    "without a cap every passage is whole": (
-        BUDGETED,
-        {"max_recall_chars": None},
-        [f"[Main] {h['content']}" for h in BUDGETED],
-    ),
-    "the cap counts the label and a passage that fits exactly is whole": (
-        [hit(sized("exact", CAP - 7))],
-        CAPPED,
-        [f"[Main] {sized('exact', CAP - 7)}"],
-    ),
-    "one character over the cap is cut": (
-        [hit(sized("over", CAP - 6))],
-        CAPPED,
-        cut_alone("[Main] over"),
-    ),
-    "a best passage over the cap is cut, alone": (
-        [hit(sized("huge", 1000), score=2), hit("small", score=1)],
-        CAPPED,
-        cut_alone("[Main] huge lorem"),
-    ),
-    "the default cap keeps 10 MB from the prompt": (
-        [hit("flood " + "z" * 10_000_000)],
-        {},
-        cut_alone("[Main] flood", 20_000),
-    ),
-    "the default cap keeps a 19,000-character passage whole": (
-        [hit(sized("long", 19_000))],
-        {},
-        [f"[Main] {sized('long', 19_000)}"],
-    ),
+    "whole passages best first and a smaller later one still fits": (BUDGETED, CAPPED, in_main(BUDGETED[::2])),
+    "without a cap every passage is whole": (BUDGETED, {"max_recall_chars": None}, in_main(BUDGETED)),
+    "the cap counts the label and a passage that fits exactly is whole": (EXACT, CAPPED, in_main(EXACT)),
+    "one character over the cap is cut": ([hit(sized("over", CAP - 6))], CAPPED, cut_alone("[Main] over")),
+    "a best passage over the cap is cut, alone": (HUGE_FIRST, CAPPED, cut_alone("[Main] huge lorem")),
+    "the default cap keeps 10 MB from the prompt": (FLOOD, {}, cut_alone("[Main] flood", 20_000)),
+    "the default cap keeps a 19,000-character passage whole": (LONG_ONE, {}, in_main(LONG_ONE)),
 }
 
 
