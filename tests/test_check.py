@@ -66,9 +66,8 @@ def test_everything_working_is_ok_searches_twice_and_saves_nothing(server):
     assert [step.name for step in report.steps] == ["reach", "memories in reach", "search", "profile", "save"]
     assert all(step.ok for step in report.steps)
     assert report.first_search_seconds is not None and report.suggested_recall_timeout == 2.0  # a fast warm search
-    text = report.to_text()
-    assert "Main, Work" in text and "first" in text and "second" in text and "suggested recall_timeout: 2 s" in text
-    assert text.rstrip().endswith("Everything needed works.")
+    text = report.to_text()  # "Main, Work" and "Everything needed works.": the table below, for the command too
+    assert "first" in text and "second" in text and "suggested recall_timeout: 2 s" in text
     assert len(fake.sent("POST", "/v1/search")) == 2
     # The save probe names a Memory, so a 400 is about the empty note, not about which Memory was meant.
     assert [r.body["content"] for r in fake.sent("POST", "/v1/memories")] == [""]

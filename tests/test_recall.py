@@ -321,16 +321,10 @@ def hit(content: str, memory: str = "Main", score: Any = None) -> dict[str, Any]
 def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: dict[str, str] | None = None) -> None:
     """Answer every search with ``hits``, in this order, as Membase would send them (a NaN score too)."""
     fake.containers = [{"id": cid, "name": name} for cid, name in NAMES.items()]
-    rows = [
-        {"id": cid, "name": name} | ({"error": unsearched[name]} if name in (unsearched or {}) else {})
-        for cid, name in NAMES.items()
-    ]
-    body = json.dumps({"results": hits, "containers": rows})
-    fake.always(
-        "POST",
-        "/v1/search",
-        lambda request: httpx.Response(200, content=body, headers={"content-type": "application/json"}),
-    )
+    errors = {name: {"error": reason} for name, reason in (unsearched or {}).items()}
+    rows = [{"id": cid, "name": name, **errors.get(name, {})} for cid, name in NAMES.items()]
+    body, json_type = json.dumps({"results": hits, "containers": rows}), {"content-type": "application/json"}
+    fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=body, headers=json_type))
 
 
 INTERLEAVED = [hit(PARTY, "Garden", 0.016), hit(LEDGER, "Work", 0.033), hit(CELLO, "Home", 0.017)]
