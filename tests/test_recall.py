@@ -47,8 +47,7 @@ def searches(fake: InMemoryMembase) -> int:
 
 
 def counted(store: MembaseMemoryStore, *names: str) -> tuple[int, ...]:
-    counters = store.counters()
-    return tuple(counters.get(name, 0) for name in names)
+    return tuple(store.counters().get(name, 0) for name in names)
 
 
 # --- The time box and the guard -------------------------------------------------------------------

@@ -62,8 +62,7 @@ class Telemetry:
 
 
 @pytest.fixture(scope="session")
-def reader() -> InMemoryMetricReader:
-    """The process's meter provider (set once), read in memory."""
+def reader() -> InMemoryMetricReader:  # the process's meter provider (set once), read in memory
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
     return reader

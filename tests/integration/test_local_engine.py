@@ -163,10 +163,8 @@ def test_a_memory_whose_llm_refuses_is_injected_as_a_framed_notice_not_as_a_fact
 def test_membase_local_names_the_directory_or_with_1_or_true_the_engines_default(tmp_path: Path, monkeypatch):
     monkeypatch.delenv("MEMBASE_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # the engine's default directory is ~/.membase
-    for setting, directory in [
-        (str(tmp_path / "memory"), tmp_path / "memory"),
-        *((value, tmp_path / ".membase") for value in ("1", "true")),
-    ]:
+    named, default = tmp_path / "memory", tmp_path / ".membase"
+    for setting, directory in [(str(named), named), ("1", default), ("true", default)]:
         monkeypatch.setenv("MEMBASE_LOCAL", setting)
         with MembaseMemoryStore() as store:  # the SDK's convention, and nothing else given
             assert f"local={str(directory.resolve())!r}" in repr(store), setting

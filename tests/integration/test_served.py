@@ -68,9 +68,8 @@ def user_key(user: str) -> str:
 
 class Membase:
     """One in-memory account per user's key behind a :class:`LoopbackMembase`. Once :attr:`slow` is set, a user's
-    first write takes ``SLOW_WRITE`` and later ones are held until :attr:`release` is set (then
-    ``HELD_PAST_SHUTDOWN`` more); each is saved only if its client is still connected. :attr:`sigterm_due` is set once
-    ``SIGTERM_AT`` slow writes have come in."""
+    first write takes ``SLOW_WRITE``, later ones wait for :attr:`release` (then ``HELD_PAST_SHUTDOWN``), each saved only
+    if its client is still connected; :attr:`sigterm_due` is set once ``SIGTERM_AT`` slow writes are in."""
 
     def __init__(self) -> None:
         self.fake = InMemoryMembase()
@@ -174,9 +173,7 @@ class Server:
         with self._changed:
             return sum(text in line for line in self.lines)
 
-    def wait_until_ready(self, processes: int) -> None:
-        """Wait until every process has said its startup is complete and the port listens (at most ``START_WAIT``)."""
-
+    def wait_until_ready(self, processes: int) -> None:  # every process started, the port listening
         def ready() -> bool:
             listening = self.count("Uvicorn running on") + self.count("Listening at:")
             return self.count("Application startup complete.") >= processes and listening > 0
@@ -185,8 +182,7 @@ class Server:
             self._changed.wait_for(lambda: ready() or not self._reader.is_alive(), START_WAIT)
         assert ready(), f"the server never got {processes} processes ready:\n{self.output}"
 
-    def stop(self) -> float:
-        """SIGTERM, then wait for the exit (at most ``WAIT`` seconds); the seconds in between."""
+    def stop(self) -> float:  # SIGTERM, then wait for the exit (at most ``WAIT`` s); the seconds in between
         started = time.monotonic()
         self._collect_after.touch()  # from now on, garbage collections in the server (see the module docstring)
         self.process.send_signal(signal.SIGTERM)
@@ -227,10 +223,9 @@ class Turn:
 
 
 async def drive(server: Server, membase: Membase) -> tuple[list[Turn], float]:
-    """Each user's client sends its turns one after another, all clients at once: ``FAST_TURNS``, then (once every
-    client is done with those) ``SLOW_TURNS`` with Membase slow to save. Once ``SIGTERM_AT`` slow writes have
-    come in, the server gets SIGTERM; each client stops at its first request that is not answered. Returns the turns
-    and the seconds from SIGTERM to the exit."""
+    """All clients at once, each sending its ``FAST_TURNS`` then (once all are done with those) its ``SLOW_TURNS``
+    with Membase slow to save; SIGTERM once ``SIGTERM_AT`` slow writes are in; a client stops at its first request
+    not answered. Returns the turns and the seconds from SIGTERM to the exit."""
     turns: list[Turn] = []
     loop = asyncio.get_running_loop()
     slow_from_now, sigterm_sent = asyncio.Event(), False
