@@ -10,7 +10,7 @@ import json
 import runpy
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -66,9 +66,8 @@ def test_everything_working_is_ok_searches_twice_and_saves_nothing(server):
     assert [step.name for step in report.steps] == ["reach", "memories in reach", "search", "profile", "save"]
     assert all(step.ok for step in report.steps)
     assert report.first_search_seconds is not None and report.suggested_recall_timeout == 2.0  # a fast warm search
-    text = report.to_text()
-    assert "Main, Work" in text and "first" in text and "second" in text and "suggested recall_timeout: 2 s" in text
-    assert text.rstrip().endswith("Everything needed works.")
+    text = report.to_text()  # "Main, Work" and "Everything needed works.": the table below, for the command too
+    assert "first" in text and "second" in text and "suggested recall_timeout: 2 s" in text
     assert len(fake.sent("POST", "/v1/search")) == 2
     # The save probe names a Memory, so a 400 is about the empty note, not about which Memory was meant.
     assert [r.body["content"] for r in fake.sent("POST", "/v1/memories")] == [""]
@@ -95,64 +94,6 @@ def test_the_suggested_recall_timeout_covers_five_warm_searches_within_2_to_30_s
         assert (report.first_search_seconds, report.second_search_seconds) == pytest.approx((40.0, warm))
         assert report.suggested_recall_timeout == suggested
         assert "first 40.00 s" in steps(report)["search"].detail
-
-
-def test_a_key_refused_everywhere_is_not_ok_says_what_to_fix_and_tries_nothing_else(server):
-    for route in ALL_ROUTES:
-        server.fake.always(*route, status(403))
-
-    report = run_check(server)
-
-    assert not report.ok and failed(report) == ["reach"]
-    assert "403" in steps(report)["reach"].detail and "MEMBASE_API_KEY" in steps(report)["reach"].detail
-    assert "[FAIL] reach" in report.to_text()
-    assert report.to_text().rstrip().endswith("Something needed does not work: see FAIL above.")
-    assert len(server.fake.requests) == 1  # a refused key is not retried
-
-
-def test_a_refused_profile_or_save_fails_unless_the_flag_says_it_is_not_needed(server):
-    server.fake.always("GET", "/v1/profile", status(403))
-    server.fake.always("POST", "/v1/memories", status(403))
-
-    needed = run_check(server)
-    optional = run_check(server, need_profile=False, need_save=False)
-
-    assert failed(needed) == ["profile", "save"]
-    assert "may not read the profile" in steps(needed)["profile"].detail
-    assert "may not save" in steps(needed)["save"].detail
-    assert optional.ok and [steps(optional)[name].required for name in ("profile", "save")] == [False, False]
-    assert "[note] profile" in optional.to_text() and "[note] save" in optional.to_text()
-    assert server.fake.notes == []
-
-
-def test_a_pinned_memory_is_resolved_and_searched_and_an_unknown_one_lists_the_memories_in_reach(server):
-    server.fake.containers = list(TWO_MEMORIES)
-
-    unknown = run_check(server, container="Journal")
-    known = run_check(server, container="work")
-
-    assert failed(unknown) == ["container"]
-    assert all(name in steps(unknown)["container"].detail for name in ("Journal", "'Main'", "'Work'"))
-    assert known.ok and "ctr_work" in steps(known)["container"].detail
-    assert [r.body["container"] for r in server.fake.sent("POST", "/v1/search")] == ["ctr_work", "ctr_work"]
-    assert server.fake.sent("POST", "/v1/memories")[0].body["container"] == "ctr_work"
-
-
-def test_a_failing_search_is_reported(server):
-    server.fake.always("POST", "/v1/search", status(422, "no model configured"))
-
-    report = run_check(server)
-
-    assert failed(report) == ["search"] and "cannot run" in steps(report)["search"].detail
-
-
-def test_no_configuration_is_a_sentence_naming_the_key_variable(monkeypatch):
-    for variable in ("MEMBASE_API_KEY", "MEMBASE_LOCAL", "MEMBASE_BASE_URL"):
-        monkeypatch.delenv(variable, raising=False)
-
-    report = check.run_check()
-
-    assert failed(report) == ["configuration"] and "MEMBASE_API_KEY" in steps(report)["configuration"].detail
 
 
 def test_the_key_never_appears_in_the_report(server):
@@ -190,40 +131,81 @@ def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return code, out
 
 
-def test_the_command_exits_0_only_when_everything_needed_works_and_its_flags_say_what_is_needed(account, capsys):
+def refuse(*routes: tuple[str, str]) -> Callable[[InMemoryMembase], None]:
+    def setup(account: InMemoryMembase) -> None:
+        for route in routes:
+            account.always(*route, status(403))
+
+    return setup
+
+
+REFUSED, AS_IT_IS = refuse(("GET", "/v1/profile"), ("POST", "/v1/memories")), refuse()
+# name -> (set-up, run_check options, the command's flags, the steps that fail, what both say)
+SCENARIOS: dict[str, tuple[Callable[[InMemoryMembase], None], dict[str, Any], list[str], list[str], list[str]]] = {
+    "working": (AS_IT_IS, {}, [], [], ["Main, Work", "Everything needed works."]),
+    "key-refused": (
+        refuse(*ALL_ROUTES),
+        {},
+        [],
+        ["reach"],
+        ["[FAIL] reach", "403", "MEMBASE_API_KEY", "Connect > Developer keys"],
+    ),
+    "profile-save-refused": (REFUSED, {}, [], ["profile", "save"], ["may not read the profile", "may not save"]),
+    "save-refused": (REFUSED, {"need_profile": False}, ["--no-profile"], ["save"], ["[note] profile", "may not save"]),
+    "not-needed": (
+        REFUSED,
+        {"need_profile": False, "need_save": False},
+        ["--no-profile", "--read-only"],
+        [],
+        ["[note] profile", "[note] save"],
+    ),
+    "unknown-memory": (
+        AS_IT_IS,
+        {"container": "Journal"},
+        ["--container", "Journal"],
+        ["container"],
+        ["Journal", "'Main'", "'Work'"],
+    ),
+    "pinned-memory": (AS_IT_IS, {"container": "work"}, ["--container", "work"], [], ["ctr_work"]),
+    "search-fails": (lambda fake: fake.always("POST", "/v1/search", status(422)), {}, [], ["search"], ["cannot run"]),
+}
+
+
+@pytest.mark.parametrize(("setup", "options", "flags", "failing", "said"), SCENARIOS.values(), ids=list(SCENARIOS))
+def test_the_report_and_the_command_say_the_same_and_exit_0_only_when_everything_needed_works(
+    account, capsys, setup, options, flags, failing, said
+):
     account.containers = list(TWO_MEMORIES)
-    code, out = cli(capsys)
-    assert code == 0 and "Main, Work" in out and "Everything needed works." in out
-    assert {r.key for r in account.requests} == {CLI_KEY}  # the key from MEMBASE_API_KEY
+    setup(account)
 
-    code, out = cli(capsys, "--json")
-    data = json.loads(out)
-    assert code == 0 and data["ok"] is True and data["memories"] == ["Main", "Work"]
-    assert {"reach", "search", "profile", "save"} <= {step["name"] for step in data["steps"]}
+    report = check.run_check(**options)  # the key and host from MEMBASE_API_KEY and MEMBASE_BASE_URL
+    code, out = cli(capsys, *flags)
+    json_code, json_out = cli(capsys, *flags, "--json")
+
+    assert failed(report) == failing and code == json_code == (1 if failing else 0)
+    assert all(words in report.to_text() and words in out for words in said), (report.to_text(), out)
+    ending = "Something needed does not work: see FAIL above." if failing else "Everything needed works."
+    assert report.to_text().rstrip().endswith(ending) and out.rstrip().endswith(ending)
+    data = json.loads(json_out)
+    assert data["ok"] is report.ok and data["memories"] == report.memories
+    assert all(steps(report)[name].required is False for name in ("profile", "save") if f"need_{name}" in options)
+    assert [(step["name"], step["ok"]) for step in data["steps"]] == [(step.name, step.ok) for step in report.steps]
     assert all({"name", "ok", "detail", "required"} <= set(step) for step in data["steps"])
-    assert isinstance(data["suggested_recall_timeout"], float)
-
-    code, out = cli(capsys, "--container", "Journal")
-    assert code == 1 and "'Main'" in out and "'Work'" in out
-
-    account.always("GET", "/v1/profile", status(403))
-    account.always("POST", "/v1/memories", status(403))
-    assert cli(capsys)[0] == 1
-    assert cli(capsys, "--no-profile")[0] == 1
-    assert cli(capsys, "--no-profile", "--read-only")[0] == 0
-
-    for route in ALL_ROUTES:
-        account.always(*route, status(403))
-    code, out = cli(capsys)
-    assert code == 1 and "[FAIL] reach" in out and "Connect > Developer keys" in out
-    code, out = cli(capsys, "--json")
-    assert code == 1 and json.loads(out)["ok"] is False and "MEMBASE_API_KEY" in out
+    assert {r.key for r in account.requests} == {CLI_KEY} and account.notes == [] and account.standing == []
+    if failing == ["reach"]:
+        assert len(account.sent()) == 3  # a refused key is not retried
+    elif not failing:
+        assert report.memories == ["Main", "Work"] and isinstance(data["suggested_recall_timeout"], float)
+    if options.get("container") == "work":
+        sent = account.sent("POST", "/v1/search") + account.sent("POST", "/v1/memories")
+        assert {r.body["container"] for r in sent} == {"ctr_work"}
 
 
 def test_the_command_takes_the_key_and_host_from_its_flags_before_the_environment(account, server, capsys, monkeypatch):
     monkeypatch.delenv("MEMBASE_API_KEY")
     code, out = cli(capsys)
     assert code == 1 and "[FAIL] configuration" in out and "MEMBASE_API_KEY" in out
+    assert failed(check.run_check()) == ["configuration"]
 
     assert cli(capsys, "--api-key", CLI_KEY)[0] == 0
     assert {r.key for r in account.requests} == {CLI_KEY}

@@ -12,11 +12,10 @@ from membase_strands._containers import Container, match, parse_containers
 from membase_strands._failures import BadResponseError
 from membase_strands.testing import API_KEY, ToolCall, hang, refuse_connection, status
 from tests.support.agents import tool_turn
-from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, routed, wait_until
+from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, membase_threads, routed, wait_until
 
 TWO = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
 BUDGET = 0.3  # for the set-up checks that must outlast it: held by a gate, not by the clock
-LONG = 30.0
 
 
 def search_containers(fake) -> list[str | None]:
@@ -27,13 +26,15 @@ def warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_a_pinned_memory_is_searched_by_its_id_resolved_once(fake, make_store):
+def test_a_pinned_memory_is_searched_by_its_id_resolved_once_however_many_agents_are_built(fake, make_store):
     fake.containers = TWO
     fake.remember(FACT)
     fake.remember("We chose MySQL for the work ledger.", container="ctr_work")
     for given in ("Main", "main", "MAIN", " main ", "ctr_main"):
         fake.requests.clear()
-        agent, model = make_agent(make_store(container=given), ["Postgres."] * 2)
+        store = make_store(container=given)
+        [make_agent(store) for _ in range(2)]  # agents built before the turns list nothing again
+        agent, model = make_agent(store, ["Postgres."] * 2)
 
         agent(QUESTION)
         agent(QUESTION)
@@ -133,13 +134,6 @@ def test_a_late_set_up_check_that_finds_an_unknown_memory_stops_the_next_agent(f
     outage.set()
     assert wait_until(lambda: not membase_threads(f"membase-check[{store.name}]"), timeout=LONG)
     with pytest.raises(ValueError, match="Memories in reach: 'Main'"):
-        make_agent(store)
-    assert len(fake.sent("GET", "/v1/containers")) == 1
-
-
-def test_the_memories_are_listed_once_per_store_however_many_agents_are_built(fake, make_store):
-    store = make_store(container="Main")
-    for _ in range(3):
         make_agent(store)
     assert len(fake.sent("GET", "/v1/containers")) == 1
 

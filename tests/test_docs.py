@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -100,19 +101,6 @@ def _next_step(messages: list[dict[str, Any]], tools: list[str]) -> str | ToolCa
     return f"From your memory: {recalled.group(1)}" if recalled else "I do not know."
 
 
-class _TimeForBlocks:
-    """The ``time`` module as a block's own ``import time`` sees it: ``sleep`` is recorded, not slept."""
-
-    def __init__(self, sleeps: list[float]) -> None:
-        self._sleeps = sleeps
-
-    def sleep(self, seconds: float) -> None:
-        self._sleeps.append(seconds)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
 @dataclass
 class Run:
     """What a block did: the stand-in Membase, the models given to Agents without one, its sleeps."""
@@ -155,11 +143,10 @@ def offline() -> Iterator[Run]:
 
 def execute(block: Block, run: Run) -> None:
     """Run the block's code as written in a fresh namespace, then any ``test_`` functions it defines."""
-    real_import = builtins.__import__
+    real_import, block_time = builtins.__import__, SimpleNamespace(**{**vars(time), "sleep": run.sleeps.append})
 
-    def block_import(name: str, *args: Any, **kwargs: Any) -> Any:
-        module = real_import(name, *args, **kwargs)
-        return _TimeForBlocks(run.sleeps) if name == "time" else module
+    def block_import(name: str, *args: Any, **kwargs: Any) -> Any:  # a block's time.sleep is recorded, not slept
+        return block_time if name == "time" else real_import(name, *args, **kwargs)
 
     namespace: dict[str, Any] = run.namespace
     namespace.update({"__name__": "docs_block", "__builtins__": {**vars(builtins), "__import__": block_import}})
@@ -253,18 +240,11 @@ def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
 # --- The README's shape and the facts it names ---------------------------------------------------
 
 
-def test_the_readme_is_short_and_shows_the_setup_check_early() -> None:
+def test_the_readme_is_short_shows_the_check_early_and_its_quick_start_and_served_app_are_the_examples() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 250
-    assert any(line.startswith("membase-strands check") for line in lines[:80])
-
-
-def test_the_readme_quick_start_is_examples_quickstart_py_and_fits_in_40_lines() -> None:
+    assert len(lines) <= 250 and any(line.startswith("membase-strands check") for line in lines[:80])
     assert QUICK_START in [block.code for block in PYTHON if block.page == "README.md"]
     assert len(QUICK_START.splitlines()) <= 40
-
-
-def test_the_served_app_in_docs_servers_md_is_examples_server_py() -> None:
     assert SERVED in [block.code for block in PYTHON if block.page == "docs/servers.md"]
 
 
@@ -280,20 +260,13 @@ def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_cl
     assert commands == ["uv run --python 3.12 examples/demo.py", "uv run --python 3.12 pytest"]
 
 
-def test_the_options_table_lists_every_option_of_the_store_in_order() -> None:
+def test_the_options_table_lists_every_option_of_the_store_in_order_and_every_counter_is_named() -> None:
     import inspect
 
     text = README.read_text(encoding="utf-8").split("## Options", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE)
-
-    assert rows == list(inspect.signature(MembaseMemoryStore).parameters)
-
-
-def test_the_counters_table_names_every_counter_always_present() -> None:
-    text = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
-    named = set(re.findall(r"`([a-z_.<>]+)`", text))
-
-    assert set(STANDARD) <= named
+    assert re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE) == list(inspect.signature(MembaseMemoryStore).parameters)
+    observability = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    assert set(STANDARD) <= set(re.findall(r"`([a-z_.<>]+)`", observability))
 
 
 def _slug(heading: str) -> str:
@@ -337,7 +310,5 @@ def test_the_membase_strands_flags_the_pages_use_exist_and_version_prints_the_ve
         for flag in re.findall(r"(--[a-z-]+)", line.split("#")[0])
     }
     known = _help("--help", capsys=capsys) + _help("check", "--help", capsys=capsys)
-
-    assert used
-    assert {flag for flag in used if flag not in known} == set()
+    assert used and {flag for flag in used if flag not in known} == set()
     assert _help("--version", capsys=capsys).strip() == f"membase-strands {__version__}"

@@ -104,11 +104,9 @@ def test_parse_search_reports_memories_that_could_not_answer() -> None:
 
 def test_hostile_memory_names_never_break_the_bracket_framing() -> None:
     for name in HOSTILE_NAMES:
-        body = {
-            "results": [hit("the passage", container_name=name)],
-            "containers": [{"id": "m", "name": name, "error": 1}],
-        }
-        answer = parse_search(body, 5)
+        answer = parse_search(
+            {"results": [hit("the passage", container_name=name)], "containers": [{"name": name, "error": 1}]}, 5
+        )
         [entry, notice] = memory_entries(answer)
         label = label_of(entry.content)
         assert entry.content == f"[{label}] the passage" and len(label) <= 80
@@ -131,19 +129,13 @@ def test_passages_lose_control_characters_and_lone_surrogates_but_keep_the_rest(
     answer = parse_search({"results": [hit("a\x00b\x1b[31mc\x07d\x7fe\rf\x08g\nline two\ttabbed")]}, 5)
     assert answer.passages[0].text == "ab[31mcdefg\nline two\ttabbed"
     assert all(unicodedata.category(c) != "Cc" for c in clean_text("a\x85b\x9b31mc\x90d"))
-    assert (
-        parse_search({"results": [hit("Café 🎉 日本語", container_name="Équipe")]}, 5).passages[0].text
-        == "Café 🎉 日本語"
-    )
+    [kept] = parse_search({"results": [hit("Café 🎉 日本語", container_name="Équipe")]}, 5).passages
+    assert (kept.memory, kept.text) == ("Équipe", "Café 🎉 日本語")
     for bad in ("\ud800", "a\udfffb", "\udbff\udbff", "ok \ud83d"):
         body = {"results": [hit(bad, container_name=bad)], "containers": [{"id": "x", "name": bad, "error": bad}]}
         answer = parse_search(body, 5)
-        for out in [
-            *(e.content for e in memory_entries(answer)),
-            search_text(bad, answer),
-            answer.unsearched[0].reason,
-        ]:
-            out.encode("utf-8")  # raises on a lone surrogate
+        shown = [e.content for e in memory_entries(answer)] + [search_text(bad, answer), answer.unsearched[0].reason]
+        "".join(shown).encode("utf-8")  # raises on a lone surrogate
 
 
 # --- memory_entries, search_text, profile_text ------------------------------------------------------
@@ -279,7 +271,7 @@ def reference_entries(
     kept: list[list[Any]] = []
     used = 0
     for memories, text, long, metadata in shown:
-        label = "".join(f"[{m}] " for m in memories)
+        label = labels(memories)
         if budget is None or (not long and used + len(label) + len(text) <= budget):
             kept.append([memories, text, metadata])
             used += len(label) + len(text)
@@ -287,13 +279,12 @@ def reference_entries(
             room = max(0, budget - len(label) - len(CUT_MARKER))
             kept.append([memories, text[:room].rstrip() + CUT_MARKER, {**metadata, "cut": True}])
             used = budget
-    return [
-        (
-            "".join(f"[{m}] " for m in memories) + text,
-            {"memory": memories[0], **metadata, **({"memories": memories} if len(memories) > 1 else {})},
-        )
-        for memories, text, metadata in kept
-    ]
+    folded = lambda memories: {"memories": memories} if len(memories) > 1 else {}  # noqa: E731
+    return [(labels(ms) + text, {"memory": ms[0], **metadata, **folded(ms)}) for ms, text, metadata in kept]
+
+
+def labels(memories: list[str]) -> str:
+    return "".join(f"[{memory}] " for memory in memories)
 
 
 def random_text(rnd: random.Random, size: int, words: list[str] = WORDS, noise: float = 0.15) -> str:
@@ -327,19 +318,10 @@ def random_answer(rnd: random.Random, longest: int = 30_000) -> dict[str, Any]:
             contents.append(rnd.choice(contents)[: rnd.randint(200, 400)] + random_text(rnd, rnd.randint(1, 300)))
         else:
             contents.append(random_text(rnd, rnd.choice([1, 5, 60, 250, 256, 257, 300, 1000, 3000, 30_000])))
-    scored = rnd.random() < 0.7
-    return {
-        "results": [
-            {
-                "content": content[:longest],
-                "container": "ctr",
-                "container_name": rnd.choice(["Main", "Work", "Home"]),
-                **({"score": round(rnd.random(), 2)} if scored or rnd.random() < 0.5 else {}),
-            }
-            for content in contents
-        ],
-        "containers": [],
-    }
+    scored, names = rnd.random() < 0.7, ["Main", "Work", "Home"]
+    hits = [{"content": text[:longest], "container": "ctr", "container_name": rnd.choice(names)} for text in contents]
+    some = [hit | ({"score": round(rnd.random(), 2)} if scored or rnd.random() < 0.5 else {}) for hit in hits]
+    return {"results": some, "containers": []}
 
 
 def test_the_entries_and_the_tool_text_follow_the_rule_read_plainly() -> None:
@@ -417,16 +399,11 @@ def large_answer(shape: str, size: int) -> dict[str, Any]:
         "spaced apart": lambda i: respaced(random.Random(i), text),
         "differ after 9,000 characters": lambda i: f"{'Quarterly report, section one. ' * 300}part {i}: {text}",
     }
+    scored = shape != "distinct, no scores"
+    memory = [{"container": m["id"], "container_name": m["name"]} for m in MEMORIES]
+    results = [{"content": makers[shape](i)[:size], **memory[i % 3]} for i in range(LIMIT)]
     return {
-        "results": [
-            {
-                "content": makers[shape](i)[:size],
-                "container": MEMORIES[i % 3]["id"],
-                "container_name": MEMORIES[i % 3]["name"],
-                **({} if shape == "distinct, no scores" else {"score": 1 - i / 100}),
-            }
-            for i in range(LIMIT)
-        ],
+        "results": [{**r, "score": 1 - i / 100} if scored else r for i, r in enumerate(results)],
         "containers": MEMORIES,
     }
 
@@ -443,8 +420,14 @@ def read_and_shown(shape: str, size: int, cleaned: list[int]) -> tuple[int, int]
 
 
 DIFFER_AT = len("Quarterly report, section one. " * 300 + "part 1")
-SHAPES = ["distinct", "distinct, no scores", "the same passage", "differ only late", "non-ASCII"]
-SHAPES.append("surrogates and controls")
+SHAPES = [
+    "distinct",
+    "distinct, no scores",
+    "the same passage",
+    "differ only late",
+    "non-ASCII",
+    "surrogates and controls",
+]
 
 
 @pytest.mark.parametrize(
@@ -506,12 +489,9 @@ def test_of_500000_hits_only_the_first_limit_per_memory_listed_are_read(cleaned:
 
 def test_a_megabyte_memory_name_or_reason_is_read_only_as_far_as_it_is_shown(cleaned: list[int]) -> None:
     huge = "Work " + "x" * 1024 * 1024
-    body = {
-        "results": [hit("a passage", container_name=huge)],
-        "containers": [{"id": "c", "name": huge, "error": huge}],
-    }
-
-    answer = parse_search(body, 5)
+    answer = parse_search(
+        {"results": [hit("a passage", container_name=huge)], "containers": [{"name": huge, "error": huge}]}, 5
+    )
 
     assert answer.passages[0].memory == clip(huge, 80) == answer.unsearched[0].memory
     assert answer.unsearched[0].reason == clip(huge, 200)

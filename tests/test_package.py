@@ -49,11 +49,8 @@ def test_the_distribution_has_the_version_dependencies_command_and_type_marker_i
     requires = [Requirement(text) for text in importlib.metadata.requires("membase-strands") or []]
     assert {"strands-agents", "unibaseio-membase"} <= {req.name for req in requires if req.marker is None}
     # The engine runs on 3.12+ only: below, the local extra installs nothing, and the check and the store say why.
-    [local] = [
-        req
-        for req in requires
-        if req.marker is not None and req.marker.evaluate({"extra": "local", "python_version": "3.12"})
-    ]
+    on_312 = {"extra": "local", "python_version": "3.12"}
+    [local] = [req for req in requires if req.marker is not None and req.marker.evaluate(on_312)]
     assert (local.name, local.extras) == ("unibaseio-membase", {"local"})
     assert not local.marker.evaluate({"extra": "local", "python_version": "3.11"})
     assert not local.marker.evaluate({"extra": "", "python_version": "3.13"})
@@ -68,13 +65,8 @@ def test_the_store_is_a_memory_store_as_the_manager_checks_one(make_store):
         assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(theirs), method
         assert list(inspect.signature(ours).parameters) == list(inspect.signature(theirs).parameters), method
         assert _has_method(make_store(), method), method
-    assert {name for name in MemoryStore.__annotations__ if not name.startswith("_")} == {
-        "name",
-        "description",
-        "max_search_results",
-        "writable",
-        "extraction",
-    }
+    fields = {name for name in MemoryStore.__annotations__ if not name.startswith("_")}
+    assert fields == set("name description max_search_results writable extraction".split())
     capturing = make_store(capture=True, extraction=True)
     assert _has_write_sink(capturing) and capturing.writable
     assert "add_memory" in [tool.tool_name for tool in MemoryManager(stores=[capturing], add_tool_config=True).tools]

@@ -27,18 +27,19 @@ from tests.support.agents import entries, logged, recall_turn
 from tests.support.loopback import LoopbackMembase, ok_json, stall
 from tests.support.store_helpers import (
     FACT,
+    LONG,
     QUESTION,
     RECALL_THREAD,
     delayed,
     make_agent,
     membase_threads,
     routed,
+    sized,
     until,
     wait_until,
 )
 
 BUDGET = 0.5  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
-LONG = 30.0  # every other budget and wait: a loaded machine cannot run out of it
 
 
 def searches(fake: InMemoryMembase) -> int:
@@ -46,8 +47,7 @@ def searches(fake: InMemoryMembase) -> int:
 
 
 def counted(store: MembaseMemoryStore, *names: str) -> tuple[int, ...]:
-    counters = store.counters()
-    return tuple(counters.get(name, 0) for name in names)
+    return tuple(store.counters().get(name, 0) for name in names)
 
 
 # --- The time box and the guard -------------------------------------------------------------------
@@ -178,16 +178,13 @@ def test_many_turns_of_one_stall_or_one_403_warn_at_most_three_times(fake, make_
             assert sum("narrowed or revoked" in w for w in warned) == 1
             paused = [m for m in logged(caplog, store.name, logging.INFO) if "automatic recall paused for 600 s" in m]
             assert len(paused) == 1
-        assert (
-            sum(f"store=<{store.name}>" in m and "recall skipped" in m for m in logged(caplog, store.name))
-            == TURNS_IN_OUTAGE - 1
-        )
+        skips = [m for m in logged(caplog, store.name) if f"store=<{store.name}>" in m and "recall skipped" in m]
+        assert len(skips) == TURNS_IN_OUTAGE - 1
         # The model saw what it saw before: no memory, the same tools.
         assert all(model.memory_block(turn) is None for turn in range(TURNS_IN_OUTAGE))
         assert all(call["tool_names"] == model.calls[0]["tool_names"] for call in model.calls)
-        failed = {"recall_timeouts": 1} if fault == "stall" else {"recall_errors": 1, "errors.access": 1}
-        if fault == "stall":
-            failed |= {"recall_late_completions": 1, "errors.timeout": 1}
+        failed = {"recall_timeouts": 1, "recall_late_completions": 1, "errors.timeout": 1}
+        failed = failed if fault == "stall" else {"recall_errors": 1, "errors.access": 1}
         moved = {name: n for name, n in store.counters().items() if n}
         assert moved == {"recalls": TURNS_IN_OUTAGE, "recall_skipped": TURNS_IN_OUTAGE - 1} | failed
         assert len(fake.sent("POST", "/v1/search")) == 1
@@ -316,36 +313,25 @@ CUT = "[... cut: this passage is longer than the recall budget]"
 
 
 def hit(content: str, memory: str = "Main", score: Any = None) -> dict[str, Any]:
-    container = f"ctr_{memory.lower()}"
-    return {"content": content, "container": container, "container_name": memory} | (
-        {} if score is None else {"score": score}
-    )
+    scored = {} if score is None else {"score": score}
+    return {"content": content, "container": f"ctr_{memory.lower()}", "container_name": memory} | scored
 
 
 def answer_with(fake: InMemoryMembase, hits: list[dict[str, Any]], unsearched: dict[str, str] | None = None) -> None:
     """Answer every search with ``hits``, in this order, as Membase would send them (a NaN score too)."""
     fake.containers = [{"id": cid, "name": name} for cid, name in NAMES.items()]
-    rows = [
-        {"id": cid, "name": name} | ({"error": unsearched[name]} if name in (unsearched or {}) else {})
-        for cid, name in NAMES.items()
-    ]
-    body = json.dumps({"results": hits, "containers": rows})
-    fake.always(
-        "POST",
-        "/v1/search",
-        lambda request: httpx.Response(200, content=body, headers={"content-type": "application/json"}),
-    )
-
-
-def sized(head: str, size: int) -> str:
-    """A passage of exactly ``size`` characters that starts with ``head``."""
-    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
+    errors = {name: {"error": reason} for name, reason in (unsearched or {}).items()}
+    rows = [{"id": cid, "name": name, **errors.get(name, {})} for cid, name in NAMES.items()]
+    body, json_type = json.dumps({"results": hits, "containers": rows}), {"content-type": "application/json"}
+    fake.always("POST", "/v1/search", lambda request: httpx.Response(200, content=body, headers=json_type))
 
 
 INTERLEAVED = [hit(PARTY, "Garden", 0.016), hit(LEDGER, "Work", 0.033), hit(CELLO, "Home", 0.017)]
 INTERLEAVED.append(hit(BACKUPS, "Work", 0.030))
 BEST_FIRST = [f"[Work] {LEDGER}", f"[Work] {BACKUPS}", f"[Home] {CELLO}", f"[Garden] {PARTY}"]
-MEMBASE_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
+IN_ORDER = [f"[Garden] {PARTY}", f"[Work] {LEDGER}", f"[Home] {CELLO}"]
+LOW, UP, WEAK = hit(PARTY, "Garden", 0.1), hit(CELLO, "Home", 0.9), hit("weak", "Garden", 0.001)
+TIED = [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)]
 CAP = 300
 CAPPED = {"max_recall_chars": CAP}
 # Scored by rank: 157 with its label (fits), 207 more (skipped), 47 more (fits after the skip), 157 more (skipped).
@@ -354,7 +340,13 @@ BUDGETED.append(hit(sized("fourth", 150), score=1))
 LONG_LEDGER = LEDGER + " It was chosen in March after the load tests."
 LONG_BACKUPS = BACKUPS + " They are kept for thirty days, offsite in Oslo."
 FOLDED_FIT = [f"[Work] [Home] {LONG_LEDGER}", f"[Work] {LONG_BACKUPS}"]
+EXACT, HUGE_FIRST = [hit(sized("exact", CAP - 7))], [hit(sized("huge", 1000), score=2), hit("small", score=1)]
+FLOOD, LONG_ONE = [hit("flood " + "z" * 10_000_000)], [hit(sized("long", 19_000))]
 HISTORY = "The billing ledger history, in detail: " + "one more line of history. " * 20
+
+
+def in_main(hits: list[dict[str, Any]]) -> list[str]:
+    return [f"[Main] {h['content']}" for h in hits]
 
 
 def cut_alone(start: str, cap: int = CAP) -> Any:
@@ -368,28 +360,16 @@ COPIES = [hit(LEDGER, "Work", 0.03), hit("  The billing ledger runs on\nPostgres
 # name -> (hits, the store's options, what the model is shown); max_entries goes to the injection config.
 RECALLS = {
     "best first across memories": (INTERLEAVED, {}, BEST_FIRST),
-    "the best survive the entry limit": (
-        [*INTERLEAVED, hit("weak", "Garden", 0.001)],
-        {"max_entries": 3},
-        BEST_FIRST[:3],
-    ),
+    "the best survive the entry limit": ([*INTERLEAVED, WEAK], {"max_entries": 3}, BEST_FIRST[:3]),
     "the best survive the budget": (
         [hit("A long and weak passage about gardening. " * 6, "Garden", 0.01), *INTERLEAVED[1:3]],
         {"max_recall_chars": 200},
         [f"[Work] {LEDGER}", f"[Home] {CELLO}"],
     ),
-    "ties keep Membase's order": (
-        [hit(PARTY, "Garden", 0.5), hit(LEDGER, "Work", 0.5), hit(CELLO, "Home", 0.5)],
-        {},
-        MEMBASE_ORDER,
-    ),
+    "ties keep Membase's order": (TIED, {}, IN_ORDER),
     **{
-        f"a score {name} leaves Membase's order": (
-            [hit(PARTY, "Garden", 0.1), hit(LEDGER, "Work") | score, hit(CELLO, "Home", 0.9)],
-            {},
-            MEMBASE_ORDER,
-        )
-        for name, score in ODD_SCORES.items()
+        f"a score {name} leaves Membase's order": ([LOW, hit(LEDGER, "Work") | odd, UP], {}, IN_ORDER)
+        for name, odd in ODD_SCORES.items()
     },
     "a passage in two memories is shown once naming both": (
         [*COPIES, hit(CELLO, "Home", 0.01)],
@@ -425,41 +405,13 @@ RECALLS = {
         [f"[Work] {LEDGER}"],
     ),
     "below the floor nothing is injected": (INTERLEAVED, {"min_score": 0.9}, []),
-    "whole passages best first and a smaller later one still fits": (
-        BUDGETED,
-        CAPPED,
-        [f"[Main] {h['content']}" for h in BUDGETED[::2]],
-    ),
-    "without a cap every passage is whole": (
-        BUDGETED,
-        {"max_recall_chars": None},
-        [f"[Main] {h['content']}" for h in BUDGETED],
-    ),
-    "the cap counts the label and a passage that fits exactly is whole": (
-        [hit(sized("exact", CAP - 7))],
-        CAPPED,
-        [f"[Main] {sized('exact', CAP - 7)}"],
-    ),
-    "one character over the cap is cut": (
-        [hit(sized("over", CAP - 6))],
-        CAPPED,
-        cut_alone("[Main] over"),
-    ),
-    "a best passage over the cap is cut, alone": (
-        [hit(sized("huge", 1000), score=2), hit("small", score=1)],
-        CAPPED,
-        cut_alone("[Main] huge lorem"),
-    ),
-    "the default cap keeps 10 MB from the prompt": (
-        [hit("flood " + "z" * 10_000_000)],
-        {},
-        cut_alone("[Main] flood", 20_000),
-    ),
-    "the default cap keeps a 19,000-character passage whole": (
-        [hit(sized("long", 19_000))],
-        {},
-        [f"[Main] {sized('long', 19_000)}"],
-    ),
+    "whole passages best first and a smaller later one still fits": (BUDGETED, CAPPED, in_main(BUDGETED[::2])),
+    "without a cap every passage is whole": (BUDGETED, {"max_recall_chars": None}, in_main(BUDGETED)),
+    "the cap counts the label and a passage that fits exactly is whole": (EXACT, CAPPED, in_main(EXACT)),
+    "one character over the cap is cut": ([hit(sized("over", CAP - 6))], CAPPED, cut_alone("[Main] over")),
+    "a best passage over the cap is cut, alone": (HUGE_FIRST, CAPPED, cut_alone("[Main] huge lorem")),
+    "the default cap keeps 10 MB from the prompt": (FLOOD, {}, cut_alone("[Main] flood", 20_000)),
+    "the default cap keeps a 19,000-character passage whole": (LONG_ONE, {}, in_main(LONG_ONE)),
 }
 
 
@@ -517,6 +469,9 @@ def test_a_memory_that_could_not_answer_is_still_reported(fake, make_store, hits
 # --- The profile's standing facts, with recall_profile=True ---------------------------------------------
 
 
+PROFILE = "[Membase profile] Standing facts about the user:"
+
+
 def profile_reads(fake: InMemoryMembase) -> int:
     return len(fake.sent("GET", "/v1/profile"))
 
@@ -533,10 +488,7 @@ def test_the_standing_facts_come_first_and_two_turns_read_the_profile_once(fake,
 
     for call in (0, 1):
         shown = entries(model.memory_block(call))
-        assert (
-            shown[0]
-            == "[Membase profile] Standing facts about the user:\n- The user is vegetarian.\n- Lives in\n  Lisbon."
-        )
+        assert shown[0] == f"{PROFILE}\n- The user is vegetarian.\n- Lives in\n  Lisbon."
         assert len(shown) == 3 and shown[1].startswith("[Main] ")  # the profile takes one of the entries asked for
     assert profile_reads(fake) == 1 and searches(fake) == 2
     assert fake.sent("GET", "/v1/profile")[0].params == {}
@@ -580,7 +532,7 @@ def test_a_profile_that_fails_or_is_late_costs_no_passage_and_a_failed_one_is_re
     assert wait_until(lambda: agent(QUESTION) and "[Membase profile]" in model.memory_block(), timeout=LONG)
 
     assert profile_reads(fake) == (1 if failure == "hang" else 2)
-    assert entries(model.memory_block())[0].startswith("[Membase profile] Standing facts about the user:\n- The user")
+    assert entries(model.memory_block())[0].startswith(f"{PROFILE}\n- The user")
 
 
 def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):

@@ -58,14 +58,21 @@ def test_nothing_is_injected_when_nothing_matches_and_a_blank_prompt_is_not_sear
     assert len(searches(fake)) == 1 and model.memory_block() is None
 
 
-def test_passages_name_their_memory_and_entries_name_the_store(fake, make_store):
+def test_passages_name_their_memory_entries_name_the_store_and_memories_that_could_not_answer_are_notices(
+    fake, make_store
+):
     fake.add_memory("Project decisions", "ctr_dec")
     fake.remember(FACT, container="ctr_dec")
-    agent, model = make_agent(make_store(name="work"), ["Postgres."])
+    agent, model = make_agent(make_store(name="work"), ["Postgres.", "I could not look that up."])
 
     agent(QUESTION)
-
     assert f'<entry source="work">[Project decisions] {FACT}</entry>' in model.memory_block()
+    for memory in ("ctr_main", "ctr_dec"):  # no Memory could answer: that must not be silence
+        fake.cannot_answer(memory, "Embeddings need OPENAI_API_KEY")
+    agent(QUESTION)
+    notice = "[Membase notice] The Memory ({}) could not be searched: Embeddings need OPENAI_API_KEY."
+    shown = [entry.split(" Nothing from it")[0] for entry in entries(model.memory_block())]
+    assert shown == [notice.format(name) for name in ("Main", "Project decisions")]
 
 
 async def test_entries_carry_the_hits_fields_and_a_notice_follows_the_passages(fake, make_store):
@@ -82,17 +89,6 @@ async def test_entries_carry_the_hits_fields_and_a_notice_follows_the_passages(f
         "[Membase notice] The Memory (Docs) could not be searched: no model configured for [redacted]."
     )
     assert notice.metadata["unsearched"] is True
-
-
-def test_a_memory_that_could_not_answer_is_a_framed_notice_never_a_passage(fake, make_store):
-    fake.remember(FACT)
-    fake.cannot_answer("ctr_main", "Embeddings need OPENAI_API_KEY")
-    agent, model = make_agent(make_store(), ["I could not look that up."])
-
-    agent(QUESTION)
-
-    [notice] = entries(model.memory_block())  # a Memory that could not answer must not be silence
-    assert notice.startswith("[Membase notice] The Memory (Main) could not be searched: Embeddings need OPENAI")
 
 
 async def test_a_long_query_is_stripped_then_cut_to_2000_characters(fake, make_store):

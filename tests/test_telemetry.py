@@ -12,6 +12,7 @@ import asyncio
 import gc
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,17 +33,18 @@ SAID = "I like green tea"
 OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
 
 
+@dataclass
 class Telemetry:
-    def __init__(self, exporter: InMemorySpanExporter, reader: InMemoryMetricReader) -> None:
-        self.exporter = exporter
-        self.reader = reader
+    exporter: InMemorySpanExporter
+    reader: InMemoryMetricReader
 
     def spans(self) -> list[ReadableSpan]:
         return list(self.exporter.get_finished_spans())
 
     def ours(self, store: str, name: str | None = None) -> list[ReadableSpan]:
-        spans = self.spans()
-        return [s for s in spans if (s.attributes or {}).get("membase.store") == store and name in (None, s.name)]
+        return [
+            s for s in self.spans() if (s.attributes or {}).get("membase.store") == store and name in (None, s.name)
+        ]
 
     def one(self, store: str, name: str) -> ReadableSpan:
         assert wait_until(lambda: len(self.ours(store, name)) >= 1, timeout=30.0), f"no {name} span"
@@ -60,8 +62,7 @@ class Telemetry:
 
 
 @pytest.fixture(scope="session")
-def reader() -> InMemoryMetricReader:
-    """The process's meter provider (set once), read in memory."""
+def reader() -> InMemoryMetricReader:  # the process's meter provider (set once), read in memory
     reader = InMemoryMetricReader()
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
     return reader
@@ -111,8 +112,7 @@ def test_a_turn_with_a_timed_out_recall_and_a_captured_write(fake, make_store, g
     assert late.parent is None and [link.context.span_id for link in late.links] == [recall.context.span_id]
     assert late.attributes["membase.outcome"] == "completed" and late.attributes["membase.elapsed_s"] >= BUDGET
 
-    everything = otel.spans()
-    assert all(API_KEY not in text for span in everything for text in span_texts(span))
+    assert all(API_KEY not in text for span in otel.spans() for text in span_texts(span))
     for span in otel.ours("traced"):
         carried = " ".join(span_texts(span))
         assert "green tea" not in carried and "Postgres" not in carried and "another thing" not in carried
@@ -126,12 +126,7 @@ def test_text_is_recorded_only_when_opted_in_the_strands_way(fake, make_store, o
     monkeypatch.setenv(OPT_IN, "gen_ai_latest_experimental,gen_ai_unredacted_attributes=membase.*")
     agent(QUESTION)
     recall = otel.one("opted", "membase.recall")
-    assert attrs(recall, "outcome", "query", "passages", "chars_injected") == (
-        "hit",
-        QUESTION,
-        1,
-        len(f"[Main] {FACT}"),
-    )
+    assert attrs(recall, "outcome", "query", "passages", "chars_injected") == ("hit", QUESTION, 1, len(FACT) + 7)
     assert list(recall.attributes["membase.passages.text"]) == [f"[Main] {FACT}"]
     assert list(otel.one("opted", "membase.write").attributes["membase.note.text"]) == [QUESTION]
 
@@ -194,11 +189,7 @@ async def test_a_failed_write_records_the_kind_never_the_servers_text(fake, make
     assert not any(API_KEY in text or "boom" in text for text in span_texts(write))
 
 
-@pytest.mark.parametrize(
-    ("route", "outcome", "kind"),
-    [(None, "hit", None), (status(403), "error", "access")],
-    ids=["answered", "refused"],
-)
+@pytest.mark.parametrize(("route", "outcome", "kind"), [(None, "hit", None), (status(403), "error", "access")])
 def test_each_tool_call_gets_a_span_under_the_tool_span(fake, make_store, otel, route, outcome, kind):
     fake.remember(FACT)
     if route is not None:
@@ -261,8 +252,7 @@ async def _link_in_a_task() -> object:
 # --- Counters ------------------------------------------------------------------------------------
 
 
-def changed(counts: dict[str, int]) -> dict[str, int]:
-    """Only the counts that are not zero."""
+def changed(counts: dict[str, int]) -> dict[str, int]:  # only the counts that are not zero
     return {name: value for name, value in counts.items() if value}
 
 
@@ -281,13 +271,8 @@ def test_tool_calls_are_counted_per_tool_and_never_as_recalls(fake, make_store):
     fake.remember(FACT)
     fake.on("POST", "/v1/search", routed(fake), status(403))
     store = make_store()
-    script = [
-        ToolCall("membase_search", {"query": "ledger database"}),
-        ToolCall("membase_search", {"query": "postgres"}),
-        ToolCall("membase_profile", {}),
-        ToolCall("membase_save", {"content": "I prefer green tea."}),
-        "done",
-    ]
+    script = [ToolCall("membase_search", {"query": q}) for q in ("ledger database", "postgres")]
+    script += [ToolCall("membase_profile", {}), ToolCall("membase_save", {"content": "I prefer green tea."}), "done"]
     agent, model = make_agent(store, script, injection=False)
 
     agent("Look things up and remember that I prefer green tea.")
@@ -319,10 +304,8 @@ def test_counts_from_many_threads_and_event_loops_add_up_exactly(fake, make_stor
             failures.append(failure)
 
     workers = [threading.Thread(target=in_own_loop) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(30)
+    [worker.start() for worker in workers]
+    [worker.join(30) for worker in workers]
 
     assert failures == []
     assert changed(store.counters()) == {"recalls": threads * searches, "recall_hits": threads * searches}

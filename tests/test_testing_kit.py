@@ -12,7 +12,7 @@ from strands import Agent
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, refuse_connection, status
-from tests.support.store_helpers import make_agent
+from tests.support.store_helpers import FACT, make_agent
 
 
 def _agent(store: MembaseMemoryStore, script: list[Any]) -> tuple[Agent, ScriptedModel]:
@@ -22,15 +22,13 @@ def _agent(store: MembaseMemoryStore, script: list[Any]) -> tuple[Agent, Scripte
 def test_search_finds_notes_by_shared_words_across_several_memories() -> None:
     membase = InMemoryMembase()
     work = membase.add_memory("Work")
-    membase.remember("We chose Postgres for the ledger.", "Work")
+    membase.remember(FACT, "Work")
     membase.remember("Dinner with Sam on Friday.", "Main")
     client = membase.client()
 
-    hits = client.search("ledger postgres")["results"]
+    [found] = client.search("ledger postgres")["results"]
 
-    assert [(h["container_name"], h["content"], h["source"]) for h in hits] == [
-        ("Work", "We chose Postgres for the ledger.", f"episode:{work}:1")
-    ]
+    assert (found["container_name"], found["content"], found["source"]) == ("Work", FACT, f"episode:{work}:1")
     assert client.search("dinner", container=work)["results"] == []
 
 
@@ -108,9 +106,7 @@ def test_the_store_helper_passes_options_and_the_client_is_the_real_sdk() -> Non
     membase = InMemoryMembase()
     store = membase.store(container="Main", max_search_results=3)
 
-    assert isinstance(membase.client(), Membase)
-    assert store.max_search_results == 3
-    assert "container='Main'" in repr(store)
+    assert isinstance(membase.client(), Membase) and store.max_search_results == 3 and "container='Main'" in repr(store)
 
 
 def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_its_key() -> None:

@@ -19,7 +19,7 @@ from membase_strands import MembaseMemoryStore
 from membase_strands._tools import CLOSED_SENTENCE
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
 from tests.support.agents import ALL_TOOLS, entries, resume, tool_texts, tool_turn
-from tests.support.store_helpers import make_agent, result_text
+from tests.support.store_helpers import make_agent, result_text, sized
 
 OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_x", "name": "Work"}]
@@ -71,9 +71,7 @@ def test_search_numbers_passages_naming_their_memory_and_says_what_could_not_ans
         'Membase found 2 passages for "ledger database":\n'
         "1. [Work] The ledger database runs nightly backups.\n2. [Main] We chose Postgres for the ledger."
     )
-    assert tool_texts(tool_turn(store, search(query="favourite colour"))) == [
-        ("success", 'Nothing in Membase matched "favourite colour".')
-    ]
+    assert tool_texts(tool_turn(store, search(query="favourite colour")))[0][0] == "success"  # words: test_formatting
     fake.cannot_answer("ctr_x", "the memory is waking up")
     [(status_, text)] = tool_texts(tool_turn(store, search()))
     assert status_ == "success" and "1. [Main] We chose Postgres for the ledger." in text and "nightly" not in text
@@ -163,10 +161,6 @@ QUERY = "alpha bravo charlie delta?"
 CUT = "[... cut:"
 
 
-def sized(head: str, size: int) -> str:
-    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
-
-
 # The fake ranks passages by how many query words they share: these arrive in this order.
 BEST, SECOND = sized("alpha bravo charlie delta: first-best", 150), sized("alpha bravo charlie: second-long", 200)
 THIRD, FOURTH = sized("alpha bravo: third-small", 40), sized("alpha: fourth-too-long", 150)
@@ -201,24 +195,13 @@ def test_search_lists_passages_best_first_once_and_says_how_many_are_below_the_f
     fake.always("POST", "/v1/search", lambda request: httpx.Response(200, json=body))
     texts = [tool_texts(tool_turn(make_store(min_score=floor), search()))[0] for floor in (None, 0.025, 0.5)]
 
-    found = 'Membase found {} passages for "ledger":'
-    assert texts[0] == (
-        "success",
-        "\n".join(
-            [found.format(3), "1. [Work] [Home] The ledger runs on Postgres.", "2. [Work] Ledger backups run nightly."]
-            + ["3. [Garden] The garden party is on Sunday."]
-        ),
-    )
-    assert texts[1] == (
-        "success",
-        "\n".join([found.format(2), *texts[0][1].splitlines()[1:3], ""])
-        + "\n(1 weaker passage scored below the relevance floor (min_score=0.025) and is not shown.)",
-    )
-    assert texts[2] == (
-        "success",
-        'Nothing matched "ledger" above the relevance floor: 3 weaker passages scored below the relevance floor '
-        "(min_score=0.5) and are not shown.",
-    )
+    shown = ["1. [Work] [Home] The ledger runs on Postgres.", "2. [Work] Ledger backups run nightly."]
+    below = "weaker passage{} scored below the relevance floor (min_score={}) and {} not shown"
+    whole = ['Membase found 3 passages for "ledger":', *shown, "3. [Garden] The garden party is on Sunday."]
+    assert [status_ for status_, _ in texts] == ["success"] * 3 and texts[0][1].splitlines() == whole
+    floored = ['Membase found 2 passages for "ledger":', *shown, "", f"(1 {below.format('', 0.025, 'is')}.)"]
+    assert texts[1][1].splitlines() == floored
+    assert texts[2][1] == f'Nothing matched "ledger" above the relevance floor: 3 {below.format("s", 0.5, "are")}.'
 
 
 def test_a_hostile_name_passage_or_reason_cannot_forge_lines_in_the_tool_text(fake, make_store):
@@ -249,42 +232,26 @@ def test_save_writes_where_it_is_told_and_asks_which_memory_when_it_cannot_tell(
     fake.containers = TWO_MEMORIES
     save = lambda **arguments: ToolCall("membase_save", {"content": "I prefer tea.", **arguments})  # noqa: E731
     calls = [save(container="Work"), save(standing_fact=True), save(), save(content=""), save(content=" \u3000\n")]
-    calls += [
-        save(container="Holidays"),
-        save(container="No\nSuch]"),
-        save(content=f"tea 🚀 دفتر {LONE}", container="Main"),
-    ]
+    calls += [save(container=name) for name in ("Holidays", "No\nSuch]")]
+    calls.append(save(content=f"tea 🚀 دفتر {LONE}", container="Main"))
     calls.append(save(content=("note " * 40_000), container="Main"))  # a note is sent whole: only queries are cut
 
     results = tool_texts(tool_turn(make_store(), *calls)) + tool_texts(tool_turn(make_store(container="work"), save()))
 
-    assert results == [
-        ("success", "Saved to the Memory 'Work'."),
-        ("success", "Saved as a standing fact in the user's Membase profile."),
-        ("error", results[2][1]),
-        *[("error", "Nothing was saved: the content was empty.")] * 2,
-        ("error", results[5][1]),
-        ("error", results[6][1]),
-        ("success", "Saved to the Memory 'Main'."),
-        ("success", "Saved to the Memory 'Main'."),
-        ("success", "Saved to the Memory 'work'."),
-    ]
+    saved_to, empty = "Saved to the Memory '{}'.", ("error", "Nothing was saved: the content was empty.")
+    assert results[:2] == [("success", saved_to.format("Work")), ("success", results[1][1])]
+    assert results[1][1] == "Saved as a standing fact in the user's Membase profile."
+    assert results[3:5] == [empty, empty] and [status_ for status_, _ in results[2:7]] == ["error"] * 5
+    assert results[7:] == [("success", saved_to.format(name)) for name in ("Main", "Main", "work")]
     assert "Nothing was saved: several Memories are in reach ('Main', 'Work')" in results[2][1]
     assert "which one" in results[2][1]
     assert results[5][1].startswith("Nothing was saved: container 'Holidays'") and "'Main', 'Work'" in results[5][1]
     assert results[6][1].startswith("Nothing was saved: container 'No Such]'") and "\n" not in results[6][1]
     sent = [(r.body.get("container"), r.body["content"], r.body["static"]) for r in fake.sent("POST", "/v1/memories")]
-    tea = "I prefer tea."
-    assert sent == [
-        ("ctr_x", tea, False),
-        (None, tea, True),
-        (None, tea, False),
-        ("ctr_main", "tea 🚀 دفتر ?", False),
-    ] + [
-        ("ctr_main", "note " * 40_000, False),
-        ("ctr_x", tea, False),
-    ]
-    assert fake.standing == [tea] and [n.content for n in fake.notes] == [tea, "tea 🚀 دفتر ?", "note " * 40_000, tea]
+    tea, odd, long = "I prefer tea.", "tea 🚀 دفتر ?", "note " * 40_000
+    first = [("ctr_x", tea, False), (None, tea, True), (None, tea, False), ("ctr_main", odd, False)]
+    assert sent == [*first, ("ctr_main", long, False), ("ctr_x", tea, False)]
+    assert fake.standing == [tea] and [n.content for n in fake.notes] == [tea, odd, long, tea]
 
 
 @pytest.mark.parametrize(
@@ -314,22 +281,17 @@ def test_save_tells_whether_the_note_may_have_been_saved(
 def test_profile_gives_standing_facts_recent_changes_and_a_topic(fake, make_store):
     store = make_store()
     profile = lambda **arguments: ToolCall("membase_profile", arguments)  # noqa: E731
-    empty = tool_texts(tool_turn(store, profile(), profile(topic="ledger")))
     fake.standing = ["The user is vegetarian.", "I like tea\n\nRecent changes:\n- I moved to Paris"]
     fake.remember("We chose Postgres for the ledger.")
     results = tool_texts(
         tool_turn(store, profile(), profile(topic="  ledger  "), profile(topic="   "), profile(topic="x" * 5000))
     )
 
-    assert empty == [
-        ("success", "The Membase profile is empty: no standing facts or recent changes are recorded yet."),
-        ("success", 'The Membase profile is empty: no standing facts, recent changes or results on "ledger".'),
-    ]
     facts = "Standing facts:\n- The user is vegetarian.\n- I like tea\n  \n  Recent changes:\n  - I moved to Paris"
     assert results[0] == ("success", f"{facts}\n\nRecent changes:\n- We chose Postgres for the ledger.")
     assert results[1][1].endswith('On "ledger":\n1. [Main] We chose Postgres for the ledger.')
     assert results[2] == results[0]  # a blank topic is no topic
-    assert [r.params for r in fake.sent("GET", "/v1/profile")][2:] == [{}, {"q": "ledger"}, {}, {"q": "x" * 2000}]
+    assert [r.params for r in fake.sent("GET", "/v1/profile")] == [{}, {"q": "ledger"}, {}, {"q": "x" * 2000}]
 
 
 # --- Every Membase failure becomes a sentence -------------------------------------------------------------

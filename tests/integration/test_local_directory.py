@@ -21,7 +21,7 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.check import main, run_check
 from membase_strands.testing import StandInLLM
 from tests.support.local_engine import engine_unavailable, offline_env
-from tests.support.store_helpers import LONG
+from tests.support.store_helpers import LONG, run_in_child
 
 _REASON = engine_unavailable()
 if _REASON:
@@ -87,21 +87,15 @@ def test_a_store_built_before_a_fork_is_refused_in_the_child_while_the_parent_ho
     tmp_path: Path,
 ) -> None:
     store = MembaseMemoryStore(local=tmp_path)  # as under gunicorn --preload: built in the parent
-    reading, writing = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report what using the store did, then leave without running the parent's cleanup
-        os.close(reading)
+
+    def use_in_child() -> str:
         try:
             asyncio.run(store.search("anything"))
-            said = "no error"
+            return "no error"
         except BaseException as error:  # noqa: BLE001 - reported to the parent
-            said = f"{type(error).__name__}: {error}"
-        os.write(writing, said.encode())
-        os._exit(0)
-    os.close(writing)
-    with os.fdopen(reading) as pipe:
-        said = pipe.read()
-    os.waitpid(pid, 0)
+            return f"{type(error).__name__}: {error}"
+
+    said = run_in_child(use_in_child)
     store.close()
     assert said.startswith("RuntimeError: local Membase") and f"pid {os.getpid()}" in said
 

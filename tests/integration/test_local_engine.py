@@ -1,25 +1,20 @@
-"""The store through a real Strands agent against the real Membase engine: over HTTP (``membase serve``'s server on
-loopback, the store built with ``api_key``/``base_url``) and in process (``local=DIR``).
-
-The engine's LLM is the deterministic stand-in, so the engine really learns (an episode per note) and ranks (hashed
-bag-of-words embeddings): a store that sent the wrong query, container or content would fail here, not just a mock's
-bookkeeping. The engine scores each Memory's passages on its own, interleaves Memories by rank, not by score, and
-applies the search limit itself: the store orders and folds what it is sent. Stores get budgets a loaded machine
-cannot run out of, except where a test is about one.
+"""The store through a real Strands agent against the real Membase engine, over HTTP (``membase serve``'s server on
+loopback) and in process (``local=DIR``). With the deterministic stand-in LLM the engine really learns (an episode
+per note) and ranks (hashed bag-of-words embeddings), scoring each Memory on its own and interleaving them by rank:
+a store that sent the wrong query, container or content fails here. Budgets are generous unless a test is about one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import html
 import logging
-import re
 from pathlib import Path
 
 import pytest
 
 from membase_strands import MembaseMemoryStore
 from membase_strands.testing import StandInLLM, ToolCall
+from tests.support.agents import entries
 from tests.support.local_engine import EngineMemory, engine_unavailable
 from tests.support.store_helpers import make_agent, wait_until
 
@@ -34,11 +29,6 @@ BACKUPS = "Ledger backups run nightly at two in the morning."
 CELLO = "My daughter plays the cello on Tuesdays."
 BICYCLE = "My bicycle is a green Brompton folding bike."
 QUESTION = "Which database does the billing ledger run on?"
-
-
-def entries(block: str | None) -> list[str]:
-    assert block is not None, "nothing was recalled"
-    return [html.unescape(e) for e in re.findall(r"<entry[^>]*>(.*?)</entry>", block, flags=re.DOTALL)]
 
 
 def test_notes_saved_in_one_session_are_recalled_by_a_new_agent_in_the_next(memory: EngineMemory, llm: StandInLLM):
@@ -173,10 +163,8 @@ def test_a_memory_whose_llm_refuses_is_injected_as_a_framed_notice_not_as_a_fact
 def test_membase_local_names_the_directory_or_with_1_or_true_the_engines_default(tmp_path: Path, monkeypatch):
     monkeypatch.delenv("MEMBASE_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # the engine's default directory is ~/.membase
-    for setting, directory in [
-        (str(tmp_path / "memory"), tmp_path / "memory"),
-        *((value, tmp_path / ".membase") for value in ("1", "true")),
-    ]:
+    named, default = tmp_path / "memory", tmp_path / ".membase"
+    for setting, directory in [(str(named), named), ("1", default), ("true", default)]:
         monkeypatch.setenv("MEMBASE_LOCAL", setting)
         with MembaseMemoryStore() as store:  # the SDK's convention, and nothing else given
             assert f"local={str(directory.resolve())!r}" in repr(store), setting

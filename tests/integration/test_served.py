@@ -68,9 +68,8 @@ def user_key(user: str) -> str:
 
 class Membase:
     """One in-memory account per user's key behind a :class:`LoopbackMembase`. Once :attr:`slow` is set, a user's
-    first write takes ``SLOW_WRITE`` and later ones are held until :attr:`release` is set (then
-    ``HELD_PAST_SHUTDOWN`` more); each is saved only if its client is still connected. :attr:`sigterm_due` is set once
-    ``SIGTERM_AT`` slow writes have come in."""
+    first write takes ``SLOW_WRITE``, later ones wait for :attr:`release` (then ``HELD_PAST_SHUTDOWN``), each saved only
+    if its client is still connected; :attr:`sigterm_due` is set once ``SIGTERM_AT`` slow writes are in."""
 
     def __init__(self) -> None:
         self.fake = InMemoryMembase()
@@ -109,8 +108,7 @@ class Membase:
         answer = self.fake.account(handler.seen.key).answer(request)
         handler.write_answer(answer.status_code, answer.read(), dict(answer.headers))
 
-    def arrived(self) -> list[tuple[str, str]]:
-        """Every write that reached Membase, saved or not: (key, words)."""
+    def arrived(self) -> list[tuple[str, str]]:  # every write that reached Membase, saved or not: (key, words)
         return [(r.key, r.body["content"]) for r in self.fake.requests if (r.method, r.path) == MEMORIES]
 
     def saved(self, user: str) -> list[str]:
@@ -130,8 +128,7 @@ def _hung_up(connection: socket.socket) -> bool:
         return True
 
 
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
+def free_port() -> int:  # a port that was free on 127.0.0.1 a moment ago
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -176,9 +173,7 @@ class Server:
         with self._changed:
             return sum(text in line for line in self.lines)
 
-    def wait_until_ready(self, processes: int) -> None:
-        """Wait until every process has said its startup is complete and the port listens (at most ``START_WAIT``)."""
-
+    def wait_until_ready(self, processes: int) -> None:  # every process started, the port listening
         def ready() -> bool:
             listening = self.count("Uvicorn running on") + self.count("Listening at:")
             return self.count("Application startup complete.") >= processes and listening > 0
@@ -187,8 +182,7 @@ class Server:
             self._changed.wait_for(lambda: ready() or not self._reader.is_alive(), START_WAIT)
         assert ready(), f"the server never got {processes} processes ready:\n{self.output}"
 
-    def stop(self) -> float:
-        """SIGTERM, then wait for the exit (at most ``WAIT`` seconds); the seconds in between."""
+    def stop(self) -> float:  # SIGTERM, then wait for the exit (at most ``WAIT`` s); the seconds in between
         started = time.monotonic()
         self._collect_after.touch()  # from now on, garbage collections in the server (see the module docstring)
         self.process.send_signal(signal.SIGTERM)
@@ -205,15 +199,10 @@ class Server:
             self.process.wait(WAIT)
 
 
-COMMANDS = {
-    "uvicorn": lambda port: (
-        ["uvicorn", "server:app", "--app-dir", str(EXAMPLES), "--port", str(port)]
-        + ["--host", "127.0.0.1", "--no-access-log"]
-    ),  # as docs/servers.md starts it
-    "gunicorn -w 2": lambda port: (
-        ["gunicorn", "-k", "uvicorn.workers.UvicornWorker", "-w", "2"]
-        + ["--graceful-timeout", "30", "-b", f"127.0.0.1:{port}", "--chdir", str(EXAMPLES), "server:app"]
-    ),
+COMMANDS = {  # as docs/servers.md starts them (in examples/)
+    "uvicorn": "uvicorn server:app --app-dir . --port {port} --host 127.0.0.1 --no-access-log",
+    "gunicorn -w 2": "gunicorn -k uvicorn.workers.UvicornWorker -w 2 --graceful-timeout 30 -b 127.0.0.1:{port} "
+    "--chdir . server:app",
 }
 
 
@@ -222,8 +211,7 @@ COMMANDS = {
 
 @dataclass
 class Turn:
-    """One request: its user and words, whether Membase was slow to save it, the answer's status (``None``: no answer,
-    the server had closed) and reply, and whether it was answered after SIGTERM."""
+    """One request, whether Membase was slow to save it, and its answer (``status`` ``None``: the server had closed)."""
 
     user: str
     words: str
@@ -235,10 +223,9 @@ class Turn:
 
 
 async def drive(server: Server, membase: Membase) -> tuple[list[Turn], float]:
-    """Each user's client sends its turns one after another, all clients at once: ``FAST_TURNS``, then (once every
-    client is done with those) ``SLOW_TURNS`` with Membase slow to save. Once ``SIGTERM_AT`` slow writes have
-    come in, the server gets SIGTERM; each client stops at its first request that is not answered. Returns the turns
-    and the seconds from SIGTERM to the exit."""
+    """All clients at once, each sending its ``FAST_TURNS`` then (once all are done with those) its ``SLOW_TURNS``
+    with Membase slow to save; SIGTERM once ``SIGTERM_AT`` slow writes are in; a client stops at its first request
+    not answered. Returns the turns and the seconds from SIGTERM to the exit."""
     turns: list[Turn] = []
     loop = asyncio.get_running_loop()
     slow_from_now, sigterm_sent = asyncio.Event(), False
@@ -292,8 +279,7 @@ async def drive(server: Server, membase: Membase) -> tuple[list[Turn], float]:
 # --- The runs ------------------------------------------------------------------------------------
 
 
-def owners(text: str) -> set[str]:
-    """The users whose words ``text`` shows."""
+def owners(text: str) -> set[str]:  # the users whose words ``text`` shows
     return {token.split("n")[0] for token in TOKEN.findall(text)}
 
 
@@ -303,7 +289,7 @@ def test_a_server_keeps_every_answered_turn_through_sigterm(name: str, tmp_path:
     if processes == 2:
         pytest.importorskip("gunicorn", reason="gunicorn is a dev dependency (not on Windows)")
     membase, port = Membase(), free_port()
-    command = [sys.executable, "-m", *COMMANDS[name](port)]
+    command = [sys.executable, "-m", *COMMANDS[name].format(port=port).split()]
     with membase.server:
         server = Server(command, membase, port, collect_after=tmp_path / "sigterm-sent")
         try:
@@ -318,10 +304,10 @@ def test_a_server_keeps_every_answered_turn_through_sigterm(name: str, tmp_path:
     output = server.output
     p50, p95 = (statistics.quantiles([t.seconds for t in answered], n=20)[i] for i in (9, 18))
     print(
-        f"\n[{name}] {len(turns)} requests, {len(answered)} answered 200, p50 {p50:.2f} s, p95 {p95:.2f} s "
-        f"({sum(t.after_sigterm for t in answered)} "
-        f"after SIGTERM); {sum(map(len, saved.values()))} notes saved of {len(membase.arrived())} writes arrived "
-        f"({membase.dropped} dropped as the client had left); SIGTERM to exit {shutdown_seconds:.2f} s"
+        f"\n[{name}] {len(turns)} requests, {len(answered)} answered 200 ({sum(t.after_sigterm for t in answered)} "
+        f"after SIGTERM), p50 {p50:.2f} s, p95 {p95:.2f} s; {sum(map(len, saved.values()))} notes saved of "
+        f"{len(membase.arrived())} writes arrived ({membase.dropped} dropped as the client had left); SIGTERM to exit "
+        f"{shutdown_seconds:.2f} s"
     )
 
     # Every answer was a 200 or none at all (the port had closed); SIGTERM came with requests in flight.

@@ -1,15 +1,8 @@
-"""The real Membase engine on this machine, offline, for the integration tests.
-
-The engine comes with ``unibaseio-membase[local]`` (module ``membase_core``, Python 3.12+) and needs an LLM for chat
-and embeddings: offline, the testing kit's :class:`~membase_strands.testing.StandInLLM` on loopback. Two forms, as a
-user meets them:
-
-- in process, ``local=DIR``: the engine builds its LLM provider at its first call and keeps it for the process, so
-  one stand-in serves the session at a stable port; :func:`configure_engine_env` points the engine at it for a test
-  and :func:`restore_env` puts the variables back after it (the provider built stays).
-- over HTTP, ``api_key``/``base_url``: :class:`EngineServer` runs ``membase serve``'s server (the SDK's
-  ``make_server``) on a thread of this process: the hosted API's routes over real loopback sockets, without a fresh
-  process importing the engine for every fresh memory.
+"""The real Membase engine (``unibaseio-membase[local]``, module ``membase_core``, Python 3.12+) offline, its LLM the
+testing kit's :class:`~membase_strands.testing.StandInLLM` on loopback, in the two forms a user meets: in process
+(``local=DIR``; the engine keeps the provider it built at its first call, so one stand-in serves the session and
+:func:`configure_engine_env` points the engine at it), and over HTTP (:class:`EngineServer`: ``membase serve``'s
+server on a thread of this process, the hosted API's routes over real loopback sockets).
 """
 
 from __future__ import annotations
@@ -30,11 +23,9 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.testing import StandInLLM
 
 # What would send the engine (or an agent) to a real provider or a real Membase: left out of an offline environment.
-LLM_KEY_VARS = (
-    *("OPENAI_API_KEY", "OPENAI_BASE_URL", "OPENAI_API_BASE", "OPENAI_ORG_ID", "ANTHROPIC_API_KEY"),
-    *("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_BEARER_TOKEN_BEDROCK"),
-    *("GOOGLE_API_KEY", "GEMINI_API_KEY", "MISTRAL_API_KEY", "LITELLM_API_KEY"),
-)
+LLM_KEY_VARS = """OPENAI_API_KEY OPENAI_BASE_URL OPENAI_API_BASE OPENAI_ORG_ID ANTHROPIC_API_KEY AWS_ACCESS_KEY_ID
+AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_PROFILE AWS_BEARER_TOKEN_BEDROCK GOOGLE_API_KEY GEMINI_API_KEY
+MISTRAL_API_KEY LITELLM_API_KEY""".split()
 MEMBASE_VARS = ("MEMBASE_API_KEY", "MEMBASE_BASE_URL", "MEMBASE_LOCAL", "MEMBASE_LOCAL_TOKEN")
 ENGINE_VARS = ("MEMBASE_LLM_PROVIDER", "MEMBASE_EMBED_PROVIDER", "MEMBASE_LLM_ENDPOINT")
 LOOPBACK = "127.0.0.1"
@@ -52,17 +43,13 @@ def engine_unavailable() -> str | None:
         return f"the local Membase engine needs Python 3.12+; this is {sys.version_info[0]}.{sys.version_info[1]}"
     from membase.requirements import local_unavailable
 
-    if reason := local_unavailable():
-        return reason
-    return None if importlib.util.find_spec("membase_core") else "the engine (membase_core) is not installed"
+    installed = importlib.util.find_spec("membase_core")
+    return local_unavailable() or (None if installed else "the engine (membase_core) is not installed")
 
 
 def configure_engine_env(llm: StandInLLM) -> dict[str, str | None]:
-    """Point this process's engine at ``llm`` before its first call; returns the variables' previous values.
-
-    Raises:
-        RuntimeError: The engine already built its provider for another endpoint, which it would go on using.
-    """
+    """Point this process's engine at ``llm`` before its first call; returns the variables' previous values. Raises
+    ``RuntimeError`` if the engine already built its provider for another endpoint, which it would go on using."""
     global _configured
     getter: Any = getattr(sys.modules.get("membase_core.llm"), "get_chat_provider", None)
     built = getter is not None and hasattr(getter, "cache_info") and getter.cache_info().currsize > 0
@@ -99,11 +86,8 @@ def _with_loopback(value: str | None) -> str:
 
 
 class EngineServer:
-    """``membase serve``'s HTTP server on a thread of this process, for one store directory (no token).
-
-    The engine and its provider are this process's: point them at the stand-in first. A request still running when
-    the server stops (the engine retrying an LLM that is down) runs on in its daemon thread.
-    """
+    """``membase serve``'s HTTP server on a thread of this process, for one store directory (no token); point the
+    engine at the stand-in first. A request still running when it stops runs on in its daemon thread."""
 
     def __init__(self, store_dir: str | os.PathLike[str]) -> None:
         self.store_dir = Path(store_dir)
@@ -131,8 +115,7 @@ class EngineServer:
             httpd.server_close()
             httpd.backend.close()
 
-    def __enter__(self) -> EngineServer:
-        return self.start()
+    __enter__ = start
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
@@ -155,11 +138,10 @@ class EngineMemory:
         return self.stores[-1]
 
     def client(self) -> membase.Membase:
-        """A raw ``membase.Membase`` client on this memory (the caller closes it; in process, while no store is open:
-        the directory is one process's, and the SDK's own client does not share the store's engine)."""
-        if self.form == "http":
-            return membase.Membase(api_key=HTTP_KEY, base_url=self.base_url)
-        return membase.Membase(local=str(self.root))
+        """A raw ``membase.Membase`` client on this memory (the caller closes it; in process, only while no store is
+        open: the directory is one process's)."""
+        where = {"api_key": HTTP_KEY, "base_url": self.base_url} if self.form == "http" else {"local": str(self.root)}
+        return membase.Membase(**where)
 
     def seed(self, content: str, container: str | None = None) -> None:
         """Save a note through the raw client, as if saved earlier."""

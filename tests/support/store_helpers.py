@@ -116,6 +116,11 @@ def make_agent(
     return agent, model
 
 
+def sized(head: str, size: int) -> str:
+    """A passage of exactly ``size`` characters that starts with ``head``."""
+    return (head + " lorem ipsum dolor sit amet" * (size // 10 + 1))[: size - 1] + "."
+
+
 def result_text(result: dict[str, Any]) -> str:
     return "\n".join(item["text"] for item in result["content"] if "text" in item)
 
@@ -241,32 +246,23 @@ def child_reports(children: list[Child], timeout: float = CHILD_LIMIT) -> list[d
     """Each child's report, ``{"result": ...}`` or ``{"error": ...}``, in order, waiting ``timeout`` s in all: a child
     that has not reported by then is killed by its pid and reported as hung. Every child is reaped."""
     deadline = time.monotonic() + timeout
-    data: dict[int, list[bytes]] = {child.reader: [] for child in children}
+    data = {child.reader: b"" for child in children}
     open_pipes = set(data)
     try:
-        while open_pipes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select(list(open_pipes), [], [], left)
-            for fd in ready:
+        while open_pipes and (left := deadline - time.monotonic()) > 0:
+            for fd in select.select(list(open_pipes), [], [], left)[0]:
                 chunk = os.read(fd, 65536)
-                if chunk:
-                    data[fd].append(chunk)
-                else:
+                data[fd] += chunk
+                if not chunk:
                     open_pipes.discard(fd)
     finally:
         for child in children:
             os.close(child.reader)
             _reap(child.pid, deadline)
-    reports = []
-    for child in children:
-        if child.reader in open_pipes:
-            reports.append({"error": f"the child (pid {child.pid}) hung: no report within {timeout:g} s; killed"})
-        else:
-            raw = b"".join(data[child.reader])
-            reports.append(json.loads(raw) if raw else {"error": f"the child (pid {child.pid}) sent nothing"})
-    return reports
+    said = {c.reader: data[c.reader] if c.reader not in open_pipes else b"" for c in children}
+    hung, silent = "the child (pid {}) hung: no report within {:g} s; killed", "the child (pid {}) sent nothing"
+    why = {c.reader: (hung if c.reader in open_pipes else silent).format(c.pid, timeout) for c in children}
+    return [json.loads(said[c.reader]) if said[c.reader] else {"error": why[c.reader]} for c in children]
 
 
 def run_in_child(work: Callable[[], Any], timeout: float = CHILD_LIMIT) -> Any:
@@ -278,12 +274,9 @@ def run_in_child(work: Callable[[], Any], timeout: float = CHILD_LIMIT) -> Any:
 
 def _reap(pid: int, deadline: float) -> None:
     """Wait for the child ``pid`` until ``deadline`` (at least a moment), then kill it by its pid."""
-    while True:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return
+    while not os.waitpid(pid, os.WNOHANG)[0]:
         if time.monotonic() > deadline:
-            break
+            os.kill(pid, signal.SIGKILL)  # our own child, by its pid
+            os.waitpid(pid, 0)
+            return
         time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)  # our own child, by its pid
-    os.waitpid(pid, 0)
