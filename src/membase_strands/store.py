@@ -200,11 +200,12 @@ class MembaseMemoryStore:
             if not isinstance(query, str) or not query.strip():
                 self._ledger.record("skipped", reason="blank query")
                 return []
+            query = _options.query_text(query)  # what is sent, from here down to the request
             operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
             self._ledger.record(None, "recalls")
-            entries = await self._await_or_report("recall", self._recall.run(_options.query_text(query), limit))
+            entries = await self._await_or_report("recall", self._recall.run(query, limit))
             operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
             return entries
 
