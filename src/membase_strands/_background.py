@@ -172,7 +172,7 @@ _exiting = False
 
 
 def finish_at_exit(member: Any) -> None:
-    """Call ``member._finish_at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
+    """Call ``member.at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
     with LOCK:
         _exit_members.add(member)
 
@@ -188,7 +188,7 @@ def _at_exit() -> None:
     with LOCK:
         members = list(_exit_members)
     for member in members:
-        member._finish_at_exit()
+        member.at_exit()
 
 
 def _after_fork_in_child() -> None:

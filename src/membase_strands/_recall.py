@@ -134,12 +134,21 @@ class Recall:
             with LOCK:
                 self._profile = (time.monotonic(), facts)
 
+        def settle(done: Future[None]) -> None:
+            if (error := done.exception()) is not None:
+                reading.set_exception(error)
+            else:
+                reading.set_result(None)
+
         with LOCK:
             if self._profile_ttl is None or (self._profile and time.monotonic() - self._profile[0] < self._profile_ttl):
                 return None
-            if self._profile_reading is None or self._profile_reading.done():  # a failed read is tried again
-                self._profile_reading = self._submit(read)
-            return self._profile_reading
+            if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
+                return self._profile_reading
+            reading = self._profile_reading = Future[None]()
+        # Started outside LOCK: a thread's start waits for it to run, and a finalizer on that thread may take LOCK.
+        self._submit(read).add_done_callback(settle)
+        return reading
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""

@@ -185,7 +185,8 @@ class WriteRecord:
             message = f"writes still running after {self.wait_budget:g} s; {then}"
             self._ledger.record(None, level=logging.WARNING, message=message, writes=left)
 
-    def _finish_at_exit(self) -> None:
+    def at_exit(self) -> None:
+        """The interpreter's last wait for this record's writes (``_background`` calls it)."""
         if not self.idle():
             message = f"the interpreter is exiting; waiting up to {self.wait_budget:g} s for writes still running"
             self._ledger.record(None, level=logging.INFO, message=message)
@@ -228,7 +229,7 @@ class WriteRecord:
             raise
 
     def _let_go(self, request: _Request, why: str) -> bool:
-        """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        """Leave the reporting of ``request``'s outcome to its thread; False if it has ended already."""
         with LOCK:
             if not request.ended:
                 request.abandoned = why
