@@ -54,7 +54,6 @@ class _Threads:
         self.idle: list[queue.SimpleQueue[_Call]] = []  # the queues of waiting threads, the last idle last
         self.running = dict.fromkeys(_CAPS, 0)
         self.lanes: dict[str, dict[Hashable, deque[_Call]]] = {kind: {} for kind in _CAPS}
-        self.alive = 0
 
     def submit(self, call: _Call, lane: Hashable) -> None:
         with LOCK:
@@ -63,7 +62,6 @@ class _Threads:
                 return
             self.running[call.kind] += 1
             inbox = self.idle.pop() if self.idle else None
-            self.alive += inbox is None
         if inbox is not None:
             inbox.put(call)
             return
@@ -71,7 +69,6 @@ class _Threads:
             threading.Thread(target=self._work, args=(call,), name=call.name, daemon=True).start()
         except BaseException as error:  # typically "can't start new thread": the call fails, nobody waits forever
             with LOCK:
-                self.alive -= 1
                 self.running[call.kind] -= 1
             call.future.set_exception(error)
 
@@ -101,25 +98,19 @@ class _Threads:
                     call = self._next()
                     if call is None:
                         self.idle.append(inbox)
-                if call is None:
-                    call = _wait_for_call(self, inbox)
+                if call is None:  # wait for one to be handed to this idle thread, or retire
+                    try:
+                        call = inbox.get(timeout=IDLE_SECONDS)
+                    except queue.Empty:
+                        with LOCK:
+                            if inbox in self.idle:
+                                self.idle.remove(inbox)
+                                return
+                        call = inbox.get()  # a call took this thread just as its wait ended: it is on its way
         finally:
             for resource in _local.resources.values():
                 with contextlib.suppress(Exception):
                     resource.close()
-
-
-def _wait_for_call(threads: _Threads, inbox: queue.SimpleQueue[_Call]) -> _Call | None:
-    """The next call handed to this idle thread, or ``None`` when it retires."""
-    try:
-        return inbox.get(timeout=IDLE_SECONDS)
-    except queue.Empty:
-        with LOCK:
-            if inbox in threads.idle:
-                threads.idle.remove(inbox)
-                threads.alive -= 1
-                return None
-        return inbox.get()  # a call took this thread just as its wait ended: it is on its way
 
 
 def _run(call: _Call) -> None:
@@ -181,7 +172,7 @@ _exiting = False
 
 
 def finish_at_exit(member: Any) -> None:
-    """Call ``member._finish_at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
+    """Call ``member.at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
     with LOCK:
         _exit_members.add(member)
 
@@ -197,7 +188,7 @@ def _at_exit() -> None:
     with LOCK:
         members = list(_exit_members)
     for member in members:
-        member._finish_at_exit()
+        member.at_exit()
 
 
 def _after_fork_in_child() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import weakref
 from concurrent.futures import Future, wait
 from typing import Any
@@ -22,11 +21,11 @@ _dropped_closing: set[Future[Any]] = set()
 
 
 class Closing:
-    """One store's closing; ``budget``: the seconds a later caller waits for the first one's."""
+    """One store's closing; a later caller waits for the first one's up to the writes' ``wait_budget``."""
 
-    def __init__(self, store: object, writes: WriteRecord, gateway: MembaseGateway, name: str, budget: float) -> None:
+    def __init__(self, store: object, writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
         self.closed = False
-        self._writes, self._gateway, self._name, self._budget = writes, gateway, name, budget
+        self._writes, self._gateway, self._name = writes, gateway, name
         self._done: Future[None] = Future()  # settled once the first close() or aclose() has finished
         # Dropped unclosed (a pool let go of it), the store still finishes its writes and lets go of its local engine.
         self._finalizer = weakref.finalize(store, _close_dropped, writes, gateway, name)
@@ -36,12 +35,12 @@ class Closing:
         if self._begin():
             self._finish()
         else:
-            wait([self._done], timeout=self._budget)
+            wait([self._done], timeout=self._writes.wait_budget)
 
     async def aclose(self) -> None:
         if not self._begin():
             with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for_future(self._done, self._budget)
+                await wait_for_future(self._done, self._writes.wait_budget)
         elif self._writes.idle() and self._gateway.local is None:
             self._finish()  # nothing to wait for
         else:
@@ -85,9 +84,7 @@ def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
 
 def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
     if not writes.idle() or gateway.local is not None:
-        closing = _background.submit(
-            functools.partial(_close, writes, gateway), name=f"membase-close[{name}]", kind="close"
-        )
+        closing = _background.submit(lambda: _close(writes, gateway), name=f"membase-close[{name}]", kind="close")
         with LOCK:
             _dropped_closing.add(closing)
         closing.add_done_callback(_dropped_closing.discard)

@@ -1,22 +1,21 @@
 """Automatic recall: time-boxed, fail-open, and guarded against hammering a waking memory.
 
-The first search after a quiet spell can take up to a minute while the memory wakes. Past its budget a recall
-raises :class:`MembaseRecallTimeout` (the manager skips the store this turn) while its request runs on in the
-background, waking the memory; a cancelled recall's request runs on the same way. Until such a late request ends
-(one attempt at most), recalls skip at once rather than pile on: not a failure, logged at DEBUG only, so a long
-stall does not write a warning per turn. With ``recall_profile``, the profile's standing facts are read beside the
-search, within the same budget, at most once per ``profile_ttl``: a profile that fails or is late costs no passage.
+The first search after a quiet spell can take up to a minute while the memory wakes. Past its budget (or
+cancelled) a recall's request runs on in the background, waking the memory; until it ends (one attempt at most),
+recalls skip at once rather than pile on: not a failure, logged at DEBUG only, so a long stall does not write a
+warning per turn. With ``recall_profile``, the profile's standing facts are read beside the search, within the same
+budget, at most once per ``profile_ttl``: a profile that fails or is late costs no passage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from strands.memory import MemoryEntry
 
@@ -26,9 +25,12 @@ from ._formatting import arrange, memory_entries, profile_entry, standing_facts
 from ._gateway import MembaseGateway
 from .errors import MembaseRecallTimeout
 
+T = TypeVar("T")
+
 
 class Recall:
-    """One store's automatic recall: the budget, the in-flight guard, the 403 pause and the profile's cache."""
+    """One store's automatic recall: the budget, the in-flight guard, the 403 pause and the profile's cache.
+    ``hold_limit``: the longest a late request holds the guard; ``profile_ttl``: ``None`` for no profile."""
 
     def __init__(
         self,
@@ -42,7 +44,6 @@ class Recall:
         max_chars: int | None,
         profile_ttl: float | None,
     ) -> None:
-        """``hold_limit``: the longest a late request holds the guard; ``profile_ttl``: ``None`` for no profile."""
         self._gateway, self._ledger, self._container = gateway, ledger, container
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
@@ -54,7 +55,8 @@ class Recall:
 
     def pause(self, seconds: float) -> None:
         """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
-        self._paused_until = time.monotonic() + seconds
+        with LOCK:
+            self._paused_until = time.monotonic() + seconds
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -63,10 +65,8 @@ class Recall:
         if skip := self._skip():
             self._ledger.record("skipped", "recall_skipped", level=logging.DEBUG, message="recall skipped", reason=skip)
             return []
-        started = time.monotonic()
-        search = functools.partial(self._gateway.search, query, limit, self._container, retry=self._budget is None)
-        name = f"membase-recall[{self._ledger.store_name}]"
-        searching = _background.submit(search, name=name, kind="recall", lane=self)
+        started, retry = time.monotonic(), self._budget is None
+        searching = self._submit(lambda: self._gateway.search(query, limit, self._container, retry=retry))
         profile = self._read_profile()
         try:
             answer = await wait_for_future(searching, self._budget)
@@ -86,17 +86,22 @@ class Recall:
                 self._hold_guard(searching, started)
             self._ledger.record(None, "recall_cancelled", level=logging.INFO, message="recall cancelled")
             raise
-        standing = await self._standing(profile, started)
+        if profile is not None:  # wait for the standing facts within what is left of the budget
+            left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
+            try:
+                await wait_for_future(profile, left)
+            except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
+                self._ledger.record(None, level=logging.DEBUG, message="profile not read for recall", error=error)
+        standing = self._profile[1] if self._profile is not None else []
         entry = profile_entry(standing, self._max_chars) if standing else None
         budget = None if self._max_chars is None else self._max_chars - len(entry.content if entry else "")
         # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
         most = max(0, limit - len(answer.unsearched) - (entry is not None))
         shown = arrange(answer, most, min_score=self._min_score, budget=budget)
         entries = ([entry] if entry else []) + memory_entries(shown)
-        left_out = {"recall_passages_folded": shown.folded, "recall_passages_below_floor": shown.below_floor}
-        for counter, count in left_out.items():
+        for counter, count in [("folded", shown.folded), ("below_floor", shown.below_floor)]:
             if count:
-                self._ledger.record(None, counter, amount=count)
+                self._ledger.record(None, f"recall_passages_{counter}", amount=count)
         self._ledger.record(
             "hit" if shown.passages else "empty",
             "recall_hits" if shown.passages else "recall_empty",
@@ -108,63 +113,63 @@ class Recall:
         )
         return entries
 
+    def _submit(self, fn: Callable[[], T]) -> Future[T]:
+        return _background.submit(fn, name=f"membase-recall[{self._ledger.store_name}]", kind="recall", lane=self)
+
     def _skip(self) -> str | None:
         now = time.monotonic()
-        if now < self._paused_until:
-            return "key refused (403)"
         with LOCK:
             if self._pid != os.getpid():  # a forked child: the parent's requests have no thread here
                 self._late, self._profile_reading, self._pid = {}, None, os.getpid()
+            if now < self._paused_until:
+                return "key refused (403)"
             waking = any(started > now - self._hold_limit for started in self._late.values())
         return "memory waking" if waking else None
 
     def _read_profile(self) -> Future[None] | None:
         """The read of the standing facts to wait for, started if none is fresh or running; ``None``: use the cache."""
-        if self._profile_ttl is None:
-            return None
+
+        def read() -> None:
+            facts = standing_facts(self._gateway.profile(None, retry=False))
+            with LOCK:
+                self._profile = (time.monotonic(), facts)
+
+        def settle(done: Future[None]) -> None:
+            if (error := done.exception()) is not None:
+                reading.set_exception(error)
+            else:
+                reading.set_result(None)
+
         with LOCK:
-            if self._profile is not None and time.monotonic() - self._profile[0] < self._profile_ttl:
+            if self._profile_ttl is None or (self._profile and time.monotonic() - self._profile[0] < self._profile_ttl):
                 return None
-            if self._profile_reading is None or self._profile_reading.done():  # a failed read is tried again
-                name = f"membase-recall[{self._ledger.store_name}]"
-                self._profile_reading = _background.submit(self._read_standing, name=name, kind="recall", lane=self)
-            return self._profile_reading
-
-    def _read_standing(self) -> None:
-        facts = standing_facts(self._gateway.profile(None, retry=False))
-        with LOCK:
-            self._profile = (time.monotonic(), facts)
-
-    async def _standing(self, reading: Future[None] | None, started: float) -> list[str]:
-        """The standing facts to show, waiting for a read within what is left of the budget."""
-        if reading is not None:
-            left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
-            try:
-                await wait_for_future(reading, left)
-            except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
-                self._ledger.record(None, level=logging.DEBUG, message="profile not read for recall", error=error)
-        return self._profile[1] if self._profile is not None else []
+            if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
+                return self._profile_reading
+            reading = self._profile_reading = Future[None]()
+        # Started outside LOCK: a thread's start waits for it to run, and a finalizer on that thread may take LOCK.
+        self._submit(read).add_done_callback(settle)
+        return reading
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
-        """Hold the guard until ``future`` ends, then report how it ended."""
+        """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
         linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
         with LOCK:
             self._late[future] = started
-        future.add_done_callback(functools.partial(self._release, started, linked))
 
-    def _release(self, started: float, linked: Any, future: Future[Any]) -> None:
-        """Let the guard go, then trace, log and count how the late request ended."""
-        with LOCK:
-            del self._late[future]
-        error, elapsed = future.exception(), round(time.monotonic() - started, 1)
-        outcome = "late recall finished" if error is None else "late recall failed"
-        self._ledger.late(
-            _telemetry.RECALL_LATE,
-            linked,
-            "completed",
-            level=logging.INFO if error is None else logging.WARNING,
-            message=f"{outcome}; automatic recall resumes",
-            error=error,
-            elapsed_s=elapsed,
-        )
-        self._ledger.record(None, "recall_late_completions")  # last: whoever sees it finds the outcome logged
+        def release(_: Future[Any]) -> None:
+            with LOCK:
+                del self._late[future]
+            error, elapsed = future.exception(), round(time.monotonic() - started, 1)
+            outcome = "late recall finished" if error is None else "late recall failed"
+            self._ledger.late(
+                _telemetry.RECALL_LATE,
+                linked,
+                "completed",
+                level=logging.INFO if error is None else logging.WARNING,
+                message=f"{outcome}; automatic recall resumes",
+                error=error,
+                elapsed_s=elapsed,
+            )
+            self._ledger.record(None, "recall_late_completions")  # last: whoever sees it finds the outcome logged
+
+        future.add_done_callback(release)

@@ -10,7 +10,6 @@ at interpreter exit. A manager retry of a kept part takes its place, so the part
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import itertools
 import logging
@@ -85,15 +84,15 @@ class _Request:
     """A request the record started; its thread settles ``future`` once the outcome is on record and reported."""
 
     def __init__(self, parts: list[Part], send: Send, *, again: bool = False) -> None:
-        self.parts, self.send, self.again = parts, send, again  # again: a kept batch, sent a last time
+        self.parts, self.send = parts, send
         self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
         self.future: Future[None] = Future()
         self.ended = False
-        # Why no caller waits for its outcome any more, which its thread then reports (None: a caller waits).
-        self.abandoned: str | None = "sent again" if again else None  # a key of _WHY
+        # Why no caller waits for its outcome any more (a key of _WHY), which its thread then reports; None: a caller
+        # waits; "sent again": a kept batch, sent a last time.
+        self.abandoned: str | None = "sent again" if again else None
         self.result: Any = None
         self.error: BaseException | None = None
-        self.pid = os.getpid()
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -112,13 +111,14 @@ class WriteRecord:
     seconds a write may hold its caller (``None``: one whole request), and that closing waits for running writes."""
 
     def __init__(self, ledger: _telemetry.Ledger, budget: float | None) -> None:
-        self._ledger = ledger
-        self._budget = budget
+        self._ledger, self._budget = ledger, budget
+        self.wait_budget = budget or _options.WAIT_WITHOUT_BUDGET  # how long closing waits, each time
         self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
         self._late_saves = itertools.count(1)
         self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
         self._kept: list[_Request] = []  # failed with nobody left to wait for them: sent again once
         self._phase = "open"  # then "closing" (kept batches are sent again before it closes), then "closed"
+        self._pid = os.getpid()  # the process that started the requests above: a forked child forgets them
         _background.finish_at_exit(self)
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
@@ -163,39 +163,44 @@ class WriteRecord:
     def running(self) -> list[Future[None]]:
         """The futures of this process's writes not settled yet (each settles once its outcome is on record)."""
         with LOCK:
-            return [request.future for request in self._unsettled if request.pid == os.getpid()]
+            return [request.future for request in self._here()[0]]
 
     def idle(self) -> bool:
         """Whether no write of this process is running or kept: closing has nothing to wait for."""
         with LOCK:
-            return not any(request.pid == os.getpid() for request in (*self._unsettled, *self._kept))
+            return not any(self._here())
 
     def drain(self, until: float | None = None) -> None:
         """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
         to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
-        self._phase = "closing"
+        with LOCK:
+            self._phase = "closing"
         self._wait_running(until)
-        self._phase = "closed"  # what fails from now on is sent again at interpreter exit
+        with LOCK:
+            self._phase = "closed"  # what fails from now on is sent again at interpreter exit
         if self._send_kept():
             self._wait_running(until)
         if left := len(self.running()):
             then = "they were not confirmed saved" if _background.exiting() else "their outcome is logged when they end"
-            message = f"writes still running after {self._wait_budget:g} s; {then}"
+            message = f"writes still running after {self.wait_budget:g} s; {then}"
             self._ledger.record(None, level=logging.WARNING, message=message, writes=left)
 
-    def _finish_at_exit(self) -> None:
+    def at_exit(self) -> None:
+        """The interpreter's last wait for this record's writes (``_background`` calls it)."""
         if not self.idle():
-            message = f"the interpreter is exiting; waiting up to {self._wait_budget:g} s for writes still running"
+            message = f"the interpreter is exiting; waiting up to {self.wait_budget:g} s for writes still running"
             self._ledger.record(None, level=logging.INFO, message=message)
-            self.drain(until=time.monotonic() + self._wait_budget)
+            self.drain(until=time.monotonic() + self.wait_budget)
 
-    @property
-    def _wait_budget(self) -> float:
-        return self._budget or _options.WAIT_WITHOUT_BUDGET
+    def _here(self) -> tuple[set[_Request], list[_Request]]:
+        """The running and kept requests, forgetting a parent's in a forked child (lock held)."""
+        if self._pid != os.getpid():  # their threads are not here, and the parent sends its own
+            self._unsettled, self._kept, self._pid = set(), [], os.getpid()
+        return self._unsettled, self._kept
 
     def _wait_running(self, until: float | None) -> None:
         """Wait while writes run, up to the budget (or ``until``): a thread may start one meanwhile."""
-        deadline = time.monotonic() + self._wait_budget if until is None else until
+        deadline = time.monotonic() + self.wait_budget if until is None else until
         announced: set[Future[None]] = set()
         while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
             if new := [future for future in running if future not in announced]:
@@ -224,7 +229,7 @@ class WriteRecord:
             raise
 
     def _let_go(self, request: _Request, why: str) -> bool:
-        """Leave the reporting of ``request``'s outcome to its thread; False if it has already ended."""
+        """Leave the reporting of ``request``'s outcome to its thread; False if it has ended already."""
         with LOCK:
             if not request.ended:
                 request.abandoned = why
@@ -232,11 +237,11 @@ class WriteRecord:
 
     def _sending(self) -> dict[Hashable, _Request]:
         """This process's running requests, by the keys of their parts (lock held)."""
-        return {p.key: r for r in self._unsettled if not r.ended and r.pid == os.getpid() for p in r.parts}
+        return {p.key: r for r in self._here()[0] if not r.ended for p in r.parts}
 
     def _start(self, request: _Request) -> None:
         name = f"membase-write[{self._ledger.store_name}]"
-        started = _background.submit(functools.partial(self._run, request), name=name, lane=self)
+        started = _background.submit(lambda: self._run(request), name=name, lane=self)
         if started.done() and started.exception() is not None:  # no thread could start: nothing was sent
             self._run(request, unsent=started.exception())
 
@@ -272,7 +277,7 @@ class WriteRecord:
         counted: tuple[str, ...] = ()
         level, message = logging.INFO, f"{what} finished; it is saved"
         if error is not None:
-            lost = request.again or _background.exiting() or request.size > RECORD_BYTES
+            lost = why == "sent again" or _background.exiting() or request.size > RECORD_BYTES
             if lost:
                 self._ledger.record(None, "writes_lost", amount=len(request.parts))
             else:
@@ -285,10 +290,10 @@ class WriteRecord:
     def _keep(self, request: _Request) -> None:
         """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
         with LOCK:
-            self._kept.append(request)  # alone, it is within the bound
-            dropped = []
-            while sum(kept.size for kept in self._kept) > RECORD_BYTES:
-                dropped.append(self._kept.pop(0))
+            kept, dropped = self._here()[1], []
+            kept.append(request)  # alone, it is within the bound
+            while sum(each.size for each in kept) > RECORD_BYTES:
+                dropped.append(kept.pop(0))
         for lost in dropped:
             message = f"a failed write kept for sending again was dropped to stay within {RECORD_BYTES} bytes"
             self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
@@ -296,8 +301,7 @@ class WriteRecord:
     def _send_kept(self, without: Collection[Hashable] = ()) -> int:
         """Send each kept batch once more, but parts saved or being sent, in the background; how many requests."""
         with LOCK:
-            kept = [request for request in self._kept if request.pid == os.getpid()]  # a parent sends its own
-            self._kept = []
+            kept, self._kept = self._here()[1], []
             known = (without, self._saved, self._sending())
             requests = []
             for old in kept:

@@ -6,7 +6,6 @@ writes, the set-up check), so a slow or unreachable Membase costs a turn at most
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable
@@ -113,7 +112,7 @@ class MembaseMemoryStore:
         max_recall_chars = _options.check_recall_chars(max_recall_chars)
         min_score = _options.check_min_score(min_score)
         self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
-        self._write_timeout = _options.check_timeout("write_timeout", write_timeout)
+        write_timeout = _options.check_timeout("write_timeout", write_timeout)
         request_timeout = _options.check_timeout("request_timeout", request_timeout, none=False) or 0.0
         max_response_bytes = _options.check_bytes("max_response_bytes", max_response_bytes)
         self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
@@ -147,7 +146,7 @@ class MembaseMemoryStore:
             max_chars=max_recall_chars,
             profile_ttl=profile_ttl if recall_profile else None,
         )
-        self._writes = WriteRecord(self._ledger, self._write_timeout)
+        self._writes = WriteRecord(self._ledger, write_timeout)
         self._tool_context = ToolContext(
             gateway=gateway,
             ledger=self._ledger,
@@ -159,9 +158,9 @@ class MembaseMemoryStore:
             ids=("forget" in self._tool_names),
         )
         self._tools: list[AgentTool] | None = None
-        self._setup = SetupCheck(functools.partial(gateway.check_setup, self._container), self._ledger, lane=self)
-        wait_budget = self._write_timeout or _options.WAIT_WITHOUT_BUDGET
-        self._closing = Closing(self, self._writes, gateway, self.name, wait_budget)
+        container = self._container  # not self: the check's thread must not keep the store alive
+        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger, lane=self)
+        self._closing = Closing(self, self._writes, gateway, self.name)
 
     def __repr__(self) -> str:
         return (
@@ -201,11 +200,12 @@ class MembaseMemoryStore:
             if not isinstance(query, str) or not query.strip():
                 self._ledger.record("skipped", reason="blank query")
                 return []
+            query = _options.query_text(query)  # what is sent, from here down to the request
             operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
             self._ledger.record(None, "recalls")
-            entries = await self._await_or_report("recall", self._recall.run(_options.query_text(query), limit))
+            entries = await self._await_or_report("recall", self._recall.run(query, limit))
             operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
             return entries
 
