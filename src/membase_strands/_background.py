@@ -128,10 +128,16 @@ _threads = _Threads()
 _local = threading.local()
 
 
-def submit(fn: Callable[[], T], *, name: str, kind: str = "work", lane: Hashable = None) -> Future[T]:
+def submit(
+    fn: Callable[[], T], *, name: str, kind: str = "work", lane: Hashable = None, future: Future[T] | None = None
+) -> Future[T]:
     """Run ``fn`` on a daemon thread named ``name``, in the caller's context. ``kind``: ``"recall"``, ``"work"`` or
-    ``"close"``; ``lane``: whose call it is, for taking turns at the cap. The future fails if no thread can start."""
-    future: Future[T] = Future()
+    ``"close"``; ``lane``: whose call it is, for taking turns at the cap. The future (``future``, if one was made
+    earlier) fails if no thread can start.
+
+    Never call it holding :data:`LOCK`: a thread's start waits for it to run, and a finalizer run by a garbage
+    collection on the new thread may take LOCK. Make the future under LOCK and submit once it is released."""
+    future = Future() if future is None else future
     _threads.submit(_Call(fn, future, name, kind), lane)
     return future
 

@@ -124,13 +124,16 @@ class SetupCheck:
         with LOCK:
             if self._pid != os.getpid():
                 self._running, self._waited_out, self._pid = None, None, os.getpid()
-            check = self._running
+            check, start = self._running, False
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
-                name = f"membase-check[{self._ledger.store_name}]"
-                check = self._running = _background.submit(self._check, name=name, lane=self._lane)
+                check, start = Future(), True
+                self._running = check
             elif check is self._waited_out and not check.done():
                 # Building an agent per request during an outage must not cost every request that wait again.
                 return
+        if start:  # outside LOCK (see _background.submit)
+            name = f"membase-check[{self._ledger.store_name}]"
+            _background.submit(self._check, name=name, lane=self._lane, future=check)
         unlisted = "could not list the Memories in reach; checking again at first use"
         try:
             await _background.wait_for_future(check, budget)
@@ -142,5 +145,6 @@ class SetupCheck:
         except membase.MembaseError as error:
             self._ledger.record(None, level=logging.WARNING, message=unlisted, error=error)
         except Exception:
-            self._running = None  # the next agent lists the Memories again: they may have changed
+            with LOCK:
+                self._running = None  # the next agent lists the Memories again: they may have changed
             raise

@@ -113,8 +113,9 @@ class Recall:
         )
         return entries
 
-    def _submit(self, fn: Callable[[], T]) -> Future[T]:
-        return _background.submit(fn, name=f"membase-recall[{self._ledger.store_name}]", kind="recall", lane=self)
+    def _submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
+        name = f"membase-recall[{self._ledger.store_name}]"
+        return _background.submit(fn, name=name, kind="recall", lane=self, future=future)
 
     def _skip(self) -> str | None:
         now = time.monotonic()
@@ -134,21 +135,13 @@ class Recall:
             with LOCK:
                 self._profile = (time.monotonic(), facts)
 
-        def settle(done: Future[None]) -> None:
-            if (error := done.exception()) is not None:
-                reading.set_exception(error)
-            else:
-                reading.set_result(None)
-
         with LOCK:
             if self._profile_ttl is None or (self._profile and time.monotonic() - self._profile[0] < self._profile_ttl):
                 return None
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading
             reading = self._profile_reading = Future[None]()
-        # Started outside LOCK: a thread's start waits for it to run, and a finalizer on that thread may take LOCK.
-        self._submit(read).add_done_callback(settle)
-        return reading
+        return self._submit(read, reading)  # outside LOCK (see _background.submit)
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
