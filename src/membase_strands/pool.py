@@ -94,15 +94,16 @@ class MembaseStorePool:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
             store = self._alive.get(user_id)  # kept, or let go of and still in use
-            if store is not None:
-                self._keep(user_id, store)
-                return store
+            let_go = [] if store is None else self._keep(user_id, store)
+        del let_go  # the stores let go of are dropped outside LOCK
+        if store is not None:
+            return store
         candidate = self._build(user_id)  # outside the lock: the app's credential function may be slow
         with LOCK:
             # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
             store = None if self._closed else self._alive.get(user_id, candidate)
-            if store is not None:
-                self._keep(user_id, store)
+            let_go = [] if store is None else self._keep(user_id, store)
+        del let_go
         if store is not candidate:
             candidate.close()  # never handed out, so nothing runs on it and this does not wait
         if store is None:
@@ -159,13 +160,20 @@ class MembaseStorePool:
             self._stores.clear()
             return alive
 
-    def _keep(self, user_id: str, store: MembaseMemoryStore) -> None:
-        """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held."""
+    def _keep(self, user_id: str, store: MembaseMemoryStore) -> list[MembaseMemoryStore]:
+        """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held.
+
+        Returns the stores let go of (not closed: an agent may be mid-turn on one), for the caller to hold until LOCK
+        is released: a store collected under it would start its closing thread there (see ``_background.submit``).
+        """
         self._alive[user_id] = self._stores[user_id] = store
         self._stores.move_to_end(user_id)
+        let_go = []
         while len(self._stores) > self._max_stores:
-            old_user, _ = self._stores.popitem(last=False)  # not closed: an agent may be mid-turn on it
+            old_user, old = self._stores.popitem(last=False)
+            let_go.append(old)
             logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
+        return let_go
 
     def _build(self, user_id: str) -> MembaseMemoryStore:
         try:
