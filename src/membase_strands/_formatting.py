@@ -207,9 +207,11 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
 def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
     """The ``membase_search`` tool's answer to what :func:`arrange` returned; ``ids``: each passage's id too."""
     quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
-    weaker = (  # min_score is set whenever a passage was below it
+    weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
-        f"(min_score={answer.floor or 0:g}) and {'are' if below != 1 else 'is'} not shown"
+        f"(min_score={answer.floor:g}) and {'are' if below != 1 else 'is'} not shown"
+        if below
+        else ""
     )
     if answer.passages:
         found = f"Membase found {count} passage{'s' if count != 1 else ''} for {quoted}:"

@@ -148,12 +148,14 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
         token = _current.set(made)
         try:
             yield made
-        except BaseException as error:
+        except asyncio.CancelledError:
             if made.outcome_set is None:
-                kind = None if isinstance(error, asyncio.CancelledError) else describe_failure(error).kind
-                made.outcome(
-                    "cancelled" if kind is None else "timeout" if kind == "timeout" else "error", error_kind=kind
-                )
+                made.outcome("cancelled")
+            raise
+        except BaseException as error:
+            kind = describe_failure(error).kind
+            if made.outcome_set is None:
+                made.outcome("timeout" if kind == "timeout" else "error", error_kind=kind)
             raise
         finally:
             _current.reset(token)

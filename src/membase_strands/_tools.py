@@ -140,17 +140,20 @@ class ToolContext:
             self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _reply(f"Nothing was saved: {error}.", ok=False)
+        except membase.BadRequestError as error:
+            with contextlib.suppress(Exception):  # only a better sentence is at stake
+                if target is None and not standing_fact and len(in_reach := self.gateway.memories_in_reach()) > 1:
+                    return _reply(
+                        f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
+                        "user which one, then call membase_save again with container set to its name.",
+                        ok=False,
+                    )
+            return self._failed("membase_save", error, container_named=target is not None)
+        except membase.APITimeoutError as error:
+            failed = self._failed("membase_save", error)
+            return _reply(_MAYBE_SAVED, ok=False) if posted else failed
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            if isinstance(error, membase.BadRequestError) and target is None and not standing_fact:
-                with contextlib.suppress(Exception):  # only a better sentence is at stake
-                    if len(in_reach := self.gateway.memories_in_reach()) > 1:
-                        return _reply(
-                            f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
-                            "user which one, then call membase_save again with container set to its name.",
-                            ok=False,
-                        )
-            failed = self._failed("membase_save", error, container_named=target is not None)
-            return _reply(_MAYBE_SAVED, ok=False) if posted and isinstance(error, membase.APITimeoutError) else failed
+            return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
             return _reply("Saved as a standing fact in the user's Membase profile.")
         return _reply(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")

@@ -164,9 +164,7 @@ class InMemoryMembase:
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` as the in-memory Membase does, ignoring injected faults (for custom responders)."""
-        route, body = (request.method, request.url.path), _body(request) or {}
-        container = body.get("container")
-        unreached = container is not None and container not in {c["id"] for c in self.containers}
+        route, body = (request.method, request.url.path), _body(request)
         if route == ("GET", "/v1/containers"):
             return httpx.Response(200, json={"containers": self.containers})
         if route == ("GET", "/v1/profile"):
@@ -176,16 +174,15 @@ class InMemoryMembase:
                 profile["results"] = self._hits(topic, None, 5)
             return httpx.Response(200, json=profile)
         if route == ("POST", "/v1/search"):
-            query, limit = body.get("q", ""), body.get("limit")
+            query, container, limit = body.get("q", ""), body.get("container"), body.get("limit")
             if limit is not None and not 1 <= limit <= 50:
                 return error(400, "bad_request", "limit must be 1-50")
-            if unreached:
+            if container is not None and container not in {c["id"] for c in self.containers}:
                 return error(403, "unauthorized", f"container {container!r} is not in reach")
-            searched = [
-                {"id": c["id"], "name": c["name"]} | ({"error": why} if (why := self.unsearchable.get(c["id"])) else {})
-                for c in self.containers
-                if container in (None, c["id"])
-            ]
+            searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
+            for row in searched:
+                if row["id"] in self.unsearchable:
+                    row["error"] = self.unsearchable[row["id"]]
             hits = self._hits(query, container, limit or 8)
             return httpx.Response(200, json={"query": query, "results": hits, "containers": searched})
         if route == ("POST", "/v1/memories"):
@@ -195,10 +192,12 @@ class InMemoryMembase:
             if body.get("static"):
                 self.standing.append(content)
                 return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
-            if container is None and len(self.containers) != 1:
-                return error(400, "bad_request", "several containers are in reach; name one")
-            container = container or self.containers[0]["id"]
-            if unreached:
+            container = body.get("container")
+            if container is None:
+                if len(self.containers) != 1:
+                    return error(400, "bad_request", "several containers are in reach; name one")
+                container = self.containers[0]["id"]
+            elif container not in {c["id"] for c in self.containers}:
                 return error(403, "unauthorized", f"container {container!r} is not in reach")
             note = self._keep(Note(content=content, container=container, title=body.get("title") or ""))
             return httpx.Response(200, json={"memory_id": note.id, "memory_ids": [note.id], "container": container})
