@@ -24,11 +24,12 @@ import tempfile
 import time
 from typing import Any
 
+from standin_llm import StandInLLM
 from strands import Agent
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseMemoryStore, injection_config
-from membase_strands.testing import ScriptedModel, StandInLLM, ToolCall
+from membase_strands.testing import ScriptedModel, ToolCall
 
 FACT = "The launch codename for our team is Blue Heron."
 ASK = "What is the launch codename for our team?"

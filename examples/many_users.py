@@ -21,12 +21,13 @@ import tempfile
 from pathlib import Path
 
 import membase
+from standin_llm import StandInLLM
 from strands import Agent
 from strands.memory import MemoryManager
 
 from membase_strands import MembaseStorePool
 from membase_strands.pool import Credential
-from membase_strands.testing import ScriptedModel, StandInLLM
+from membase_strands.testing import ScriptedModel
 
 QUESTION = "What do you remember about me?"
 

@@ -38,8 +38,9 @@ from strands import Agent
 from strands.memory import MemoryManager
 
 from benchmarks.common import machine
+from examples.standin_llm import StandInLLM
 from membase_strands import MembaseMemoryStore, injection_config
-from membase_strands.testing import ScriptedModel, StandInLLM
+from membase_strands.testing import ScriptedModel
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = Path(__file__).with_name("dataset.json")

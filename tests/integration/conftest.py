@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from membase_strands.testing import StandInLLM
+from examples.standin_llm import StandInLLM
 from tests.support.local_engine import EngineMemory, EngineServer, configure_engine_env, engine_unavailable, restore_env
 
 

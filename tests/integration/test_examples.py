@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from membase_strands.testing import StandInLLM
+from examples.standin_llm import StandInLLM
 from tests.support.local_engine import HTTP_KEY, EngineServer, engine_unavailable, offline_env
 
 pytestmark = pytest.mark.integration
@@ -37,6 +37,7 @@ for path, environment, old_python in json.loads(sys.argv[1]):
     if os.fork() == 0:
         os.close(reading)
         os.environ.update(environment)
+        sys.path.insert(0, os.path.dirname(path))  # as `python examples/...` does: the stand-in is beside it
         if old_python:
             sys.version_info = (3, 11, 9, "final", 0)
         out, err, code = io.StringIO(), io.StringIO(), 0

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.standin_llm import StandInLLM
 from membase_strands import MembaseMemoryStore
 from membase_strands.check import main, run_check
-from membase_strands.testing import StandInLLM
 from tests.support.local_engine import engine_unavailable, offline_env
 from tests.support.store_helpers import LONG, run_in_child
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from examples.standin_llm import StandInLLM
 from membase_strands import MembaseMemoryStore
-from membase_strands.testing import StandInLLM, ToolCall
+from membase_strands.testing import ToolCall
 from tests.support.agents import entries
 from tests.support.local_engine import EngineMemory, engine_unavailable
 from tests.support.store_helpers import make_agent, wait_until

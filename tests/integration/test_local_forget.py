@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from membase_strands.testing import StandInLLM, ToolCall
+from examples.standin_llm import StandInLLM
+from membase_strands.testing import ToolCall
 from tests.support.agents import ALL_TOOLS, resume
 from tests.support.local_engine import EngineMemory, engine_unavailable
 from tests.support.store_helpers import make_agent

@@ -1,5 +1,5 @@
 """The real Membase engine (``unibaseio-membase[local]``, module ``membase_core``, Python 3.12+) offline, its LLM the
-testing kit's :class:`~membase_strands.testing.StandInLLM` on loopback, in the two forms a user meets: in process
+stand-in ``examples/standin_llm.py`` on loopback, in the two forms a user meets: in process
 (``local=DIR``; the engine keeps the provider it built at its first call, so one stand-in serves the session and
 :func:`configure_engine_env` points the engine at it), and over HTTP (:class:`EngineServer`: ``membase serve``'s
 server on a thread of this process, the hosted API's routes over real loopback sockets).
@@ -19,8 +19,8 @@ from typing import Any
 
 import membase
 
+from examples.standin_llm import StandInLLM
 from membase_strands import MembaseMemoryStore
-from membase_strands.testing import StandInLLM
 
 # What would send the engine (or an agent) to a real provider or a real Membase: left out of an offline environment.
 LLM_KEY_VARS = """OPENAI_API_KEY OPENAI_BASE_URL OPENAI_API_BASE OPENAI_ORG_ID ANTHROPIC_API_KEY AWS_ACCESS_KEY_ID

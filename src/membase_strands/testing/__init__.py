@@ -3,14 +3,12 @@
 - :class:`InMemoryMembase`: the Membase REST API in memory; its ``store()`` is built from a key as in production and
   reaches it over ``httpx.MockTransport``; faults per route (:func:`status`, :func:`hang`, :func:`refuse_connection`).
 - :class:`ScriptedModel`: a Strands model that replays turns (text or :class:`ToolCall`) and records what it was sent.
-- :class:`StandInLLM`: an OpenAI-compatible server on 127.0.0.1 that the real local Membase engine can learn with.
 
 README.md's "Testing your own agent" shows them at work (that example runs in this project's tests).
 """
 
 from ._membase import API_KEY, InMemoryMembase, Note, Recorded, Responder, hang, refuse_connection, status
 from ._model import ScriptedModel, Step, ToolCall
-from ._standin_llm import StandInLLM
 
 __all__ = [
     "API_KEY",
@@ -19,7 +17,6 @@ __all__ = [
     "Recorded",
     "Responder",
     "ScriptedModel",
-    "StandInLLM",
     "Step",
     "ToolCall",
     "hang",

@@ -1,4 +1,5 @@
-"""A deterministic OpenAI-compatible stand-in for the LLM the local Membase engine needs (standard library only).
+"""A deterministic OpenAI-compatible stand-in for the LLM the local Membase engine needs (standard library only):
+the demo, ``many_users.py``, the tests and the recall-quality benchmark run the real engine offline with it.
 
 Its answers make the engine really learn and rank: embeddings are hashed bag-of-words vectors, an episode is the
 conversation's own words, and the search steering keeps the candidates that share a word with the question.
@@ -144,7 +145,7 @@ class StandInLLM:
         prompt = "\n".join(_message_text(message) for message in body.get("messages", []))
         kind, reply = next(((kind, reply) for marker, kind, reply in _PROMPTS if marker in prompt), ("unknown", None))
         if reply is None:
-            logger.warning("stand-in LLM: UNKNOWN PROMPT answered {} (add a rule to _standin_llm.py): %r", prompt[:300])
+            logger.warning("stand-in LLM: UNKNOWN PROMPT answered {} (add a rule to standin_llm.py): %r", prompt[:300])
             self.unknown_prompts.append(prompt)
         message = {"role": "assistant", "content": json.dumps(reply(prompt) if reply else {})}
         return kind, {
