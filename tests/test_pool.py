@@ -528,6 +528,7 @@ def test_more_users_at_once_than_the_pool_keeps_then_one_after_another_all_keep_
 
 
 def test_the_example_with_hosted_keys_gives_each_user_their_own_memory(fake, users, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # as `python examples/many_users.py` does
     spec = importlib.util.spec_from_file_location("many_users_example", ROOT / "examples" / "many_users.py")
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeGuard
 
 DEFAULT_SEARCH_RESULTS = 5
@@ -33,57 +33,65 @@ def describe(container: str | None) -> str:
     )
 
 
-def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"name must be a non-blank string, got {name!r}")
-    return name
+def whole(value: Any, least: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def check_container(container: Any) -> str | None:
-    if container is not None and (not isinstance(container, str) or not container.strip()):
-        raise ValueError(f"container must be a Memory name or id, got {container!r}")
-    return container
+def finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def _seconds(value: Any) -> bool:
+    return finite(value) and value > 0
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _or_none(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or allowed(value)
+
+
+_PASSAGES = f"a whole number from 1 to {MAX_SEARCH_RESULTS}"
+_SECONDS = "a positive number of seconds"
+# What each option must be, and the words its error says it in: "<option> must be <words>, got <value>".
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (_text, "a non-blank string"),
+    "container": (_or_none(_text), "a Memory name or id"),
+    "max_search_results": (_or_none(lambda value: whole(value, 1)), _PASSAGES),
+    "max_recall_chars": (
+        _or_none(lambda value: whole(value, MIN_RECALL_CHARS)),
+        f"a whole number of at least {MIN_RECALL_CHARS}, or None",
+    ),
+    "min_score": (_or_none(finite), "a finite number (a score Membase gives passages) or None"),
+    "recall_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
+    "write_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
+    "request_timeout": (_seconds, _SECONDS),
+    "max_response_bytes": (lambda value: whole(value, 1024), "a whole number of bytes, at least 1024"),
+    "access_cooldown": (_or_none(_seconds), f"{_SECONDS} or None"),
+    "capture": (lambda value: isinstance(value, bool), "True or False"),
+    "recall_profile": (lambda value: isinstance(value, bool), "True or False"),
+    "profile_ttl": (_seconds, _SECONDS),
+}
+
+
+def check(arguments: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first of the store's ``arguments`` that its rule refuses."""
+    for option, (allowed, words) in _RULES.items():
+        if option in arguments and not allowed(arguments[option]):
+            raise ValueError(f"{option} must be {words}, got {arguments[option]!r}")
 
 
 def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
     """How many passages to ask for (``None``: ``default``), past Membase's maximum the maximum, not an error."""
-    if value is None or whole(value, 1):
-        return default if value is None else min(value, MAX_SEARCH_RESULTS)
-    raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
-
-
-def check_recall_chars(value: Any) -> int | None:
-    if value is None or whole(value, MIN_RECALL_CHARS):
-        return value
-    raise ValueError(f"max_recall_chars must be a whole number of at least {MIN_RECALL_CHARS}, or None; got {value!r}")
-
-
-def check_min_score(value: Any) -> float | None:
-    if value is None or finite(value):
-        return None if value is None else float(value)
-    raise ValueError(f"min_score must be a finite number (a score Membase gives passages) or None, got {value!r}")
-
-
-def check_timeout(option: str, value: Any, *, none: bool = True) -> float | None:
-    if (value is None and none) or (finite(value) and value > 0):
-        return None if value is None else float(value)
-    raise ValueError(f"{option} must be a positive number of seconds{' or None' if none else ''}, got {value!r}")
-
-
-def check_flag(option: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{option} must be True or False, got {value!r}")
-    return value
-
-
-def check_bytes(option: str, value: Any) -> int:
-    if whole(value, 1024):
-        return value
-    raise ValueError(f"{option} must be a whole number of bytes, at least 1024, got {value!r}")
+    if value is not None and not whole(value, 1):
+        raise ValueError(f"{option} must be {_PASSAGES}, got {value!r}")
+    return default if value is None else min(value, MAX_SEARCH_RESULTS)
 
 
 def check_capture(capture: Any, extraction: Any) -> bool:
-    if check_flag("capture", capture) is False and extraction not in (None, False):
+    if not capture and extraction not in (None, False):
         raise ValueError("extraction needs capture=True: without capture the store accepts no writes")
     return bool(capture)
 
@@ -113,11 +121,3 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     if not isinstance(static, bool):
         raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
     return title, static
-
-
-def whole(value: Any, least: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-def finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))

@@ -104,24 +104,16 @@ class MembaseMemoryStore:
             ValueError: An option is invalid; the message names it.
             RuntimeError: ``local`` is a directory another process holds.
         """
-        self.name = _options.check_name(name)
-        self._container = _options.check_container(container)
+        _options.check(locals())  # the arguments, each by its rule in _options, before anything is built
+        self.name, self._container = name, container
         # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
         self.description: str | None = description if description is not None else _options.describe(container)
         self.max_search_results: int | None = _options.passages_wanted(max_search_results, "max_search_results")
-        max_recall_chars = _options.check_recall_chars(max_recall_chars)
-        min_score = _options.check_min_score(min_score)
-        self._recall_timeout = _options.check_timeout("recall_timeout", recall_timeout)
-        write_timeout = _options.check_timeout("write_timeout", write_timeout)
-        request_timeout = _options.check_timeout("request_timeout", request_timeout, none=False) or 0.0
-        max_response_bytes = _options.check_bytes("max_response_bytes", max_response_bytes)
-        self._access_cooldown = _options.check_timeout("access_cooldown", access_cooldown)
+        self._recall_timeout, self._access_cooldown = recall_timeout, access_cooldown
         self.writable: bool = _options.check_capture(capture, extraction)
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
         self._tool_names = _options.check_tools(tools)
-        recall_profile = _options.check_flag("recall_profile", recall_profile)
-        profile_ttl = _options.check_timeout("profile_ttl", profile_ttl, none=False) or 0.0
 
         self._gateway = gateway = MembaseGateway(
             client=client,
