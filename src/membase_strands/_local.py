@@ -44,12 +44,10 @@ def open_engine(directory: Path) -> membase.Membase:
         try:
             opened.set_result(_start(directory))
         except BaseException as error:
+            with LOCK:
+                del _open[key]  # the next user tries again
             opened.set_exception(error)
-    try:
-        return opened.result()[0]
-    except BaseException:
-        close_engine(directory)
-        raise
+    return opened.result()[0]
 
 
 def close_engine(directory: Path) -> None:
@@ -61,12 +59,11 @@ def close_engine(directory: Path) -> None:
         if users[0]:
             return
         del _open[key]
-    if opened.exception() is None:
-        engine, lock_file = opened.result()
-        try:
-            engine.close()
-        finally:
-            lock_file.close()  # lets go of the lock
+    engine, lock_file = opened.result()
+    try:
+        engine.close()
+    finally:
+        lock_file.close()  # lets go of the lock
 
 
 def _start(directory: Path) -> _Opened:
