@@ -130,12 +130,11 @@ class MembaseGateway:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
         ``ValueError`` when ``container`` names no Memory in reach, or several."""
 
-        def search(client: membase.Membase) -> Any:
-            return self._resolver.call(
-                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
-            )
+        def send(client: membase.Membase, container_id: str | None) -> Any:
+            return client.search(sendable(query), container=container_id, limit=limit)
 
-        return parse_search(self._call(search, retry=retry), limit, self.redact)
+        answer = self._call(lambda client: self._resolver.call(client, container, partial(send, client)), retry=retry)
+        return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored. A 2xx
@@ -204,7 +203,6 @@ class MembaseGateway:
             raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
 
     def redact(self, text: str) -> str:
-        """``text`` with the API key masked."""
         return redact(text, self._secret)
 
     def without_secret(self, error: BaseException) -> BaseException:
@@ -235,7 +233,6 @@ def _checked_url(url: str) -> str:
 
 
 def _unreadable(error: json.JSONDecodeError | UnicodeDecodeError) -> str:
-    """Why a 2xx body could not be read, in a few words."""
     if isinstance(error, UnicodeDecodeError):
         return f"not valid UTF-8: {error.reason} at byte {error.start}"
     return f"not JSON: {error.msg}"

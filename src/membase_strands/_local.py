@@ -86,8 +86,7 @@ def _start(directory: Path) -> _Opened:
                 f"{lock_file.read().strip() or 'unknown'}); its engine serves one process per directory. For several "
                 "processes or workers, use hosted Membase (an API key), or route each user to one worker."
             ) from None
-        lock_file.seek(0)
-        lock_file.truncate()
+        lock_file.truncate(0)  # in append mode the pid is written at the end, which is now the start
         lock_file.write(str(os.getpid()))
         lock_file.flush()
         try:
