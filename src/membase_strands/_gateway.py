@@ -15,6 +15,7 @@ import logging
 import os
 import urllib.parse
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,9 +55,8 @@ class MembaseGateway:
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
-        self._store_name = store_name
-        self._given = client
-        secret = ""
+        self._store_name, self._given = store_name, client
+        self._secret, self.base_url = "", ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -64,7 +64,7 @@ class MembaseGateway:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
-            secret = client.api_key or ""
+            self._secret, self.base_url = client.api_key or "", str(client.base_url)
         elif local is not None:
             if api_key is not None or base_url is not None or transport is not None:
                 raise ValueError(
@@ -76,56 +76,50 @@ class MembaseGateway:
             if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
-                secret = _checked_key(key)
+                self._secret = _checked_key(key)
                 url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
-        self._secret, self.hosted = secret, bool(secret)
-        self.base_url = self._route.base_url if self._route else str(client.base_url) if client is not None else ""
+                self.base_url = self._route.base_url
+        self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
         self._resolver = ContainerResolver()
-        self._pid = 0  # the process the clients below were built in
-        self._clients: tuple[membase.Membase, membase.Membase] | None = None
+        # The clients by the process they were built in: (the one that retries, the one that makes a single attempt).
+        self._clients: dict[int, tuple[membase.Membase, membase.Membase]] = {}
         if self.local is not None:
             self._client(retry=False)  # the engine starts now, or says why it cannot
 
     def _build(self) -> tuple[membase.Membase, membase.Membase]:
-        """The clients: (the one that retries, the one that makes a single attempt)."""
-        if self._given is not None:
-            if self._pid:  # used in the parent
-                raise RuntimeError(
-                    f"store '{self._store_name}': its Membase client (client=) was used before this process was "
-                    "forked, and sharing its connections would mix up the two processes' answers; build the client "
-                    "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
-                )
-            return self._given, self._given
         if self._route is not None:
             http = _http.client_for(self._route)
-            url = self._route.base_url
             return (
-                membase.Membase(api_key=self._secret, base_url=url, http_client=http),
-                membase.Membase(api_key=self._secret, base_url=url, max_retries=0, http_client=http),
+                membase.Membase(api_key=self._secret, base_url=self.base_url, http_client=http),
+                membase.Membase(api_key=self._secret, base_url=self.base_url, max_retries=0, http_client=http),
             )
-        assert self.local is not None
-        engine = _local.open_engine(self.local)  # the engine makes one attempt
-        return engine, engine
+        if self.local is not None:
+            engine = _local.open_engine(self.local)  # the engine makes one attempt
+            return engine, engine
+        assert self._given is not None
+        if self._clients.keys() - {os.getpid()}:  # used in the process this one was forked from
+            raise RuntimeError(
+                f"store '{self._store_name}': its Membase client (client=) was used before this process was "
+                "forked, and sharing its connections would mix up the two processes' answers; build the client "
+                "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
+            )
+        return self._given, self._given
 
     def _client(self, *, retry: bool) -> membase.Membase:
-        clients = self._clients
-        if clients is None or self._pid != os.getpid():
+        clients = self._clients.get(os.getpid())
+        if clients is None:
             built = self._build()  # outside the lock: a local engine may take a while to start
             with LOCK:
-                first = self._clients is None or self._pid != os.getpid()
-                if first:
-                    self._clients, self._pid = built, os.getpid()
-                clients = self._clients or built
-            if not first and self.local is not None:
+                clients = self._clients.setdefault(os.getpid(), built)
+            if clients is not built and self.local is not None:
                 _local.close_engine(self.local)  # another thread opened it first: one user less
         return clients[0] if retry else clients[1]
 
     def close(self) -> None:
         """Let go of the local engine this gateway opened in this process, if any (blocking)."""
-        if self.local is not None and self._clients is not None and self._pid == os.getpid():
-            self._clients = None
+        if self.local is not None and self._clients.pop(os.getpid(), None) is not None:
             try:
                 _local.close_engine(self.local)
             except Exception as error:
@@ -136,32 +130,30 @@ class MembaseGateway:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
         ``ValueError`` when ``container`` names no Memory in reach, or several."""
 
-        def search(client: membase.Membase) -> Any:
-            return self._resolver.call(
-                client, container, lambda cid: client.search(sendable(query), container=cid, limit=limit)
-            )
+        def send(client: membase.Membase, container_id: str | None) -> Any:
+            return client.search(sendable(query), container=container_id, limit=limit)
 
-        return parse_search(self._call(search, retry=retry), limit, self.redact)
+        answer = self._call(lambda client: self._resolver.call(client, container, partial(send, client)), retry=retry)
+        return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored. A 2xx
         whose body cannot be read means Membase took the note: it counts as saved (``None``)."""
 
-        def save(client: membase.Membase) -> Any:
-            def send(container_id: str | None) -> Any:
-                try:
-                    return client.memories.add(sendable(content), container=container_id, static=static, title=title)
-                except (*_UNREADABLE, BadResponseError) as error:
-                    if isinstance(error, BadResponseError) and not 200 <= (error.status or 0) < 300:
-                        raise
-                    why = _unreadable(error) if isinstance(error, ValueError) else "larger than max_response_bytes"
-                    message = "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved"
-                    logger.warning(message, self._store_name, why)
-                    return None
+        def send(client: membase.Membase, container_id: str | None) -> Any:
+            try:
+                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
+            except _UNREADABLE as error:
+                why = _unreadable(error)
+            except BadResponseError as error:
+                if not 200 <= (error.status or 0) < 300:
+                    raise
+                why = "larger than max_response_bytes"
+            message = "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved"
+            logger.warning(message, self._store_name, why)
+            return None
 
-            return self._resolver.call(client, container, send)
-
-        return self._call(save, retry=False)
+        return self._call(lambda client: self._resolver.call(client, container, partial(send, client)), retry=False)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> Any:
         """The profile: standing facts, recent changes and, with ``topic``, relevant results."""
@@ -170,10 +162,10 @@ class MembaseGateway:
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
         """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it); without
         ``confirm``, Membase only says what would be forgotten."""
-        document = passage_id.removeprefix("document:") if passage_id.startswith("document:") else None
 
         def forget(client: membase.Membase) -> Any:
-            if document is not None:
+            if passage_id.startswith("document:"):
+                document = passage_id.removeprefix("document:")
                 return client.documents.delete(urllib.parse.quote(document, safe=""), confirm=confirm)
             return client.memories.forget(urllib.parse.quote(passage_id, safe=":"), confirm=confirm)
 
@@ -211,7 +203,6 @@ class MembaseGateway:
             raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
 
     def redact(self, text: str) -> str:
-        """``text`` with the API key masked."""
         return redact(text, self._secret)
 
     def without_secret(self, error: BaseException) -> BaseException:
@@ -241,8 +232,7 @@ def _checked_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
-def _unreadable(error: ValueError) -> str:
-    """Why a 2xx body could not be read, in a few words."""
+def _unreadable(error: json.JSONDecodeError | UnicodeDecodeError) -> str:
     if isinstance(error, UnicodeDecodeError):
         return f"not valid UTF-8: {error.reason} at byte {error.start}"
-    return f"not JSON: {error.msg}" if isinstance(error, json.JSONDecodeError) else type(error).__name__
+    return f"not JSON: {error.msg}"

@@ -44,12 +44,10 @@ def open_engine(directory: Path) -> membase.Membase:
         try:
             opened.set_result(_start(directory))
         except BaseException as error:
+            with LOCK:
+                del _open[key]  # the next user tries again
             opened.set_exception(error)
-    try:
-        return opened.result()[0]
-    except BaseException:
-        close_engine(directory)
-        raise
+    return opened.result()[0]
 
 
 def close_engine(directory: Path) -> None:
@@ -61,12 +59,11 @@ def close_engine(directory: Path) -> None:
         if users[0]:
             return
         del _open[key]
-    if opened.exception() is None:
-        engine, lock_file = opened.result()
-        try:
-            engine.close()
-        finally:
-            lock_file.close()  # lets go of the lock
+    engine, lock_file = opened.result()
+    try:
+        engine.close()
+    finally:
+        lock_file.close()  # lets go of the lock
 
 
 def _start(directory: Path) -> _Opened:
@@ -89,8 +86,7 @@ def _start(directory: Path) -> _Opened:
                 f"{lock_file.read().strip() or 'unknown'}); its engine serves one process per directory. For several "
                 "processes or workers, use hosted Membase (an API key), or route each user to one worker."
             ) from None
-        lock_file.seek(0)
-        lock_file.truncate()
+        lock_file.truncate(0)  # in append mode the pid is written at the end, which is now the start
         lock_file.write(str(os.getpid()))
         lock_file.flush()
         try:
