@@ -90,24 +90,19 @@ class MembaseStorePool:
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
-        with LOCK:
-            if self._closed:
-                raise RuntimeError("MembaseStorePool is closed")
-            store = self._alive.get(user_id)  # kept, or let go of and still in use
-            let_go = [] if store is None else self._keep(user_id, store)
-        del let_go  # the stores let go of are dropped outside LOCK
+        store = self._keep(user_id, None)
         if store is not None:
             return store
         candidate = self._build(user_id)  # outside the lock: the app's credential function may be slow
-        with LOCK:
+        try:
             # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
-            store = None if self._closed else self._alive.get(user_id, candidate)
-            let_go = [] if store is None else self._keep(user_id, store)
-        del let_go
-        if store is not candidate:
+            store = self._keep(user_id, candidate)
+        except RuntimeError:
             candidate.close()  # never handed out, so nothing runs on it and this does not wait
-        if store is None:
-            raise RuntimeError("MembaseStorePool is closed")
+            raise
+        assert store is not None  # the candidate, or theirs
+        if store is not candidate:
+            candidate.close()
         return store
 
     def counters(self) -> dict[str, int]:
@@ -160,20 +155,27 @@ class MembaseStorePool:
             self._stores.clear()
             return alive
 
-    def _keep(self, user_id: str, store: MembaseMemoryStore) -> list[MembaseMemoryStore]:
-        """Keep ``store`` as the most recently used, letting go of the least recently used past the bound. Lock held.
+    def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
+        """The user's store still alive, else ``built``, kept as the most recently used (``None``: neither).
 
-        Returns the stores let go of (not closed: an agent may be mid-turn on one), for the caller to hold until LOCK
-        is released: a store collected under it would start its closing thread there (see ``_background.submit``).
+        Past the bound the least recently used is let go of (not closed: an agent may be mid-turn on it), and dropped
+        only once LOCK is released: a store collected under it would start its closing thread there (see
+        ``_background.submit``). One store is kept per call, so at most one is let go of.
         """
-        self._alive[user_id] = self._stores[user_id] = store
-        self._stores.move_to_end(user_id)
-        let_go = []
-        while len(self._stores) > self._max_stores:
-            old_user, old = self._stores.popitem(last=False)
-            let_go.append(old)
-            logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
-        return let_go
+        with LOCK:
+            if self._closed:
+                raise RuntimeError("MembaseStorePool is closed")
+            store = self._alive.get(user_id, built)
+            if store is None:
+                return None
+            self._alive[user_id] = self._stores[user_id] = store
+            self._stores.move_to_end(user_id)
+            let_go = None
+            if len(self._stores) > self._max_stores:
+                old_user, let_go = self._stores.popitem(last=False)
+                logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
+        del let_go  # outside LOCK
+        return store
 
     def _build(self, user_id: str) -> MembaseMemoryStore:
         try:

@@ -45,26 +45,6 @@ class Note:
     id: str = ""
 
 
-class _Server:
-    """What the accounts of one fake host share: its address, its transport, the request log and the accounts."""
-
-    def __init__(self) -> None:
-        self.base_url = f"https://membase-{next(_NUMBERS)}.test"
-        self.requests: list[Recorded] = []
-        self.accounts: dict[str, InMemoryMembase] = {}
-        self.lock = threading.Lock()
-        self.transport = httpx.MockTransport(self.handle)
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        return self.account(request.headers.get("authorization", "").removeprefix("Bearer "))._serve(request)
-
-    def account(self, key: str) -> InMemoryMembase:
-        with self.lock:
-            found = self.accounts.get(key)
-        # Two requests may bring a new key at once: both get the account registered first.
-        return found if found is not None else InMemoryMembase(key=key, _server=self).account(key)
-
-
 class InMemoryMembase:
     """The Membase REST API in memory, for the real ``membase.Membase`` client: it tests an agent offline.
 
@@ -77,7 +57,7 @@ class InMemoryMembase:
         requests: Every request that reached this host, whichever key it carried.
     """
 
-    def __init__(self, *, key: str = API_KEY, _server: _Server | None = None) -> None:
+    def __init__(self, *, key: str = API_KEY) -> None:
         self.key = key
         # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
         self.containers: list[dict[str, Any]] = [{"id": "ctr_main", "name": "Main"}]
@@ -85,17 +65,27 @@ class InMemoryMembase:
         self.forgotten: list[Note] = []  # the notes forgotten through the API
         self.standing: list[str] = []  # the profile's standing facts
         self.unsearchable: dict[str, str] = {}  # Memory id -> why it cannot answer a search
-        self._server = _server or _Server()
-        self.base_url, self.transport = self._server.base_url, self._server.transport
-        self.requests = self._server.requests
         self._faults: dict[tuple[str, str], Iterator[Responder]] = {}
         self._numbers = itertools.count(1)
-        with self._server.lock:
-            self._server.accounts.setdefault(key, self)
+        # What the accounts of one host share (account() hands them to each): address, transport, log, accounts.
+        self.base_url = f"https://membase-{next(_NUMBERS)}.test"
+        self.transport = httpx.MockTransport(self.handle)
+        self.requests: list[Recorded] = []
+        self._accounts = {key: self}
+        self._lock = threading.Lock()
 
     def account(self, key: str) -> InMemoryMembase:
         """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
-        return self._server.account(key)
+        with self._lock:
+            if key not in self._accounts:
+                other = InMemoryMembase(key=key)
+                other.base_url = self.base_url
+                other.transport = self.transport
+                other.requests = self.requests
+                other._accounts = self._accounts
+                other._lock = self._lock
+                self._accounts[key] = other
+            return self._accounts[key]
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
         """Add a Memory to the key's reach; returns its id."""
@@ -152,15 +142,13 @@ class InMemoryMembase:
     def handle(self, request: httpx.Request) -> httpx.Response:
         """Record ``request``, then answer it from the account of the key it carries: with the route's next injected
         fault, if any, else as Membase would."""
-        return self._server.handle(request)
-
-    def _serve(self, request: httpx.Request) -> httpx.Response:
-        recorded = Recorded(request.method, request.url.path, _body(request), dict(request.url.params), self.key)
-        with self._server.lock:
+        account = self.account(request.headers.get("authorization", "").removeprefix("Bearer "))
+        recorded = Recorded(request.method, request.url.path, _body(request), dict(request.url.params), account.key)
+        route = (request.method, re.sub(r"^(/v1/(?:memories|documents))/.+$", r"\1/{id}", request.url.path))
+        with self._lock:
             self.requests.append(recorded)
-            route = (request.method, re.sub(r"^(/v1/(?:memories|documents))/.+$", r"\1/{id}", request.url.path))
-            responder = next(self._faults.get(route, iter(())), None)
-        return (responder or self.answer)(request)
+            responder = next(account._faults.get(route, iter(())), None)
+        return (responder or account.answer)(request)
 
     def answer(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` as the in-memory Membase does, ignoring injected faults (for custom responders)."""
