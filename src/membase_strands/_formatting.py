@@ -100,8 +100,8 @@ def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> S
             passages.append(Passage(memory_label(str(name)), content, metadata))
     unsearched = []
     for row in rows:
-        if error := row.get("error"):  # clip() of a normalised start a little longer than it keeps is clip() of it all
-            reason = clip(_Reading(Passage("", redact(str(error)[:4096])), None).start(202), 200) or "no reason given"
+        if error := row.get("error"):
+            reason = clip(clean_text(redact(str(error)[:4096])), 200) or "no reason given"
             unsearched.append(Unsearched(memory_label(str(row.get("name") or row.get("id") or "")), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
     return SearchAnswer(passages, unsearched, none_answered)
@@ -174,7 +174,6 @@ def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]
 
 
 def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
-    """The passages that fit in ``budget`` (see :func:`arrange`), their text cleaned."""
     kept: list[Passage] = []
     left = sys.maxsize if budget is None else budget
     for reading in readings:
@@ -231,9 +230,7 @@ def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
 def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
     """The ``membase_profile`` tool's answer: standing facts, recent changes and the first 50 results on
     ``topic``, fitted to ``limit`` as by :func:`arrange` in the profile's order, and cut at a line past it."""
-    if not isinstance(body, dict):
-        raise BadResponseError("the profile answer is not an object")
-    standing, recent = _bulleted(body.get("static")), _bulleted(body.get("dynamic"))
+    standing, recent = _bulleted(standing_facts(body)), _bulleted(_facts(body.get("dynamic")))
     results = parse_search({"results": _as_list(body.get("results"))}, 50).passages if topic else []
     topical = _numbered(_fit(_readings(results, limit), limit))
     about = f'"{clip(topic or "", 120)}"'
@@ -277,9 +274,9 @@ def _facts(items: Any) -> list[str]:
     return facts
 
 
-def _bulleted(items: Any) -> list[str]:
+def _bulleted(facts: list[str]) -> list[str]:
     """Profile facts as bullets; continuation lines are indented, so a fact never passes for a heading or another."""
-    return ["- " + fact.replace("\n", "\n  ") for fact in _facts(items)]
+    return ["- " + fact.replace("\n", "\n  ") for fact in facts]
 
 
 def _numbered(passages: list[Passage], ids: bool = False) -> list[str]:

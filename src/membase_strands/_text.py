@@ -9,7 +9,6 @@ import re
 # C0 controls but newline and tab, DEL, and the C1 controls (terminal escapes such as CSI U+009B).
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]+")  # a regex: str.translate takes ten times as long
 _NEEDS_CLEANING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
-_ANY_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")  # newlines and tabs too: a clip is one line
 
 
 def sendable(text: str) -> str:
@@ -26,5 +25,5 @@ def clean_text(text: str) -> str:
 
 def clip(text: str, limit: int) -> str:
     """Fold ``text`` onto one line without control characters or unpaired surrogates, cut to ``limit`` characters."""
-    folded = " ".join(_ANY_CONTROL.sub(" ", sendable(text)).split())
+    folded = " ".join(_CONTROL.sub(" ", sendable(text)).split())  # split() takes newlines and tabs: one line
     return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import membase
-from strands.tools.decorator import DecoratedFunctionTool, FunctionToolMetadata
-from strands.types.tools import AgentTool, ToolSpec
+from strands import tool
+from strands.tools.decorator import DecoratedFunctionTool
+from strands.types.tools import AgentTool
 from strands.types.tools import ToolContext as StrandsToolContext
 
 from . import _telemetry
@@ -39,24 +40,13 @@ _DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
 
 def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
     """One store's tools, of ``"search"``, ``"save"``, ``"profile"`` and ``"forget"``, in the order named."""
-    # Each spec is the store's own copy: nothing one agent's registry does to it can reach another store's tools.
-    return [
-        DecoratedFunctionTool(spec["name"], copy.deepcopy(spec), getattr(context, spec["name"]), metadata)
-        for spec, metadata in (_template(f"membase_{name}") for name in names)
-    ]
+    tools = [getattr(context, f"membase_{name}") for name in names]  # each bound to this store's context
+    for bound in tools:  # a spec of its own: nothing one agent's registry does to it can reach another store's tools
+        bound.tool_spec = copy.deepcopy(bound.tool_spec)
+    return tools
 
 
-@functools.cache
-def _template(name: str) -> tuple[ToolSpec, FunctionToolMetadata]:
-    """A tool's spec and model, made once per process as ``strands.tool`` makes them (it leaves out ``self``)."""
-    context = "tool_context" if name == "membase_forget" else None
-    metadata = FunctionToolMetadata(getattr(ToolContext, name), context_param=context)
-    spec = metadata.extract_metadata()
-    spec["description"] = " ".join(spec["description"].split())  # the docstring's, on one line
-    return spec, metadata
-
-
-def _tool(method: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+def _tool(method: Callable[..., dict[str, Any]]) -> DecoratedFunctionTool[..., dict[str, Any]]:
     """Make a method a tool that is counted and traced, and answers plainly once the store is closed."""
 
     @functools.wraps(method)  # keeps the signature and docstring Strands builds the tool's schema from
@@ -72,7 +62,9 @@ def _tool(method: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]
                 operation.outcome("ok" if result["status"] == "success" else "error")
             return result
 
-    return run
+    made = tool(context=method.__name__ == "membase_forget")(run)  # Strands leaves out `self`
+    made.tool_spec["description"] = " ".join(made.tool_spec["description"].split())  # the docstring's, on one line
+    return made
 
 
 @dataclass(frozen=True)
