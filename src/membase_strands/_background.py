@@ -24,6 +24,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -37,13 +38,13 @@ IDLE_NAME = "membase-worker[idle]"
 _CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS}
 
 
+@dataclass(slots=True)
 class _Call:
-    __slots__ = ("fn", "context", "future", "name", "kind")
-
-    def __init__(self, fn: Callable[[], Any], future: Future[Any], name: str, kind: str) -> None:
-        self.fn: Callable[[], Any] | None = fn
-        self.future, self.name, self.kind = future, name, kind
-        self.context: contextvars.Context | None = contextvars.copy_context()  # the caller's: its tracing span
+    fn: Callable[[], Any] | None
+    future: Future[Any]
+    name: str
+    kind: str
+    context: contextvars.Context | None = field(default_factory=contextvars.copy_context)  # the caller's: its span
 
 
 class _Threads:
