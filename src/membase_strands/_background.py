@@ -152,26 +152,15 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     """Await a thread's future for at most ``timeout`` seconds, else raise ``asyncio.TimeoutError``; the call is
     never cancelled. The waiting task is held by the call until it ends, so a task nobody else holds still wakes."""
     if not future.done():
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        loop, ended = asyncio.get_running_loop(), asyncio.Event()  # the event is this loop's: made for this wait
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(_settle, waiter)
+                loop.call_soon_threadsafe(ended.set)
 
         future.add_done_callback(wake)
-        try:
-            done, _ = await asyncio.wait({waiter}, timeout=timeout)
-        finally:
-            waiter.cancel()  # lets go of this task once its wait is over
-        if not done:
-            raise asyncio.TimeoutError
+        await asyncio.wait_for(ended.wait(), timeout)
     return future.result()
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()
