@@ -40,11 +40,11 @@ _CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS}
 
 @dataclass(slots=True)
 class _Call:
-    fn: Callable[[], Any] | None
+    fn: Callable[[], Any]
     future: Future[Any]
     name: str
     kind: str
-    context: contextvars.Context | None = field(default_factory=contextvars.copy_context)  # the caller's: its span
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the caller's: its tracing span
 
 
 class _Threads:
@@ -115,14 +115,14 @@ class _Threads:
 
 
 def _run(call: _Call) -> None:
-    if call.future.set_running_or_notify_cancel() and call.context is not None and call.fn is not None:
+    if call.future.set_running_or_notify_cancel():
         try:
             result = call.context.run(call.fn)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
             call.future.set_exception(error)
         else:
             call.future.set_result(result)
-    call.fn = call.context = None  # nothing of the call outlives it here: its closure can hold a store
+    del call.fn, call.context  # nothing of the call outlives it here: its closure can hold a store
 
 
 _threads = _Threads()
