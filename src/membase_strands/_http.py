@@ -37,7 +37,6 @@ from ._failures import BadResponseError
 _LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
 _SENT_AGAIN_ON = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # a kept-alive connection, closed
 _CONNECTED = "connection.connect_tcp.started"  # httpcore's trace of a connection made for the request
-_NAME = "membase-request"
 
 _clients: weakref.WeakValueDictionary[tuple[int, Route], httpx.Client] = weakref.WeakValueDictionary()
 
@@ -98,12 +97,12 @@ class MembaseTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         seconds = self._route.seconds
-        deadline = time.monotonic() + seconds
-        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
-            return self._attempt(request, deadline, _Attempt())
         attempt = _Attempt()
+        send = functools.partial(self._attempt, request, time.monotonic() + seconds, attempt)
+        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
+            return send()
         lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
-        future = _background.submit(functools.partial(self._attempt, request, deadline, attempt), name=_NAME, lane=lane)
+        future = _background.submit(send, name="membase-request", lane=lane)
         try:
             return future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
