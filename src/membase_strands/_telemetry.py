@@ -57,7 +57,7 @@ _ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # live stores' ledgers, f
 class Ledger:
     """One store's record of what it did; safe from any thread."""
 
-    def __init__(self, store_name: str, redact: Callable[[str], str] = str) -> None:
+    def __init__(self, store_name: str, redact: Callable[[str], str]) -> None:
         self.store_name = store_name
         self._redact = redact
         self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under LOCK
