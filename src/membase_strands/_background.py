@@ -24,6 +24,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -37,13 +38,13 @@ IDLE_NAME = "membase-worker[idle]"
 _CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS}
 
 
+@dataclass(slots=True)
 class _Call:
-    __slots__ = ("fn", "context", "future", "name", "kind")
-
-    def __init__(self, fn: Callable[[], Any], future: Future[Any], name: str, kind: str) -> None:
-        self.fn: Callable[[], Any] | None = fn
-        self.future, self.name, self.kind = future, name, kind
-        self.context: contextvars.Context | None = contextvars.copy_context()  # the caller's: its tracing span
+    fn: Callable[[], Any]
+    future: Future[Any]
+    name: str
+    kind: str
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)  # the caller's: its tracing span
 
 
 class _Threads:
@@ -114,14 +115,14 @@ class _Threads:
 
 
 def _run(call: _Call) -> None:
-    if call.future.set_running_or_notify_cancel() and call.context is not None and call.fn is not None:
+    if call.future.set_running_or_notify_cancel():
         try:
             result = call.context.run(call.fn)
         except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the future
             call.future.set_exception(error)
         else:
             call.future.set_result(result)
-    call.fn = call.context = None  # nothing of the call outlives it here: its closure can hold a store
+    del call.fn, call.context  # nothing of the call outlives it here: its closure can hold a store
 
 
 _threads = _Threads()
@@ -151,26 +152,15 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     """Await a thread's future for at most ``timeout`` seconds, else raise ``asyncio.TimeoutError``; the call is
     never cancelled. The waiting task is held by the call until it ends, so a task nobody else holds still wakes."""
     if not future.done():
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        loop, ended = asyncio.get_running_loop(), asyncio.Event()  # the event is this loop's: made for this wait
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(_settle, waiter)
+                loop.call_soon_threadsafe(ended.set)
 
         future.add_done_callback(wake)
-        try:
-            done, _ = await asyncio.wait({waiter}, timeout=timeout)
-        finally:
-            waiter.cancel()  # lets go of this task once its wait is over
-        if not done:
-            raise asyncio.TimeoutError
+        await asyncio.wait_for(ended.wait(), timeout)
     return future.result()
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 _exit_members: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
@@ -72,9 +72,11 @@ class ContainerResolver:
     def __init__(self) -> None:
         self._ids: dict[str, str] = {}
 
-    def resolve(self, client: membase.Membase, wanted: str) -> str:
-        """The id of the Memory ``wanted`` names, from the cache or from ``containers.list()``."""
+    def resolve(self, client: membase.Membase, wanted: str, *, again: bool = False) -> str:
+        """The id of the Memory ``wanted`` names: cached, or (first, or ``again``) from ``containers.list()``."""
         with LOCK:
+            if again:
+                self._ids.pop(wanted, None)
             cached = self._ids.get(wanted)
         if cached is None:
             cached = match(wanted, parse_containers(client.containers.list())).id
@@ -97,11 +99,7 @@ class ContainerResolver:
         try:
             return request(container_id)
         except (membase.PermissionDeniedError, membase.NotFoundError):
-            if not was_cached:
-                raise
-            with LOCK:
-                self._ids.pop(wanted, None)
-            if self.resolve(client, wanted) == container_id:
+            if not was_cached or self.resolve(client, wanted, again=True) == container_id:
                 raise
         return request(self.resolve(client, wanted))
 
@@ -113,8 +111,8 @@ class SetupCheck:
     on in the background: agents built meanwhile do not wait for it again, and one outage warns once.
     """
 
-    def __init__(self, check: Callable[[], None], ledger: Ledger, lane: Hashable) -> None:
-        self._check, self._ledger, self._lane = check, ledger, lane
+    def __init__(self, check: Callable[[], None], ledger: Ledger) -> None:
+        self._check, self._ledger = check, ledger
         self._running: Future[None] | None = None
         self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
         self._pid = os.getpid()  # the process that started the checks above: a forked child checks again
@@ -133,7 +131,7 @@ class SetupCheck:
                 return
         if start:  # outside LOCK (see _background.submit)
             name = f"membase-check[{self._ledger.store_name}]"
-            _background.submit(self._check, name=name, lane=self._lane, future=check)
+            _background.submit(self._check, name=name, lane=self, future=check)
         unlisted = "could not list the Memories in reach; checking again at first use"
         try:
             await _background.wait_for_future(check, budget)

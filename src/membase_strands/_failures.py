@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,14 +50,13 @@ def redact(text: str, secret: str) -> str:
     pieces = {form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1)}
     if not any(piece in text for piece in pieces):  # the common case
         return text
-    masked = bytearray(len(text))
+    kept: list[str] = []  # the text and the masks so far
+    end = 0  # where the last masked run ends
     for start in range(len(text) - PIECE + 1):
         if text[start : start + PIECE] in pieces:
-            masked[start : start + PIECE] = b"x" * PIECE
-    kept, end = [], 0
-    for run in re.finditer(b"x+", masked):
-        kept += [text[end : run.start()], "[redacted]"]
-        end = run.end()
+            if start > end or not kept:  # a run of its own (runs that overlap or touch are one)
+                kept += [text[end:start], "[redacted]"]
+            end = start + PIECE
     return "".join([*kept, text[end:]])
 
 

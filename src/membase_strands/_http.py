@@ -23,8 +23,9 @@ import socket
 import ssl
 import time
 import urllib.parse
+import urllib.request
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -36,7 +37,6 @@ from ._failures import BadResponseError
 _LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
 _SENT_AGAIN_ON = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # a kept-alive connection, closed
 _CONNECTED = "connection.connect_tcp.started"  # httpcore's trace of a connection made for the request
-_NAME = "membase-request"
 
 _clients: weakref.WeakValueDictionary[tuple[int, Route], httpx.Client] = weakref.WeakValueDictionary()
 
@@ -54,24 +54,19 @@ class Route:
 
 
 def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
-    """The route to ``base_url`` under the environment as it is now."""
+    """The route to ``base_url`` under the environment as it is now (its proxy variables as the stdlib reads them)."""
     proxy, verify = None, None
     if transport is None:
         verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-        url = urllib.parse.urlsplit(base_url)
-        if not _bypassed(url.hostname or "", _environment("no_proxy")):
-            proxy = _environment(f"{url.scheme}_proxy") or _environment("all_proxy")
+        proxies, url = urllib.request.getproxies_environment(), urllib.parse.urlsplit(base_url)
+        if not _bypassed(url.hostname or "", proxies.get("no", "")):
+            proxy = proxies.get(url.scheme) or proxies.get("all")
     return Route(base_url, transport, proxy, verify, seconds, max_bytes)
 
 
-def _environment(name: str) -> str | None:
-    """A proxy variable as httpx reads it: lower case first, then upper case."""
-    return os.environ.get(name) or os.environ.get(name.upper()) or None
-
-
-def _bypassed(host: str, no_proxy: str | None) -> bool:
+def _bypassed(host: str, no_proxy: str) -> bool:
     """Whether ``NO_PROXY`` names ``host``: ``*``, the host itself, or a domain it is in."""
-    for entry in (no_proxy or "").lower().split(","):
+    for entry in no_proxy.lower().split(","):
         domain = entry.strip().lstrip("*.")
         if entry.strip() == "*" or (domain and (host == domain or host.endswith(f".{domain}"))):
             return True
@@ -102,12 +97,12 @@ class MembaseTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         seconds = self._route.seconds
-        deadline = time.monotonic() + seconds
-        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
-            return self._attempt(request, deadline, _Attempt())
         attempt = _Attempt()
+        send = functools.partial(self._attempt, request, time.monotonic() + seconds, attempt)
+        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
+            return send()
         lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
-        future = _background.submit(functools.partial(self._attempt, request, deadline, attempt), name=_NAME, lane=lane)
+        future = _background.submit(send, name="membase-request", lane=lane)
         try:
             return future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
@@ -116,28 +111,26 @@ class MembaseTransport(httpx.BaseTransport):
             raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
 
     def _attempt(self, request: httpx.Request, deadline: float, attempt: _Attempt) -> httpx.Response:
-        transport, attempt.streams = self._transport()
+        attempt.connection = connection = self._connection()
         try:
             for last in (False, True):
                 steps: list[str] = []
-                request.extensions["trace"] = functools.partial(_trace, steps, attempt.streams)  # httpx's public API
+                request.extensions["trace"] = functools.partial(_trace, steps, connection)  # httpx's public API
                 try:
-                    response = transport.handle_request(request)
+                    response = connection.transport.handle_request(request)
+                    break
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     if last:
                         raise
-                    continue
                 except _SENT_AGAIN_ON:
                     reused = "http11.send_request_headers.started" in steps and _CONNECTED not in steps
                     if last or attempt.over or not reused or "http11.receive_response_headers.complete" in steps:
                         raise
-                    continue
-                try:
-                    content = self._read(request, response, deadline)
-                finally:
-                    response.close()
-                return httpx.Response(response.status_code, headers=response.headers, content=content)
-            raise AssertionError("unreachable")  # pragma: no cover
+            try:
+                content = self._read(request, response, deadline)
+            finally:
+                response.close()
+            return httpx.Response(response.status_code, headers=response.headers, content=content)
         finally:
             with _background.LOCK:
                 attempt.over = True
@@ -153,7 +146,7 @@ class MembaseTransport(httpx.BaseTransport):
         stated = response.headers.get("content-length", "")
         length = int(stated) if stated.isdigit() else None
         body, overdue = bytearray(), False
-        for chunk in [response.content] if response.is_stream_consumed else response.iter_raw():  # a mock's is read
+        for chunk in response.iter_bytes():  # identity-encoded: the raw body, or a mock's, already read
             if overdue:
                 raise httpx.ReadTimeout(
                     f"Membase did not finish answering within {self._route.seconds:g} s", request=request
@@ -166,26 +159,26 @@ class MembaseTransport(httpx.BaseTransport):
             overdue = time.monotonic() > deadline and (length is None or len(body) < length)
         return bytes(body)
 
-    def _transport(self) -> tuple[httpx.BaseTransport, list[Any]]:
-        """The caller's transport, or this thread's own connection to the host; and the streams connected for it."""
+    def _connection(self) -> _Connection:
+        """The caller's transport, or this thread's own connection to the host (kept until the thread retires)."""
         if self._route.transport is not None:
-            return self._route.transport, []
+            return _Connection(self._route.transport)
         resources = _background.worker_resources()
         assert resources is not None  # every attempt runs on a library thread
         if self not in resources:
             proxy = httpx.Proxy(self._route.proxy) if self._route.proxy else None
             verify = self._route.verify or True
-            resources[self] = _Owned(httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS))
-        owned: _Owned = resources[self]
-        return owned.transport, owned.streams
+            resources[self] = _Connection(httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS))
+        connection: _Connection = resources[self]
+        return connection
 
 
 @dataclass
-class _Owned:
-    """A library thread's own connection to a host, and the streams opened for it (the last one in use)."""
+class _Connection:
+    """A transport, and the network stream it opened last: the one a request on it is using."""
 
-    transport: httpx.HTTPTransport
-    streams: list[Any] = field(default_factory=list)
+    transport: httpx.BaseTransport
+    stream: Any = None
 
     def close(self) -> None:
         self.transport.close()
@@ -195,23 +188,23 @@ class _Owned:
 class _Attempt:
     """One attempt: whether it is over, and the connection it is on, for a caller who stops waiting to hang up."""
 
-    streams: list[Any] = field(default_factory=list)
+    connection: _Connection | None = None
     over: bool = False
 
     def hang_up(self) -> None:
         """Shut the attempt's connection down, so a server that keeps it going holds no thread (once, if running)."""
         with _background.LOCK:  # the thread cannot end the attempt and take another meanwhile
-            if not self.over and self.streams:
+            if not self.over and self.connection is not None and self.connection.stream is not None:
                 self.over = True
                 with contextlib.suppress(Exception):
-                    self.streams[-1].get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+                    self.connection.stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
 
 
-def _trace(steps: list[str], streams: list[Any], step: str, info: dict[str, Any]) -> None:
+def _trace(steps: list[str], connection: _Connection, step: str, info: dict[str, Any]) -> None:
     """Note what httpcore did for a request, and the network stream of each connection it made (its ``socket``)."""
     steps.append(step)
-    if step in (_CONNECTED.replace("started", "complete"), "connection.start_tls.complete"):
-        streams[:] = [info.get("return_value")]
+    if step in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+        connection.stream = info.get("return_value")
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class Recall:
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
         self._late: dict[Future[Any], float] = {}  # late request -> when it started
         self._paused_until = 0.0  # after a 403: no recall before then
-        self._profile: tuple[float, list[str]] | None = None  # when the standing facts were read, and what they are
+        self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._pid = os.getpid()  # the process that started the requests above
 
@@ -92,13 +93,13 @@ class Recall:
                 await wait_for_future(profile, left)
             except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
                 self._ledger.record(None, level=logging.DEBUG, message="profile not read for recall", error=error)
-        standing = self._profile[1] if self._profile is not None else []
-        entry = profile_entry(standing, self._max_chars) if standing else None
-        budget = None if self._max_chars is None else self._max_chars - len(entry.content if entry else "")
+        standing = self._profile[1]
+        head = [profile_entry(standing, self._max_chars)] if standing else []
+        budget = None if self._max_chars is None else self._max_chars - sum(len(entry.content) for entry in head)
         # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
-        most = max(0, limit - len(answer.unsearched) - (entry is not None))
+        most = max(0, limit - len(answer.unsearched) - len(head))
         shown = arrange(answer, most, min_score=self._min_score, budget=budget)
-        entries = ([entry] if entry else []) + memory_entries(shown)
+        entries = head + memory_entries(shown)
         for counter, count in [("folded", shown.folded), ("below_floor", shown.below_floor)]:
             if count:
                 self._ledger.record(None, f"recall_passages_{counter}", amount=count)
@@ -136,7 +137,7 @@ class Recall:
                 self._profile = (time.monotonic(), facts)
 
         with LOCK:
-            if self._profile_ttl is None or (self._profile and time.monotonic() - self._profile[0] < self._profile_ttl):
+            if self._profile_ttl is None or time.monotonic() - self._profile[0] < self._profile_ttl:
                 return None
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading

@@ -57,7 +57,7 @@ _ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # live stores' ledgers, f
 class Ledger:
     """One store's record of what it did; safe from any thread."""
 
-    def __init__(self, store_name: str, redact: Callable[[str], str] = str) -> None:
+    def __init__(self, store_name: str, redact: Callable[[str], str]) -> None:
         self.store_name = store_name
         self._redact = redact
         self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under LOCK
@@ -143,7 +143,7 @@ def operation(name: str, store_name: str, links: list[Link] | None = None, **att
     traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
     ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
     with ending if traced else nullcontext():
-        made = Operation(span) if traced else _NOWHERE
+        made = Operation(span)
         made.outcome(None, store=store_name, **attributes)
         token = _current.set(made)
         try:

@@ -151,7 +151,7 @@ class MembaseMemoryStore:
         )
         self._tools: list[AgentTool] | None = None
         container = self._container  # not self: the check's thread must not keep the store alive
-        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger, lane=self)
+        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger)
         self._closing = Closing(self, self._writes, gateway, self.name)
 
     def __repr__(self) -> str:
