@@ -24,7 +24,7 @@ import membase
 import membase.client
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout
+from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
 from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
 from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, result_text, until, wait_until
@@ -99,6 +99,28 @@ def test_a_tool_against_a_server_dripping_its_body_or_its_headers_ends_each_atte
 
 def search_text() -> str:  # what membase_search reads to the model when the loopback server answers at once
     return f'Membase found 1 passage for "ledger":\n1. [Main] {FACT}'
+
+
+async def test_a_recall_and_a_captured_write_left_running_are_hung_up_at_request_timeout_when_headers_drip(
+    loopback, built
+):
+    """A recall or write past its budget goes on alone on a library thread, with no caller to hang up: a server
+    dripping its header lines (never a read timeout) is cut off at request_timeout, and the outcome is a timeout."""
+    for route in ("/v1/search", "/v1/memories"):
+        loopback.on("POST", route, drip_header_lines(every=DRIP_EVERY, limit=LONG))
+    store = built(capture=True, recall_timeout=DEADLINE / 2, write_timeout=DEADLINE / 2, request_timeout=DEADLINE)
+
+    with pytest.raises(MembaseRecallTimeout):
+        await store.search("ledger")
+    with pytest.raises(MembaseWriteTimeout):
+        await store.add(NOTE)
+
+    assert await until(lambda: len(loopback.drips) == 2, LONG)  # each drip ends at its next line: the client is gone
+    assert all(dripped.hung_up and dripped.sent <= DRIP_BOUND for dripped in loopback.drips), loopback.drips
+    assert await until(
+        lambda: store.counters()["recall_late_completions"] == store.counters()["write_errors"] == 1, LONG
+    )
+    assert store.counters().get("errors.timeout") == 2  # each ended as a timeout, not as a lost connection
 
 
 async def test_a_captured_write_to_a_dripping_server_fails_in_the_background_and_the_retry_saves_it(

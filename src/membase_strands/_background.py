@@ -5,7 +5,7 @@
 - Three kinds of calls, each with threads of its own: recalls may always use :data:`RECALL_THREADS` threads, so
   hung writes or tool calls never keep a recall from being sent, and closes never queue behind other stores' calls.
   At a cap, a call waits in its lane (a store's, or a user's), and the lanes take turns. A thread retires after
-  :data:`IDLE_SECONDS` without a call.
+  :data:`IDLE_SECONDS` without a call. (A fourth kind, of one thread, is ``_http``'s watchdog.)
 - :data:`LOCK` guards every piece of the library's shared state, in short sections and never across I/O. It is
   held across ``fork()``, so a child never inherits it taken; the child starts with no threads, and state a parent
   started (requests, checks, engines) is told apart by the pid that started it.
@@ -35,7 +35,7 @@ WORK_THREADS = 24  # threads for writes, tool requests and set-up checks
 CLOSE_THREADS = 16  # threads for closing stores, which wait for their writes: never behind other stores' calls
 IDLE_SECONDS = 2.0
 IDLE_NAME = "membase-worker[idle]"
-_CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS}
+_CAPS = {"recall": RECALL_THREADS, "work": WORK_THREADS, "close": CLOSE_THREADS, "watch": 1}
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ import http.cookiejar
 import os
 import socket
 import ssl
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -96,11 +97,17 @@ class MembaseTransport(httpx.BaseTransport):
         self._route = route
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        seconds = self._route.seconds
-        attempt = _Attempt()
-        send = functools.partial(self._attempt, request, time.monotonic() + seconds, attempt)
+        seconds, attempt = self._route.seconds, _Attempt()
+        deadline = time.monotonic() + seconds
+        send = functools.partial(self._attempt, request, deadline, attempt)
         if _background.worker_resources() is not None:  # recall and writes: already on a library thread
-            return send()
+            _watchdog.watch(attempt, deadline)
+            try:
+                return send()
+            except httpx.TransportError:
+                if attempt.hung_up:
+                    raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
+                raise
         lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
         future = _background.submit(send, name="membase-request", lane=lane)
         try:
@@ -134,6 +141,7 @@ class MembaseTransport(httpx.BaseTransport):
         finally:
             with _background.LOCK:
                 attempt.over = True
+                _watchdog.forget(attempt)
 
     def _read(self, request: httpx.Request, response: httpx.Response, deadline: float) -> bytes:
         """The body, whole, within the deadline and the size bound; a body whole by its length is kept however late."""
@@ -184,20 +192,62 @@ class _Connection:
         self.transport.close()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Attempt:
-    """One attempt: whether it is over, and the connection it is on, for a caller who stops waiting to hang up."""
+    """One attempt: whether it is over (or hung up on), and the connection it is on, for whoever hangs up."""
 
     connection: _Connection | None = None
     over: bool = False
+    hung_up: bool = False
 
     def hang_up(self) -> None:
         """Shut the attempt's connection down, so a server that keeps it going holds no thread (once, if running)."""
         with _background.LOCK:  # the thread cannot end the attempt and take another meanwhile
             if not self.over and self.connection is not None and self.connection.stream is not None:
-                self.over = True
+                self.over = self.hung_up = True
                 with contextlib.suppress(Exception):
                     self.connection.stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+
+
+class _Watchdog:
+    """Hangs up the attempts on library threads (recall, writes) still running at their deadline: no caller waits on
+    them to, and httpx's read timeout never ends a server that drips its headers a line at a time. Its thread, a
+    library thread of its own kind, watches until no attempt has started for ``IDLE_SECONDS``."""
+
+    def __init__(self) -> None:
+        self._deadlines: dict[_Attempt, float] = {}
+        self._changed = threading.Condition(_background.LOCK)
+        self._watching, self._pid = False, os.getpid()
+
+    def watch(self, attempt: _Attempt, deadline: float) -> None:
+        with self._changed:
+            if self._pid != os.getpid():  # a forked child: the parent's attempts and watchdog are not here
+                self._deadlines, self._watching, self._pid = {}, False, os.getpid()
+            self._deadlines[attempt] = deadline
+            self._changed.notify()
+            start, self._watching = not self._watching, True
+        if start:  # outside LOCK (see _background.submit)
+            _background.submit(self._run, name="membase-watchdog", kind="watch")
+
+    def forget(self, attempt: _Attempt) -> None:
+        with _background.LOCK:
+            self._deadlines.pop(attempt, None)
+
+    def _run(self) -> None:
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                for attempt in [attempt for attempt, deadline in self._deadlines.items() if deadline <= now]:
+                    del self._deadlines[attempt]
+                    attempt.hang_up()
+                if self._deadlines:
+                    self._changed.wait(min(self._deadlines.values()) - now)
+                elif not self._changed.wait(_background.IDLE_SECONDS):  # no attempt started for a while
+                    self._watching = False
+                    return
+
+
+_watchdog = _Watchdog()
 
 
 def _trace(steps: list[str], connection: _Connection, step: str, info: dict[str, Any]) -> None:
