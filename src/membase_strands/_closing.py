@@ -72,7 +72,8 @@ class Closing:
         return _background.submit(self._finish, name=f"membase-close[{self._name}]", kind="close")
 
     def _close_dropped(self) -> None:
-        if (not self._writes.idle() or self._gateway.local is not None) and self._begin():  # else closed already
+        # Only with writes to wait for or an engine to let go of, and unless a close began before the store was dropped.
+        if (not self._writes.idle() or self._gateway.local is not None) and self._begin():
             closing = self._finish_in_background()
             with LOCK:
                 _dropped_closing.add(closing)
