@@ -28,8 +28,7 @@ class Closing:
         self._writes, self._gateway, self._name = writes, gateway, name
         self._done: Future[None] = Future()  # settled once the first close() or aclose() has finished
         # Dropped unclosed (a pool let go of it), the store still finishes its writes and lets go of its local engine.
-        self._finalizer = weakref.finalize(store, _close_dropped, writes, gateway, name)
-        self._finalizer.atexit = False  # at exit, the exit wait does it
+        weakref.finalize(store, self._close_dropped).atexit = False  # at exit, the exit wait does it
 
     def close(self) -> None:
         if self._begin():
@@ -44,8 +43,7 @@ class Closing:
         elif self._writes.idle() and self._gateway.local is None:
             self._finish()  # nothing to wait for
         else:
-            closing = _background.submit(self._finish, name=f"membase-close[{self._name}]", kind="close")
-            await wait_for_future(closing, None)
+            await wait_for_future(self._finish_in_background(), None)
 
     def _begin(self) -> bool:
         """Mark the store closed; whether this caller is the first (and so closes it)."""
@@ -54,37 +52,35 @@ class Closing:
             return first
 
     def _finish(self) -> None:
-        self._finalizer.detach()
+        """Wait for the writes, then let go of the local engine once none runs (blocking)."""
         try:
-            _close(self._writes, self._gateway)
+            self._writes.drain()
+            running = self._writes.running()
+            if self._gateway.local is not None and running:  # a write still uses the engine: close it after them
+
+                def close_after_writes() -> None:
+                    wait(running)
+                    self._gateway.close()
+
+                _background.submit(close_after_writes, name="membase-close", kind="close")
+            else:
+                self._gateway.close()
         finally:
             self._done.set_result(None)
+
+    def _finish_in_background(self) -> Future[None]:
+        return _background.submit(self._finish, name=f"membase-close[{self._name}]", kind="close")
+
+    def _close_dropped(self) -> None:
+        # Only with writes to wait for or an engine to let go of, and unless a close began before the store was dropped.
+        if (not self._writes.idle() or self._gateway.local is not None) and self._begin():
+            closing = self._finish_in_background()
+            with LOCK:
+                _dropped_closing.add(closing)
+            closing.add_done_callback(_dropped_closing.discard)
 
 
 def dropped_stores_closing() -> list[Future[Any]]:
     """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
     with LOCK:
         return list(_dropped_closing)
-
-
-def _close(writes: WriteRecord, gateway: MembaseGateway) -> None:
-    """Wait for the writes, then let go of the local engine once none runs (blocking)."""
-    writes.drain()
-    running = writes.running()
-    if gateway.local is not None and running:  # a write still uses the engine: close it after, in the background
-
-        def close_after_writes() -> None:
-            wait(running)
-            gateway.close()
-
-        _background.submit(close_after_writes, name="membase-close", kind="close")
-    else:
-        gateway.close()
-
-
-def _close_dropped(writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
-    if not writes.idle() or gateway.local is not None:
-        closing = _background.submit(lambda: _close(writes, gateway), name=f"membase-close[{name}]", kind="close")
-        with LOCK:
-            _dropped_closing.add(closing)
-        closing.add_done_callback(_dropped_closing.discard)

@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -35,11 +34,6 @@ _WHY = {
     "timeout": "that ran out of time",
     "cancelled": "whose caller was cancelled",
     "sent again": "the store sent again",
-}
-_SENT_AGAIN = {  # when a failed batch the store keeps is sent again, by the record's phase
-    "open": "the store sends it again with its next write or when it closes",
-    "closing": "the store sends it again before it closes",
-    "closed": "the store sends it again at interpreter exit",
 }
 
 
@@ -81,18 +75,18 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
 
 
 class _Request:
-    """A request the record started; its thread settles ``future`` once the outcome is on record and reported."""
+    """A request the record started: ``outcome`` is its thread's, ``settled`` is set once that is on record and
+    reported."""
 
     def __init__(self, parts: list[Part], send: Send, *, again: bool = False) -> None:
         self.parts, self.send = parts, send
         self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
-        self.future: Future[None] = Future()
-        self.ended = False
+        self.outcome: Future[Any] = Future()
+        self.settled: Future[None] = Future()
+        self.ended = False  # its outcome is on record (set under LOCK with the saved parts)
         # Why no caller waits for its outcome any more (a key of _WHY), which its thread then reports; None: a caller
         # waits; "sent again": a kept batch, sent a last time.
         self.abandoned: str | None = "sent again" if again else None
-        self.result: Any = None
-        self.error: BaseException | None = None
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -113,11 +107,11 @@ class WriteRecord:
     def __init__(self, ledger: _telemetry.Ledger, budget: float | None) -> None:
         self._ledger, self._budget = ledger, budget
         self.wait_budget = budget or _options.WAIT_WITHOUT_BUDGET  # how long closing waits, each time
-        self._saved: OrderedDict[Hashable, _Saved] = OrderedDict()  # oldest save first
+        self._saved: dict[Hashable, _Saved] = {}  # oldest save first
         self._late_saves = itertools.count(1)
-        self._unsettled: set[_Request] = set()  # started, and their futures not settled yet
+        self._unsettled: set[_Request] = set()  # started, and not settled yet
         self._kept: list[_Request] = []  # failed with nobody left to wait for them: sent again once
-        self._phase = "open"  # then "closing" (kept batches are sent again before it closes), then "closed"
+        self._resends = "with its next write or when it closes"  # when the store sends a kept batch again
         self._pid = os.getpid()  # the process that started the requests above: a forked child forgets them
         _background.finish_at_exit(self)
 
@@ -133,7 +127,6 @@ class WriteRecord:
                 sending = self._sending()
                 earlier = next((sending[part.key] for part in parts if part.key in sending), None)
                 if earlier is None:
-                    saved = [part.key for part in parts if part.key in self._saved]
                     todo = [part for part in parts if part.key not in self._saved]
                     request = _Request(todo, send) if todo else None
                     if request is not None:
@@ -145,25 +138,27 @@ class WriteRecord:
             except asyncio.CancelledError:  # what is not saved by then is sent with the next write
                 self._keep(_Request(list(parts), send))
                 raise
+        saved = len(parts) - len(todo)
         decision = "send" if not saved else "partial" if todo else "already saved"
         if saved:
             message = "not sending again what this store saved"
-            self._ledger.record(None, "writes_deduplicated", amount=len(saved), level=logging.DEBUG, message=message)
-        self._ledger.record(None, sent=len(todo), deduplicated=len(saved), decision=decision)
+            self._ledger.record(None, "writes_deduplicated", amount=saved, level=logging.DEBUG, message=message)
+        self._ledger.record(None, sent=len(todo), deduplicated=saved, decision=decision)
+        result = None
         if request is not None:
             self._start(request)
             await self._wait(request, deadline, own=True)
-            if request.error is not None:
-                raise request.error
+            result = request.outcome.result()  # raises what send raised
         with LOCK:
-            for key in self._saved.keys() & set(saved):  # a retry got success for them: none is expected any more
-                self._saved[key].late = 0
-        return None if request is None else request.result
+            for part in parts:  # a retry got success for them: none is expected any more
+                if part.key in self._saved:
+                    self._saved[part.key].late = 0
+        return result
 
     def running(self) -> list[Future[None]]:
-        """The futures of this process's writes not settled yet (each settles once its outcome is on record)."""
+        """This process's writes not settled yet (each settles once its outcome is on record and reported)."""
         with LOCK:
-            return [request.future for request in self._here()[0]]
+            return [request.settled for request in self._here()[0]]
 
     def idle(self) -> bool:
         """Whether no write of this process is running or kept: closing has nothing to wait for."""
@@ -174,10 +169,10 @@ class WriteRecord:
         """Close the record: wait for the running writes, then send the kept batches once and wait for those, each up
         to the budget (or both until the monotonic time ``until``); every outcome waited for is logged on return."""
         with LOCK:
-            self._phase = "closing"
+            self._resends = "before it closes"
         self._wait_running(until)
         with LOCK:
-            self._phase = "closed"  # what fails from now on is sent again at interpreter exit
+            self._resends = "at interpreter exit"  # what fails from now on
         if self._send_kept():
             self._wait_running(until)
         if left := len(self.running()):
@@ -212,7 +207,7 @@ class WriteRecord:
     async def _wait(self, request: _Request, deadline: float | None, *, own: bool) -> None:
         """Wait for ``request`` until ``deadline``; if its ``own`` caller gives up, its thread reports the outcome."""
         try:
-            await wait_for_future(request.future, None if deadline is None else deadline - time.monotonic())
+            await wait_for_future(request.settled, None if deadline is None else deadline - time.monotonic())
         except asyncio.TimeoutError:
             if own and not self._let_go(request, "timeout"):
                 return  # it ended as the budget ran out: the outcome is recorded, and it is this caller's to report
@@ -223,9 +218,8 @@ class WriteRecord:
         except asyncio.CancelledError:
             message = "the caller stopped waiting for a Membase write; it goes on in the background"
             self._ledger.record("cancelled", "write_cancellations", level=logging.INFO, message=message)
-            if own and not self._let_go(request, "cancelled") and request.error is not None:
-                request.abandoned = "cancelled"
-                self._report(request)  # it failed just before: nobody else reports it
+            if own and not self._let_go(request, "cancelled") and request.outcome.exception() is not None:
+                self._report(request, "cancelled")  # it failed just before: nobody else reports it
             raise
 
     def _let_go(self, request: _Request, why: str) -> bool:
@@ -240,52 +234,45 @@ class WriteRecord:
         return {p.key: r for r in self._here()[0] if not r.ended for p in r.parts}
 
     def _start(self, request: _Request) -> None:
+        """Send ``request`` on a library thread; if none can start, its outcome is that failure, at once."""
+        request.outcome.add_done_callback(lambda _: self._ended(request))
         name = f"membase-write[{self._ledger.store_name}]"
-        started = _background.submit(lambda: self._run(request), name=name, lane=self)
-        if started.done() and started.exception() is not None:  # no thread could start: nothing was sent
-            self._run(request, unsent=started.exception())
+        _background.submit(lambda: request.send(list(request.parts)), name=name, lane=self, future=request.outcome)
 
-    def _run(self, request: _Request, unsent: BaseException | None = None) -> None:
-        """Send ``request`` (on a library thread), put its outcome on record, report it if nobody waits for it."""
-        try:
-            if unsent is not None:
-                raise unsent
-            request.result = request.send(list(request.parts))
-        except BaseException as error:  # noqa: BLE001 - recorded, and raised to whoever waits
-            request.error = error
+    def _ended(self, request: _Request) -> None:
+        """Put ``request``'s outcome on record, report it if nobody waits for it, then settle it."""
+        error = request.outcome.exception()
         try:
             with LOCK:
-                request.ended = True
-                if request.error is None:
-                    late = 0 if request.abandoned is None else next(self._late_saves)
+                request.ended, why = True, request.abandoned  # from now on, who reports it is settled
+                if error is None:
+                    late = 0 if why is None else next(self._late_saves)
                     for part in request.parts:
                         self._saved[part.key] = _Saved(part.anchor, part.anchor_bytes, time.monotonic(), late)
                     self._evict()
-            if request.error is None:
+            if error is None:
                 self._ledger.record(None, "writes_saved", amount=len(request.parts))
-            if request.abandoned is not None:
-                self._report(request)
+            if why is not None:
+                self._report(request, why)
         finally:
             with LOCK:
                 self._unsettled.discard(request)
-            request.future.set_result(None)
+            request.settled.set_result(None)
 
-    def _report(self, request: _Request) -> None:
+    def _report(self, request: _Request, why: str) -> None:
         """Log, count and trace the outcome of a request nobody waits for; keep a failed one to send it again."""
-        why = request.abandoned or "timeout"
-        error, what = request.error, f"a write {_WHY[why]}"
-        counted: tuple[str, ...] = ()
-        level, message = logging.INFO, f"{what} finished; it is saved"
-        if error is not None:
-            lost = why == "sent again" or _background.exiting() or request.size > RECORD_BYTES
-            if lost:
-                self._ledger.record(None, "writes_lost", amount=len(request.parts))
-            else:
-                self._keep(request)
-            then = "it is not saved, and nothing will send it again" if lost else _SENT_AGAIN[self._phase]
-            counted, level, message = ("write_errors",), logging.WARNING, f"{what} failed; {then}"
-        late = {"level": level, "message": message, "error": error, "reason": why}
-        self._ledger.late(_telemetry.WRITE_LATE, request.linked, "saved", *counted, **late)
+        error, what = request.outcome.exception(), f"a write {_WHY[why]}"
+        if error is None:
+            message = f"{what} finished; it is saved"
+        elif why == "sent again" or _background.exiting() or request.size > RECORD_BYTES:
+            self._ledger.record(None, "writes_lost", amount=len(request.parts))
+            message = f"{what} failed; it is not saved, and nothing will send it again"
+        else:
+            self._keep(request)
+            message = f"{what} failed; the store sends it again {self._resends}"
+        counted = () if error is None else ("write_errors",)
+        late = {"level": logging.INFO if error is None else logging.WARNING, "message": message, "reason": why}
+        self._ledger.late(_telemetry.WRITE_LATE, request.linked, "saved", *counted, error=error, **late)
 
     def _keep(self, request: _Request) -> None:
         """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
@@ -299,14 +286,15 @@ class WriteRecord:
             self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> int:
-        """Send each kept batch once more, but parts saved or being sent, in the background; how many requests."""
+        """Send each kept batch once more in the background, but the parts saved, being sent, or in an earlier kept
+        batch; how many requests."""
         with LOCK:
             kept, self._kept = self._here()[1], []
-            known = (without, self._saved, self._sending())
-            requests = []
+            taken, requests = {*without, *self._sending()}, []  # and the saved ones
             for old in kept:
-                if parts := [part for part in old.parts if not any(part.key in keys for keys in known)]:
+                if parts := [part for part in old.parts if part.key not in taken and part.key not in self._saved]:
                     requests.append(_Request(parts, old.send, again=True))
+                    taken.update(part.key for part in parts)
             self._unsettled.update(requests)
         for request in requests:
             self._ledger.record(None, "writes_sent_again", amount=len(request.parts))
