@@ -230,8 +230,9 @@ class _Watchdog:
             _background.submit(self._run, name="membase-watchdog", kind="watch")
 
     def forget(self, attempt: _Attempt) -> None:
-        with _background.LOCK:
-            self._deadlines.pop(attempt, None)
+        with self._changed:
+            if self._deadlines.pop(attempt, None) is not None and not self._deadlines:
+                self._changed.notify()  # none left: the watchdog waits for a new one, or goes
 
     def _run(self) -> None:
         with self._changed:
