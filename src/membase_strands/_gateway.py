@@ -148,7 +148,7 @@ class MembaseGateway:
             except BadResponseError as error:
                 if not 200 <= (error.status or 0) < 300:
                     raise
-                why = "larger than max_response_bytes"
+                why = f"unreadable ({error.message})"  # too large, or compressed
             message = "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved"
             logger.warning(message, self._store_name, why)
             return None
