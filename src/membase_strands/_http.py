@@ -235,6 +235,7 @@ class _Watchdog:
                 self._changed.notify()  # none left: the watchdog waits for a new one, or goes
 
     def _run(self) -> None:
+        thread = threading.current_thread()
         with self._changed:
             while True:
                 now = time.monotonic()
@@ -242,8 +243,13 @@ class _Watchdog:
                     del self._deadlines[attempt]
                     attempt.hang_up()
                 if self._deadlines:
+                    thread.name = "membase-watchdog"
                     self._changed.wait(min(self._deadlines.values()) - now)
-                elif not self._changed.wait(_background.IDLE_SECONDS):  # no attempt started for a while
+                    continue
+                # Idle, and named so, until an attempt starts: going at once, its thread would be the next call's,
+                # not the thread of the last attempt, which holds a kept-alive connection.
+                thread.name = _background.IDLE_NAME
+                if not self._changed.wait(_background.IDLE_SECONDS):
                     self._watching = False
                     return
 
