@@ -131,6 +131,7 @@ def test_a_cookie_a_server_set_for_one_user_is_never_sent_with_another_users_req
 # --- 2. A connection the server closes just after answering ------------------------------------------------------
 
 
+@pytest.mark.scale
 def test_a_server_closing_each_connection_20_ms_after_its_answer_costs_no_recall_and_no_write() -> None:
     """Over a real network a server closes an idle keep-alive connection just after its answer (here 20 ms later,
     reading nothing sent meanwhile). A request sent on such a connection never reached Membase: 1,000 recalls
@@ -349,6 +350,7 @@ def _late_ended(stores: list[MembaseMemoryStore], rounds: int) -> bool:
     return all(store.counters()["recall_late_completions"] == rounds for store in stores)
 
 
+@pytest.mark.scale
 def test_a_key_membase_echoes_at_any_offset_leaves_no_8_characters_of_itself_anywhere(
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
