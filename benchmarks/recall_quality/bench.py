@@ -5,10 +5,9 @@ Run from the repository root (the engine needs Python 3.12+ and ``unibaseio-memb
     uv run --python 3.12 python -m benchmarks.recall_quality           # print only
     uv run --python 3.12 python -m benchmarks.recall_quality --write   # also replace its part of RESULTS.md
 
-Everything runs offline: the testing kit's stand-in LLM and ``membase serve`` listen on 127.0.0.1, and
-the agent's model is scripted. Each
-question is one turn of a fresh ``strands.Agent`` whose ``MemoryManager`` holds one store (the
-manager's defaults: up to 5 entries); what is measured is the memory block the model was sent.
+Everything runs offline: the stand-in LLM (``examples/standin_llm.py``) and ``membase serve`` listen on 127.0.0.1, and
+the agent's model is scripted. Each question is one turn of a fresh ``strands.Agent`` whose ``MemoryManager`` holds one
+store (the manager's defaults: up to 5 entries); what is measured is the memory block the model was sent.
 """
 
 from __future__ import annotations
