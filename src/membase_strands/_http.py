@@ -224,7 +224,8 @@ class _Watchdog:
             if self._pid != os.getpid():  # a forked child: the parent's attempts and watchdog are not here
                 self._deadlines, self._watching, self._pid = {}, False, os.getpid()
             self._deadlines[attempt] = deadline
-            self._changed.notify()
+            if deadline <= min(self._deadlines.values()):  # due first (or alone): the watchdog's wait is too long
+                self._changed.notify()
             start, self._watching = not self._watching, True
         if start:  # outside LOCK (see _background.submit)
             _background.submit(self._run, name="membase-watchdog", kind="watch")
