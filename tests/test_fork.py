@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseStorePool, _background
+from membase_strands import MembaseMemoryStore, MembaseStorePool, _runtime
 from membase_strands.testing import API_KEY, status
 from tests.support.loopback import LoopbackMembase, arrived, as_usual, ok_json, raw_answer, stall
 from tests.support.store_helpers import (
@@ -225,51 +225,58 @@ def test_children_forked_while_threads_hammer_every_public_entry_point_each_fini
     assert [(hammer.errors, hammer.thread.is_alive()) for hammer in hammers] == [([], False)] * len(hammers)
 
 
-def test_a_fork_asked_for_while_another_thread_holds_the_librarys_lock_gives_a_child_that_uses_everything(
+_fork_asked = threading.Event()  # set as a fork begins, before the library takes its locks (hooks run newest first)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_fork_asked.set)
+
+
+def test_a_fork_asked_for_while_another_thread_holds_a_library_lock_waits_for_it_and_the_child_uses_everything(
     loopback,
 ) -> None:
     store = built_store(loopback, container="Main", capture=True, write_timeout=LONG)
     pool = MembaseStorePool(lambda user: API_KEY, name=NAME, base_url=loopback.url, recall_timeout=LONG)
     warm(store)
-    held, forking = threading.Event(), threading.Event()
+    lock, held = _runtime.new_lock(), threading.Event()
 
     def hold() -> None:
-        with _background.LOCK:
+        with lock:
             held.set()
-            forking.wait(LONG)  # lets go just as the fork is asked for: before it, or while the fork waits
+            _fork_asked.wait(LONG)  # lets go only once the fork was asked for: the fork waits for it
 
     def child() -> dict[str, Any]:
         asyncio.run(store.initialize())  # the set-up check, the Memory names
         saved = asyncio.run(store.add("Remember that the ledger runs on Postgres."))
         built = built_store(loopback)
         return {
+            "lock free": lock.acquire(blocking=False),
             "recalled": recall(store, "child07"),
             "saved": saved is not None,
             "pooled": recall(pool.store_for("child-user"), "child08"),
             "fresh": recall(built, "child09"),
         }
 
-    holder = threading.Thread(target=hold, name="holds-the-lock", daemon=True)
+    _fork_asked.clear()
+    holder = threading.Thread(target=hold, name="holds-a-lock", daemon=True)
     holder.start()
     try:
         assert held.wait(LONG)
-        forking.set()
         got = run_in_child(child, timeout=LONG)
     finally:
-        forking.set()
+        _fork_asked.set()
         holder.join(LONG)
         pool.close()
         store.close()
 
-    assert got == {"recalled": note("child", 7), "saved": True, "pooled": note("child", 8), "fresh": note("child", 9)}
+    expected = {"recalled": note("child", 7), "saved": True, "pooled": note("child", 8), "fresh": note("child", 9)}
+    assert got == {"lock free": True, **expected}
 
 
 def test_a_forked_child_starts_threads_of_its_own_instead_of_waiting_for_its_parents(gates) -> None:
     gate = gates.new()
-    busy = [_background.submit(gate.wait, name=f"membase-test[busy-{n}]") for n in range(_background.WORK_THREADS)]
+    busy = [_runtime.submit(gate.wait, name=f"membase-test[busy-{n}]") for n in range(8)]
     assert wait_until(lambda: len(membase_threads("membase-test[busy")) == len(busy))
 
-    child = run_in_child(lambda: _background.submit(lambda: "child", name="membase-test[child]").result(timeout=LONG))
+    child = run_in_child(lambda: _runtime.submit(lambda: "child", name="membase-test[child]").result(timeout=LONG))
 
     assert child == "child"  # the parent's threads, all busy at the fork, are not the child's
     gate.set()

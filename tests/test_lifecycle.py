@@ -1,6 +1,6 @@
 """Closing a store: ``close()``, ``await aclose()``, ``with`` / ``async with``, and interpreter exit.
 
-A close waits up to ``write_timeout`` for the writes still running, sends once more what failed with nobody left to
+A close waits up to ``close_timeout`` for the writes still running, sends once more what failed with nobody left to
 retry it, and returns once every outcome it waited for is on record; ``aclose()`` without blocking the event loop.
 Interpreter exit is tested in process (the exit hook over the test's own stores) and once for real, in a subprocess.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _background
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _runtime
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
 from tests.support.exit_program import Program
 from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
@@ -43,7 +43,7 @@ from tests.support.store_helpers import (
 
 BUDGET = 0.25  # only for writes a gate holds: it always runs out
 EXITING = "the interpreter is exiting; waiting up to"
-NOT_FINISHED = "they were not confirmed saved"
+NOT_FINISHED = "not confirmed saved, and lost if the process ends now"
 WAITING = "waiting for writes still running"
 CANCELLED_SAVED = "a write whose caller was cancelled finished; it is saved"
 SENT_AGAIN_SAVED = "a write the store sent again finished; it is saved"
@@ -139,15 +139,20 @@ async def test_aclose_waits_for_a_running_write_while_the_event_loop_keeps_runni
     assert logged(caplog, WAITING, logging.INFO)()
 
 
-async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_saved_once_and_said_so(gates, caplog):
-    """Issue 21: close() waits its write_timeout and returns; the write it no longer waits for goes on, on the
+async def test_aclose_gives_up_after_close_timeout_and_the_write_it_leaves_is_saved_once_and_said_so(gates, caplog):
+    """Issue 21: close() waits its close_timeout and returns; the write it no longer waits for goes on, on the
     connection it has, and its outcome is logged in words true after close."""
     caplog.set_level(logging.INFO)
     with LoopbackMembase() as server:
         in_flight, release = threading.Event(), gates.new()
         server.on(*MEMORIES, arrived(in_flight, stall(release, then=ok_json(SAVED_ANSWER))))
         store = MembaseMemoryStore(
-            api_key=API_KEY, base_url=server.url, capture=True, container="Main", write_timeout=BUDGET
+            api_key=API_KEY,
+            base_url=server.url,
+            capture=True,
+            container="Main",
+            write_timeout=BUDGET,
+            close_timeout=BUDGET,
         )
         with pytest.raises(MembaseWriteTimeout):
             await store.add(GREEN_TEA)
@@ -156,9 +161,9 @@ async def test_aclose_gives_up_after_write_timeout_and_the_write_it_leaves_is_sa
             await store.aclose()
             ticked = ticker.ticks
         assert ticked >= 1  # the loop ran meanwhile
-        still = f"writes still running after {BUDGET:g} s; their outcome is logged when they end"
+        still = f"writes still running when closing stopped waiting after {BUDGET:g} s: {NOT_FINISHED}"
         assert logged(caplog, still, logging.WARNING)() == 1
-        assert logged(caplog, WAITING, logging.INFO)() == 1  # one wait of write_timeout, announced once
+        assert logged(caplog, WAITING, logging.INFO)() == 1  # one wait of close_timeout, announced once
         assert store.counters()["writes_saved"] == 0
         release.set()
         assert await until(logged(caplog, "a write that ran out of time finished; it is saved"), timeout=LONG)
@@ -314,9 +319,9 @@ async def test_aclose_awaited_by_a_task_nothing_references_finishes_and_sends_th
 @pytest.fixture
 def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """The atexit hook, over only the stores this test builds, with the 'exiting' flag put back afterwards."""
-    monkeypatch.setattr(_background, "_exit_members", weakref.WeakSet())
-    monkeypatch.setattr(_background, "_exiting", False)
-    return _background._at_exit
+    monkeypatch.setattr(_runtime, "_exit_members", weakref.WeakSet())
+    monkeypatch.setattr(_runtime, "_exiting", False)
+    return _runtime._at_exit
 
 
 async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_is_quiet_with_nothing_to_do(
@@ -327,7 +332,7 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
     caplog.set_level(logging.INFO)
     idle, other = capturing(fake, name="idle"), InMemoryMembase()
     kept = await kept_after_a_cancelled_write(other, gates, caplog)
-    release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET)
+    release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET, close_timeout=BUDGET)
     await timed_out_write(fake, closed, status(500, "internal"), release)
     await closed.aclose()  # waits BUDGET for the held write, then returns with it still running
     release.set()
@@ -348,7 +353,7 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
 async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing_in_its_wait_is_lost_in_one_line(
     exit_hook, fake, gates, caplog, no_key_in_logs
 ):
-    notes, other, release = capturing(fake, name="notes", write_timeout=BUDGET), InMemoryMembase(), gates.new()
+    notes, other, release = capturing(fake, name="notes", write_timeout=BUDGET, close_timeout=BUDGET), InMemoryMembase(), gates.new()
     await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
     failing = capturing(other)
     await held_write(other, failing, status(500, "internal"), release)
@@ -362,7 +367,8 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
     assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
         "store=<membase>, reason=<internal> | a write whose caller was cancelled failed; it is not saved, and "
         "nothing will send it again",  # one line, not two
-        f"store=<notes>, writes=<1> | writes still running after {BUDGET:g} s; they were not confirmed saved",
+        f"store=<notes>, writes=<1> | writes still running when closing stopped waiting after {BUDGET:g} s: "
+        f"{NOT_FINISHED}",
     ]
     assert (failing.counters()["write_errors"], failing.counters()["writes_lost"]) == (1, 1)
     assert all(GREEN_TEA not in line for line in lines(caplog))
@@ -379,7 +385,7 @@ async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_i
         raise RuntimeError("can't create new thread at interpreter shutdown")
 
     with monkeypatch.context() as exiting:
-        exiting.setattr(_background, "_threads", _background._Threads())  # no thread alive to take the resend
+        exiting.setattr(_runtime, "_workers", _runtime._Workers())  # no thread alive to take the resend
         exiting.setattr(threading.Thread, "start", refuse)
         exit_hook()
 
@@ -417,7 +423,7 @@ async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(e
 
 
 # --- Interpreter exit, for real: one subprocess, three stores, two forks -------------------------------------
-def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_timeout_and_says_how_they_ended(gates):
+def test_at_exit_each_process_waits_for_its_own_running_writes_within_close_timeout_and_says_how_they_ended(gates):
     servers = [LoopbackMembase() for _ in range(3)]
     try:
         preloaded, graced, cut = servers
@@ -456,7 +462,8 @@ def test_at_exit_each_process_waits_for_its_own_running_writes_within_write_time
     cut_off = [
         f"INFO membase_strands store=<cut> | {EXITING} 0.5 s for writes still running",
         f"INFO membase_strands store=<cut>, writes=<1> | {WAITING}",
-        f"WARNING membase_strands store=<cut>, writes=<1> | writes still running after 0.5 s; {NOT_FINISHED}",
+        f"WARNING membase_strands store=<cut>, writes=<1> | writes still running when closing stopped waiting after "
+        f"0.5 s: {NOT_FINISHED}",
     ]
     assert [line.split(" ", 2)[2] for line in said if "store=<cut>" in line][-3:] == cut_off
     assert not any(NOT_FINISHED in line for line in said if "store=<cut>" not in line)

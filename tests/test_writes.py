@@ -22,7 +22,7 @@ import pytest
 from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContext, MemoryManager
 from strands.types.content import Message
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _background, _writes
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _runtime, _writes
 from membase_strands.testing import InMemoryMembase, Responder, ToolCall, hang, status
 from tests.support.store_helpers import (
     FACT,
@@ -656,8 +656,8 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
     """The next write thread fails to start, as when the process is out of threads. The library's threads start
     afresh and retire as soon as they are idle, so no thread is left to take the write instead."""
     earlier = set(threading.enumerate())  # the threads of the set replaced here: they never take its calls
-    monkeypatch.setattr(_background, "_threads", _background._Threads())
-    monkeypatch.setattr(_background, "IDLE_SECONDS", 0.0)
+    monkeypatch.setattr(_runtime, "_workers", _runtime._Workers())
+    monkeypatch.setattr(_runtime, "IDLE_SECONDS", 0.0)
     refused, start = [], threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:

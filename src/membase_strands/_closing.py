@@ -1,30 +1,32 @@
 """Closing a store: once, by its first caller (later callers wait for it), and a store collected unclosed too.
 
-Closing waits for the store's captured writes (:meth:`WriteRecord.drain`), then lets go of its local engine once
-no write uses it.
+Closing waits for the store's captured writes (:meth:`WriteRecord.drain`) up to its own bound, then lets go of its
+local engine once no write uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from concurrent.futures import Future, wait
 from typing import Any
 
-from . import _background
-from ._background import LOCK, wait_for_future
+from . import _runtime
 from ._gateway import MembaseGateway
+from ._runtime import wait_for_future
 from ._writes import WriteRecord
 
 _dropped_closing: set[Future[Any]] = set()
+_dropped_lock = _runtime.new_lock()
 
 
 class Closing:
-    """One store's closing; a later caller waits for the first one's up to the writes' ``wait_budget``."""
+    """One store's closing; a later caller waits for the first one's up to the close bound."""
 
     def __init__(self, store: object, writes: WriteRecord, gateway: MembaseGateway, name: str) -> None:
-        self.closed = False
+        self.closed, self._lock = False, _runtime.new_lock()
         self._writes, self._gateway, self._name = writes, gateway, name
         self._done: Future[None] = Future()  # settled once the first close() or aclose() has finished
         # Dropped unclosed (a pool let go of it), the store still finishes its writes and lets go of its local engine.
@@ -34,12 +36,12 @@ class Closing:
         if self._begin():
             self._finish()
         else:
-            wait([self._done], timeout=self._writes.wait_budget)
+            wait([self._done], timeout=self._writes.close_bound)
 
     async def aclose(self) -> None:
         if not self._begin():
             with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for_future(self._done, self._writes.wait_budget)
+                await wait_for_future(self._done, self._writes.close_bound)
         elif self._writes.idle() and self._gateway.local is None:
             self._finish()  # nothing to wait for
         else:
@@ -47,14 +49,14 @@ class Closing:
 
     def _begin(self) -> bool:
         """Mark the store closed; whether this caller is the first (and so closes it)."""
-        with LOCK:
+        with self._lock:
             first, self.closed = not self.closed, True
             return first
 
     def _finish(self) -> None:
         """Wait for the writes, then let go of the local engine once none runs (blocking)."""
         try:
-            self._writes.drain()
+            self._writes.drain(time.monotonic() + self._writes.close_bound)
             running = self._writes.running()
             if self._gateway.local is not None and running:  # a write still uses the engine: close it after them
 
@@ -62,25 +64,30 @@ class Closing:
                     wait(running)
                     self._gateway.close()
 
-                _background.submit(close_after_writes, name="membase-close", kind="close")
+                _runtime.submit(close_after_writes, name="membase-close")
             else:
                 self._gateway.close()
         finally:
             self._done.set_result(None)
 
     def _finish_in_background(self) -> Future[None]:
-        return _background.submit(self._finish, name=f"membase-close[{self._name}]", kind="close")
+        return _runtime.submit(self._finish, name=f"membase-close[{self._name}]")
 
     def _close_dropped(self) -> None:
         # Only with writes to wait for or an engine to let go of, and unless a close began before the store was dropped.
         if (not self._writes.idle() or self._gateway.local is not None) and self._begin():
             closing = self._finish_in_background()
-            with LOCK:
+            with _dropped_lock:
                 _dropped_closing.add(closing)
-            closing.add_done_callback(_dropped_closing.discard)
+            closing.add_done_callback(_forget_dropped)
 
 
 def dropped_stores_closing() -> list[Future[Any]]:
     """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
-    with LOCK:
+    with _dropped_lock:
         return list(_dropped_closing)
+
+
+def _forget_dropped(closing: Future[Any]) -> None:
+    with _dropped_lock:
+        _dropped_closing.discard(closing)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple, TypeVar
 
 import membase
 
-from . import _background
-from ._background import LOCK
+from . import _runtime
 from ._failures import BadResponseError
 from ._telemetry import Ledger
 from ._text import clip
@@ -67,17 +65,17 @@ def match(wanted: str, containers: list[Container]) -> Container:
 
 
 class ContainerResolver:
-    """Name-to-id resolutions for one client, cached; safe to share between threads."""
+    """Name-to-id resolutions for one client, cached; safe to share between threads (each step is one dict
+    operation)."""
 
     def __init__(self) -> None:
         self._ids: dict[str, str] = {}
 
     def resolve(self, client: membase.Membase, wanted: str, *, again: bool = False) -> str:
         """The id of the Memory ``wanted`` names: cached, or (first, or ``again``) from ``containers.list()``."""
-        with LOCK:
-            if again:
-                self._ids.pop(wanted, None)
-            cached = self._ids.get(wanted)
+        if again:
+            self._ids.pop(wanted, None)
+        cached = self._ids.get(wanted)
         if cached is None:
             cached = match(wanted, parse_containers(client.containers.list())).id
             self.remember(wanted, cached)
@@ -85,16 +83,14 @@ class ContainerResolver:
 
     def remember(self, wanted: str, container_id: str) -> None:
         """Cache an id found by another route (the store's set-up check)."""
-        with LOCK:
-            self._ids[wanted] = container_id
+        self._ids[wanted] = container_id
 
     def call(self, client: membase.Membase, wanted: str | None, request: Callable[[str | None], T]) -> T:
         """``request`` with the id of ``wanted`` (or ``None``); a cached id Membase refuses (403, 404) is resolved
         once more and, if the name now names another Memory, the request is sent again."""
         if wanted is None:
             return request(None)
-        with LOCK:
-            was_cached = wanted in self._ids
+        was_cached = wanted in self._ids
         container_id = self.resolve(client, wanted)
         try:
             return request(container_id)
@@ -112,16 +108,17 @@ class SetupCheck:
     """
 
     def __init__(self, check: Callable[[], None], ledger: Ledger) -> None:
-        self._check, self._ledger = check, ledger
+        self._check, self._ledger, self._lock = check, ledger, _runtime.new_lock()
         self._running: Future[None] | None = None
         self._waited_out: Future[None] | None = None  # a check an agent waited the whole budget for
-        self._pid = os.getpid()  # the process that started the checks above: a forked child checks again
+        _runtime.forget_in_child(self._forget_parent_checks)
+
+    def _forget_parent_checks(self) -> None:
+        self._running = self._waited_out = None  # their threads are the parent's: a forked child checks again
 
     async def run(self, budget: float) -> None:
         """Wait up to ``budget`` seconds for the check; ``ValueError`` when it finds the configuration cannot work."""
-        with LOCK:
-            if self._pid != os.getpid():
-                self._running, self._waited_out, self._pid = None, None, os.getpid()
+        with self._lock:
             check, start = self._running, False
             if check is None or (check.done() and isinstance(check.exception(), membase.MembaseError)):
                 check, start = Future(), True
@@ -129,20 +126,19 @@ class SetupCheck:
             elif check is self._waited_out and not check.done():
                 # Building an agent per request during an outage must not cost every request that wait again.
                 return
-        if start:  # outside LOCK (see _background.submit)
-            name = f"membase-check[{self._ledger.store_name}]"
-            _background.submit(self._check, name=name, lane=self, future=check)
+        if start:  # outside the lock (see _runtime.submit)
+            _runtime.submit(self._check, name=f"membase-check[{self._ledger.store_name}]", future=check)
         unlisted = "could not list the Memories in reach; checking again at first use"
         try:
-            await _background.wait_for_future(check, budget)
+            await _runtime.wait_for_future(check, budget)
         except asyncio.TimeoutError:
-            with LOCK:
+            with self._lock:
                 first, self._waited_out = self._waited_out is not check, check
             if first:  # agents built together during one outage warn once
                 self._ledger.record(None, level=logging.WARNING, message=unlisted, reason="no answer in time")
         except membase.MembaseError as error:
             self._ledger.record(None, level=logging.WARNING, message=unlisted, error=error)
         except Exception:
-            with LOCK:
+            with self._lock:
                 self._running = None  # the next agent lists the Memories again: they may have changed
             raise

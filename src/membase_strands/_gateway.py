@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import membase
 
-from . import _http, _local
-from ._background import LOCK
+from . import _http, _local, _runtime
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
 from ._failures import BadResponseError, redact, without_secret
 from ._formatting import SearchAnswer, parse_search
@@ -83,10 +82,16 @@ class MembaseGateway:
         self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
         self._resolver = ContainerResolver()
-        # The clients by the process they were built in: (the one that retries, the one that makes a single attempt).
-        self._clients: dict[int, tuple[membase.Membase, membase.Membase]] = {}
+        self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
+        self._lock, self._given_used_before_fork = _runtime.new_lock(), False
+        _runtime.forget_in_child(self._forget_parent_clients)
         if self.local is not None:
             self._client(retry=False)  # the engine starts now, or says why it cannot
+
+    def _forget_parent_clients(self) -> None:
+        """In a forked child: the parent's clients share the parent's sockets and engine; the child builds its own."""
+        self._given_used_before_fork = self._given is not None and self._clients is not None
+        self._clients = None
 
     def _build(self) -> tuple[membase.Membase, membase.Membase]:
         if self._route is not None:
@@ -99,7 +104,7 @@ class MembaseGateway:
             engine = _local.open_engine(self.local)  # the engine makes one attempt
             return engine, engine
         assert self._given is not None
-        if self._clients.keys() - {os.getpid()}:  # used in the process this one was forked from
+        if self._given_used_before_fork:
             raise RuntimeError(
                 f"store '{self._store_name}': its Membase client (client=) was used before this process was "
                 "forked, and sharing its connections would mix up the two processes' answers; build the client "
@@ -108,18 +113,20 @@ class MembaseGateway:
         return self._given, self._given
 
     def _client(self, *, retry: bool) -> membase.Membase:
-        clients = self._clients.get(os.getpid())
+        clients = self._clients
         if clients is None:
             built = self._build()  # outside the lock: a local engine may take a while to start
-            with LOCK:
-                clients = self._clients.setdefault(os.getpid(), built)
+            with self._lock:
+                clients = self._clients = self._clients or built
             if clients is not built and self.local is not None:
                 _local.close_engine(self.local)  # another thread opened it first: one user less
         return clients[0] if retry else clients[1]
 
     def close(self) -> None:
         """Let go of the local engine this gateway opened in this process, if any (blocking)."""
-        if self.local is not None and self._clients.pop(os.getpid(), None) is not None:
+        with self._lock:
+            opened, self._clients = self._clients is not None, None
+        if self.local is not None and opened:
             try:
                 _local.close_engine(self.local)
             except Exception as error:

@@ -1,45 +1,49 @@
-"""How stores built from a key reach Membase: shared ``httpx.Client``s over :class:`MembaseTransport`.
+"""How stores built from a key reach Membase: one shared ``httpx.Client`` per route, each attempt bounded in its socket.
 
-- A store reads the environment once, when it is built (proxies, certificates: its :class:`Route`); stores with the
-  same route share one client, which keeps no cookies (a cookie one user's answer sets must never ride on another's).
-- Every attempt runs on a library thread, over connections that thread alone uses: no thread can close a pooled
-  socket another has just taken, and one user's hung call holds one thread's connection, never another user's.
-- One attempt is bounded as a whole, headers and body (``request_timeout``), and an answer is read up to
-  ``max_response_bytes``, not past it. Compressed answers are not asked for, so that bound is the bound in memory.
-- A request that cannot have reached Membase is sent once more, on a fresh connection: the connection could not be
-  made, or the request met a kept-alive connection the server had closed, before one byte of answer. A server closes
-  a kept-alive connection only between requests, so a request that meets that close was never read: sending it again
-  saves no note twice. A request that went out on a fresh connection and got no answer is not sent again.
+- A route is read from the environment once, when a store is built: the proxy as httpx chooses it (``HTTP_PROXY``,
+  ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) and the TLS settings (``SSL_CERT_FILE``, ``SSL_CERT_DIR``). Stores with
+  the same route share one client, which keeps no cookies (a cookie one user's answer sets must never ride on
+  another's) and follows no redirect.
+- One attempt lasts at most ``request_timeout``, headers and body. Below httpcore's connection pool (its public
+  network backend interface) every connect, read and write waits at most the time left to its attempt, so a stalled
+  connect or a server that drips its answer a byte at a time ends at the deadline, on the caller's own thread. The
+  answer is read up to ``max_response_bytes``; compressed answers are not asked for, so that is the bound in memory.
+- The resend rule, the only place the library sends a request again on its own (once, on a new connection, within the
+  same deadline): a request whose connection could not be made never reached Membase; a read (which changes nothing)
+  may also go again when a kept-alive connection turns out closed before any answer. A write never goes out on a
+  kept-alive connection (each has one of its own), and once it may have been read it is never sent again:
+  :func:`may_have_arrived` tells its callers that its fate is unknown.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import http.cookiejar
+import ipaddress
 import os
 import socket
 import ssl
-import threading
 import time
-import urllib.parse
 import urllib.request
-import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
+import membase
 
-from . import _background
+from . import _runtime
 from ._failures import BadResponseError
 
-# One connection per thread and host, kept alive less long than common servers keep theirs (uvicorn and Node 5 s).
-_LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
-_SENT_AGAIN_ON = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)  # a kept-alive connection, closed
+_KEEP_ALIVE = 4.0  # seconds an idle connection is kept: less than common servers keep theirs (uvicorn, Node: 5 s)
+_WRITE_CHUNK = 64 * 1024  # a body is written in pieces, each within the time left
 _CONNECTED = "connection.connect_tcp.started"  # httpcore's trace of a connection made for the request
-
-_clients: weakref.WeakValueDictionary[tuple[int, Route], httpx.Client] = weakref.WeakValueDictionary()
+_SENT = "http11.send_request_headers.started"
+_ANSWERED = "http11.receive_response_headers.complete"
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("membase_attempt_deadline", default=None)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,9 @@ class Route:
     """How one store reaches Membase, read from the environment once, when the store is built."""
 
     base_url: str
-    transport: httpx.BaseTransport | None  # the caller's, instead of httpx's own (then no proxy from the environment)
+    transport: (
+        httpx.BaseTransport | None
+    )  # the caller's, instead of httpx's network (then no proxy from the environment)
     proxy: str | None
     verify: ssl.SSLContext | None  # httpx's TLS settings under SSL_CERT_FILE / SSL_CERT_DIR as they were
     seconds: float  # one attempt, headers and body
@@ -55,214 +61,329 @@ class Route:
 
 
 def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
-    """The route to ``base_url`` under the environment as it is now (its proxy variables as the stdlib reads them)."""
-    proxy, verify = None, None
-    if transport is None:
-        verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-        proxies, url = urllib.request.getproxies_environment(), urllib.parse.urlsplit(base_url)
-        if not _bypassed(url.hostname or "", proxies.get("no", "")):
-            proxy = proxies.get(url.scheme) or proxies.get("all")
-    return Route(base_url, transport, proxy, verify, seconds, max_bytes)
+    """The route to ``base_url`` under the environment as it is now."""
+    if transport is not None:
+        return Route(base_url, transport, None, None, seconds, max_bytes)
+    verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    proxy = environment_proxy(httpx.URL(base_url))
+    if proxy is not None:
+        try:
+            httpx.Proxy(proxy)
+        except ValueError:  # its message quotes the URL, password and all
+            scheme = httpx.URL(proxy).scheme
+            raise ValueError(
+                f"the proxy the environment names for {base_url} (HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) has the "
+                f"scheme {scheme!r}; httpx takes http, https, socks5 or socks5h"
+            ) from None
+    return Route(base_url, None, proxy, verify, seconds, max_bytes)
 
 
-def _bypassed(host: str, no_proxy: str) -> bool:
-    """Whether ``NO_PROXY`` names ``host``: ``*``, the host itself, or a domain it is in."""
-    for entry in no_proxy.lower().split(","):
-        domain = entry.strip().lstrip("*.")
-        if entry.strip() == "*" or (domain and (host == domain or host.endswith(f".{domain}"))):
-            return True
-    return False
+def environment_proxy(url: httpx.URL) -> str | None:
+    """The proxy httpx would send a request to ``url`` through, from the environment (its rules, read as it reads
+    them): ``NO_PROXY`` names hosts (``.example.com``, ``example.com``, ``localhost``), IP addresses (a CIDR is its
+    first address) or ``*``; a proxy given without a scheme is ``http://``."""
+    found = urllib.request.getproxies()
+    rules: dict[str, str | None] = {}
+    for scheme in ("http", "https", "all"):
+        if found.get(scheme):
+            rules[f"{scheme}://"] = found[scheme] if "://" in found[scheme] else f"http://{found[scheme]}"
+    for host in (host.strip() for host in found.get("no", "").split(",")):
+        if host == "*":
+            return None
+        if "://" in host:
+            rules[host] = None
+        elif host:
+            rules[f"all://{_bypass_host(host)}"] = None
+    matching = [(_priority(pattern), proxy) for pattern, proxy in rules.items() if _matches(pattern, url)]
+    return min(matching, key=lambda match: match[0])[1] if matching else None
+
+
+def _bypass_host(host: str) -> str:
+    for kind, form in ((ipaddress.IPv4Address, "{}"), (ipaddress.IPv6Address, "[{}]")):
+        with contextlib.suppress(ValueError):
+            kind(host.split("/")[0])
+            return form.format(host)
+    return host if host.lower() == "localhost" else f"*{host}"
+
+
+def _matches(pattern: str, url: httpx.URL) -> bool:
+    rule = httpx.URL(pattern)
+    if rule.scheme != "all" and rule.scheme != url.scheme:
+        return False
+    if rule.port is not None and rule.port != url.port:
+        return False
+    host = rule.host
+    if host.startswith("*."):
+        return url.host.endswith(host[1:]) and len(url.host) > len(host) - 1
+    if host.startswith("*"):
+        return url.host == host[1:] or url.host.endswith(f".{host[1:]}")
+    return host in ("", url.host)
+
+
+def _priority(pattern: str) -> tuple[int, int, int]:
+    rule = httpx.URL(pattern)  # a port first, then the longer host, then the longer scheme
+    return (rule.port is None, -len(rule.host), -len("" if rule.scheme == "all" else rule.scheme))
+
+
+_clients: dict[Route, httpx.Client] = {}
+_clients_lock = _runtime.new_lock()
 
 
 def client_for(route: Route) -> httpx.Client:
-    """This process's shared client for ``route`` (a forked child builds its own)."""
-    key = (os.getpid(), route)
-    with _background.LOCK:
-        client = _clients.get(key)
+    """This process's shared client for ``route``."""
+    with _clients_lock:
+        client = _clients.get(route)
         if client is None:
-            client = _clients[key] = httpx.Client(
+            client = _clients[route] = httpx.Client(
                 base_url=route.base_url,
                 transport=MembaseTransport(route),
-                timeout=route.seconds,  # each read; the transport bounds the whole attempt
+                timeout=route.seconds,  # each connect, read and write; the network backend bounds the attempt
                 headers={"Accept-Encoding": "identity"},
                 cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
             )
     return client
 
 
+def _forget_clients() -> None:
+    _clients.clear()  # a forked child builds its own: the parent's pools hold the parent's sockets
+
+
+_runtime.forget_in_child(_forget_clients)
+
+
+def may_have_arrived(error: BaseException) -> bool:
+    """Whether the request that failed with ``error`` (or an error chained to it) may have been read by Membase:
+    ``False`` when its connection could not be made, or Membase answered; ``True`` when it broke off after sending."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout, membase.APIStatusError)):
+            return False
+        if isinstance(seen, httpx.TransportError):
+            return True
+        seen = seen.__cause__
+    return isinstance(error, membase.APIConnectionError)
+
+
 class MembaseTransport(httpx.BaseTransport):
-    """Sends each attempt on a library thread within its bounds, once more if it cannot have reached Membase."""
+    """Sends an attempt within its deadline and its size bound, once more if the resend rule allows."""
 
     def __init__(self, route: Route) -> None:
         self._route = route
+        self._reads = route.transport or _Pool(route, keep_alive=True)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        seconds, attempt = self._route.seconds, _Attempt()
-        deadline = time.monotonic() + seconds
-        send = functools.partial(self._attempt, request, deadline, attempt)
-        if _background.worker_resources() is not None:  # recall and writes: already on a library thread
-            _watchdog.watch(attempt, deadline)
-            try:
-                return send()
-            except httpx.TransportError:
-                if attempt.hung_up:
-                    raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
-                raise
-        lane = hash(request.headers.get("authorization"))  # one user's hung calls take turns with each other
-        future = _background.submit(send, name="membase-request", lane=lane)
-        try:
-            return future.result(timeout=seconds)
-        except concurrent.futures.TimeoutError:
-            if not future.cancel():  # one still in line is never sent; one sent is hung up on, freeing its thread
-                attempt.hang_up()
-            raise httpx.ReadTimeout(f"Membase did not answer within {seconds:g} s", request=request) from None
-
-    def _attempt(self, request: httpx.Request, deadline: float, attempt: _Attempt) -> httpx.Response:
-        attempt.connection = connection = self._connection()
+        deadline = time.monotonic() + self._route.seconds
+        token = _deadline.set(deadline)
         try:
             for last in (False, True):
                 steps: list[str] = []
-                request.extensions["trace"] = functools.partial(_trace, steps, connection)  # httpx's public API
+                request.extensions["trace"] = functools.partial(_note, steps)  # httpx's public extension
                 try:
-                    response = connection.transport.handle_request(request)
-                    break
+                    return self._exchange(request, deadline, fresh=last)
                 except (httpx.ConnectError, httpx.ConnectTimeout):
-                    if last:
+                    if last or time.monotonic() >= deadline:
                         raise
-                except _SENT_AGAIN_ON:
-                    reused = "http11.send_request_headers.started" in steps and _CONNECTED not in steps
-                    if last or attempt.over or not reused or "http11.receive_response_headers.complete" in steps:
+                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                    reused = _SENT in steps and _CONNECTED not in steps
+                    if last or not _is_read(request) or not reused or _ANSWERED in steps:
                         raise
-            try:
-                content = self._read(request, response, deadline)
-            finally:
-                response.close()
-            return httpx.Response(response.status_code, headers=response.headers, content=content)
+            raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
         finally:
-            with _background.LOCK:
-                attempt.over = True
-                _watchdog.forget(attempt)
+            _deadline.reset(token)
 
-    def _read(self, request: httpx.Request, response: httpx.Response, deadline: float) -> bytes:
-        """The body, whole, within the deadline and the size bound; a body whole by its length is kept however late."""
+    def _exchange(self, request: httpx.Request, deadline: float, *, fresh: bool) -> httpx.Response:
+        """One send of ``request``, its answer read whole within the bounds: a read on a kept-alive connection unless
+        ``fresh``, a write always on a connection of its own."""
+        if self._route.transport is not None or (_is_read(request) and not fresh):
+            return self._read(request, self._reads.handle_request(request), deadline)
+        with _Pool(self._route, keep_alive=False) as own:
+            return self._read(request, own.handle_request(request), deadline)
+
+    def _read(self, request: httpx.Request, response: httpx.Response, deadline: float) -> httpx.Response:
+        """The answer with its body read whole within the deadline and the size bound."""
         limit, encoding = self._route.max_bytes, response.headers.get("content-encoding", "identity")
-        if encoding.lower() != "identity":
-            raise BadResponseError(
-                f"Membase answered with a body compressed as {encoding!r}, which was not asked for",
-                status=response.status_code,
-            )
-        stated = response.headers.get("content-length", "")
-        length = int(stated) if stated.isdigit() else None
-        body, overdue = bytearray(), False
-        for chunk in response.iter_bytes():  # identity-encoded: the raw body, or a mock's, already read
-            if overdue:
-                raise httpx.ReadTimeout(
-                    f"Membase did not finish answering within {self._route.seconds:g} s", request=request
-                )
-            body += chunk
-            if len(body) > limit or (length or 0) > limit:
+        with contextlib.closing(response):
+            if encoding.lower() != "identity":
                 raise BadResponseError(
-                    f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=response.status_code
+                    f"Membase answered with a body compressed as {encoding!r}, which was not asked for",
+                    status=response.status_code,
                 )
-            overdue = time.monotonic() > deadline and (length is None or len(body) < length)
-        return bytes(body)
-
-    def _connection(self) -> _Connection:
-        """The caller's transport, or this thread's own connection to the host (kept until the thread retires)."""
-        if self._route.transport is not None:
-            return _Connection(self._route.transport)
-        resources = _background.worker_resources()
-        assert resources is not None  # every attempt runs on a library thread
-        if self not in resources:
-            proxy = httpx.Proxy(self._route.proxy) if self._route.proxy else None
-            verify = self._route.verify or True
-            resources[self] = _Connection(httpx.HTTPTransport(verify=verify, proxy=proxy, limits=_LIMITS))
-        connection: _Connection = resources[self]
-        return connection
+            stated = response.headers.get("content-length", "")
+            if stated.isdigit() and int(stated) > limit:
+                raise _too_large(limit, response.status_code)
+            body = bytearray()
+            for chunk in response.iter_bytes():  # identity-encoded: the raw body, or a mock's, already read
+                body += chunk
+                if len(body) > limit:
+                    raise _too_large(limit, response.status_code)
+                if time.monotonic() > deadline and not (stated.isdigit() and len(body) == int(stated)):
+                    raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
+        return httpx.Response(response.status_code, headers=response.headers, content=bytes(body), request=request)
 
 
-@dataclass
-class _Connection:
-    """A transport, and the network stream it opened last: the one a request on it is using."""
+def _is_read(request: httpx.Request) -> bool:
+    return request.method == "GET" or (request.method == "POST" and request.url.path.endswith("/v1/search"))
 
-    transport: httpx.BaseTransport
-    stream: Any = None
+
+def _note(steps: list[str], step: str, info: dict[str, Any]) -> None:
+    steps.append(step)
+
+
+def _too_large(limit: int, status: int) -> BadResponseError:
+    return BadResponseError(f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status)
+
+
+class _Pool(httpx.BaseTransport):
+    """httpcore's connection pool, over the network backend that bounds each attempt; httpx's errors."""
+
+    def __init__(self, route: Route, *, keep_alive: bool) -> None:
+        proxy = None
+        if route.proxy is not None:
+            given = httpx.Proxy(route.proxy)
+            proxy = httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context)
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=route.verify,
+            proxy=proxy,
+            max_connections=None,  # a hung request never keeps another from a connection
+            max_keepalive_connections=None if keep_alive else 0,
+            keepalive_expiry=_KEEP_ALIVE,
+            network_backend=_BoundedBackend(),
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        with _as_httpx(request):
+            answer = self._pool.handle_request(
+                httpcore.Request(
+                    request.method,
+                    httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+                    headers=request.headers.raw,
+                    content=request.stream,
+                    extensions=request.extensions,
+                )
+            )
+        assert isinstance(answer.stream, Iterable)
+        return httpx.Response(answer.status, headers=answer.headers, stream=_Body(answer, request))
 
     def close(self) -> None:
-        self.transport.close()
+        self._pool.close()
 
 
-@dataclass(eq=False)
-class _Attempt:
-    """One attempt: whether it is over (or hung up on), and the connection it is on, for whoever hangs up."""
+class _Body(httpx.SyncByteStream):
+    def __init__(self, answer: httpcore.Response, request: httpx.Request) -> None:
+        self._answer, self._request = answer, request
 
-    connection: _Connection | None = None
-    over: bool = False
-    hung_up: bool = False
+    def __iter__(self) -> Iterator[bytes]:
+        with _as_httpx(self._request):
+            yield from self._answer.iter_stream()
 
-    def hang_up(self) -> None:
-        """Shut the attempt's connection down, so a server that keeps it going holds no thread (once, if running)."""
-        with _background.LOCK:  # the thread cannot end the attempt and take another meanwhile
-            if not self.over and self.connection is not None and self.connection.stream is not None:
-                self.over = self.hung_up = True
-                with contextlib.suppress(Exception):
-                    self.connection.stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+    def close(self) -> None:
+        self._answer.close()
 
 
-class _Watchdog:
-    """Hangs up the attempts on library threads (recall, writes) still running at their deadline: no caller waits on
-    them to, and httpx's read timeout never ends a server that drips its headers a line at a time. Its thread, a
-    library thread of its own kind, watches until no attempt has started for ``IDLE_SECONDS``."""
+_ERRORS: dict[type[Exception], type[httpx.TransportError]] = {
+    httpcore.ConnectTimeout: httpx.ConnectTimeout,
+    httpcore.ReadTimeout: httpx.ReadTimeout,
+    httpcore.WriteTimeout: httpx.WriteTimeout,
+    httpcore.PoolTimeout: httpx.PoolTimeout,
+    httpcore.TimeoutException: httpx.TimeoutException,
+    httpcore.ConnectError: httpx.ConnectError,
+    httpcore.ReadError: httpx.ReadError,
+    httpcore.WriteError: httpx.WriteError,
+    httpcore.NetworkError: httpx.NetworkError,
+    httpcore.ProxyError: httpx.ProxyError,
+    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
+    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
+    httpcore.LocalProtocolError: httpx.LocalProtocolError,
+    httpcore.ProtocolError: httpx.ProtocolError,
+}
+
+
+@contextlib.contextmanager
+def _as_httpx(request: httpx.Request) -> Iterator[None]:
+    """httpcore's errors raised as httpx's (as ``httpx.HTTPTransport`` does), which the SDK knows."""
+    try:
+        yield
+    except Exception as error:
+        kind = next((_ERRORS[kind] for kind in type(error).__mro__ if kind in _ERRORS), None)
+        if kind is None:
+            raise
+        raise kind(str(error), request=request) from error
+
+
+class _BoundedBackend(httpcore.NetworkBackend):
+    """httpcore's own socket backend, each operation capped at the time left to its attempt (:data:`_deadline`)."""
 
     def __init__(self) -> None:
-        self._deadlines: dict[_Attempt, float] = {}
-        self._changed = threading.Condition(_background.LOCK)
-        self._watching, self._pid = False, os.getpid()
+        self._backend = httpcore.SyncBackend()
 
-    def watch(self, attempt: _Attempt, deadline: float) -> None:
-        with self._changed:
-            if self._pid != os.getpid():  # a forked child: the parent's attempts and watchdog are not here
-                self._deadlines, self._watching, self._pid = {}, False, os.getpid()
-            self._deadlines[attempt] = deadline
-            if deadline <= min(self._deadlines.values()):  # due first (or alone): the watchdog's wait is too long
-                self._changed.notify()
-            start, self._watching = not self._watching, True
-        if start:  # outside LOCK (see _background.submit)
-            _background.submit(self._run, name="membase-watchdog", kind="watch")
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        # Each address in turn, within the time left (socket.create_connection would give each the whole timeout).
+        # Resolving the name is the one step no timeout reaches: the standard library takes none.
+        try:
+            addresses = [str(row[4][0]) for row in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+        except OSError as error:
+            raise httpcore.ConnectError(str(error)) from error
+        for index, address in enumerate(addresses):
+            try:
+                left = _left(timeout, httpcore.ConnectTimeout)
+                stream = self._backend.connect_tcp(address, port, left, local_address, socket_options)
+                return _BoundedStream(stream)
+            except httpcore.ConnectError:
+                if index == len(addresses) - 1:
+                    raise
+        raise httpcore.ConnectError(f"no address for {host!r}")
 
-    def forget(self, attempt: _Attempt) -> None:
-        with self._changed:
-            if self._deadlines.pop(attempt, None) is not None and not self._deadlines:
-                self._changed.notify()  # none left: the watchdog waits for a new one, or goes
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        left = _left(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._backend.connect_unix_socket(path, left, socket_options))
 
-    def _run(self) -> None:
-        thread = threading.current_thread()
-        with self._changed:
-            while True:
-                now = time.monotonic()
-                for attempt in [attempt for attempt, deadline in self._deadlines.items() if deadline <= now]:
-                    del self._deadlines[attempt]
-                    attempt.hang_up()
-                if self._deadlines:
-                    thread.name = "membase-watchdog"
-                    self._changed.wait(min(self._deadlines.values()) - now)
-                    continue
-                # Idle, and named so, until an attempt starts: going at once, its thread would be the next call's,
-                # not the thread of the last attempt, which holds a kept-alive connection.
-                thread.name = _background.IDLE_NAME
-                if not self._changed.wait(_background.IDLE_SECONDS):
-                    self._watching = False
-                    return
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
 
 
-_watchdog = _Watchdog()
+class _BoundedStream(httpcore.NetworkStream):
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        for start in range(0, len(buffer), _WRITE_CHUNK):
+            self._stream.write(buffer[start : start + _WRITE_CHUNK], _left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        left = _left(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._stream.start_tls(ssl_context, server_hostname, left))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
 
 
-def _trace(steps: list[str], connection: _Connection, step: str, info: dict[str, Any]) -> None:
-    """Note what httpcore did for a request, and the network stream of each connection it made (its ``socket``)."""
-    steps.append(step)
-    if step in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
-        connection.stream = info.get("return_value")
+def _left(timeout: float | None, expired: type[httpcore.TimeoutException]) -> float | None:
+    """``timeout`` capped at what is left of the current attempt; ``expired`` raised when nothing is."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise expired("the attempt's deadline has passed")
+    return left if timeout is None else min(timeout, left)
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,12 +16,20 @@ from typing import IO
 
 import membase
 
-from ._background import LOCK
+from . import _runtime
 
 LOCK_NAME = ".membase-strands.lock"
 
 _Opened = tuple[membase.Membase, IO[str]]
-_open: dict[tuple[int, Path], tuple[Future[_Opened], list[int]]] = {}  # (pid, directory) -> engine, users
+_open: dict[Path, tuple[Future[_Opened], list[int]]] = {}  # directory -> engine, users
+_lock = _runtime.new_lock()
+
+
+def _forget_engines() -> None:
+    _open.clear()  # a forked child's engines are its own: the parent's hold the parent's lock on the directory
+
+
+_runtime.forget_in_child(_forget_engines)
 
 
 def directory_of(local: str | os.PathLike[str] | bool) -> Path:
@@ -35,30 +43,28 @@ def directory_of(local: str | os.PathLike[str] | bool) -> Path:
 def open_engine(directory: Path) -> membase.Membase:
     """This process's engine for ``directory``, opened (and the directory locked) by its first user.
     ``RuntimeError`` when another process holds the directory; ``membase.MissingDependencyError`` when it cannot run."""
-    key = (os.getpid(), directory)
-    with LOCK:
-        first = key not in _open
-        opened, users = _open.setdefault(key, (Future(), [0]))
+    with _lock:
+        first = directory not in _open
+        opened, users = _open.setdefault(directory, (Future(), [0]))
         users[0] += 1
     if first:
         try:
             opened.set_result(_start(directory))
         except BaseException as error:
-            with LOCK:
-                del _open[key]  # the next user tries again
+            with _lock:
+                del _open[directory]  # the next user tries again
             opened.set_exception(error)
     return opened.result()[0]
 
 
 def close_engine(directory: Path) -> None:
     """One user less of ``directory``'s engine; the last closes it and lets go of the directory."""
-    key = (os.getpid(), directory)
-    with LOCK:
-        opened, users = _open[key]
+    with _lock:
+        opened, users = _open[directory]
         users[0] -= 1
         if users[0]:
             return
-        del _open[key]
+        del _open[directory]
     engine, lock_file = opened.result()
     try:
         engine.close()

@@ -15,6 +15,7 @@ DEFAULT_WRITE_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 90.0  # the SDK's own timeout
 DEFAULT_RESPONSE_BYTES = 16 * 1024 * 1024
 DEFAULT_PROFILE_TTL = 300.0
+DEFAULT_CLOSE_TIMEOUT = 20.0  # within a server's grace period (gunicorn: 30 s), with room for the turns in flight
 WAIT_WITHOUT_BUDGET = 8.0  # how long the set-up check and close() wait when the matching option says None
 TOOL_NAMES = ("search", "save", "profile")  # the default set; "forget" is opt-in
 ALL_TOOL_NAMES = (*TOOL_NAMES, "forget")
@@ -70,6 +71,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "request_timeout": (_seconds, _SECONDS),
     "max_response_bytes": (lambda value: whole(value, 1024), "a whole number of bytes, at least 1024"),
     "access_cooldown": (_or_none(_seconds), f"{_SECONDS} or None"),
+    "close_timeout": (_seconds, _SECONDS),
     "capture": (lambda value: isinstance(value, bool), "True or False"),
     "recall_profile": (lambda value: isinstance(value, bool), "True or False"),
     "profile_ttl": (_seconds, _SECONDS),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,10 +19,10 @@ from typing import Any, TypeVar
 
 from strands.memory import MemoryEntry
 
-from . import _background, _telemetry
-from ._background import LOCK, wait_for_future
+from . import _runtime, _telemetry
 from ._formatting import arrange, memory_entries, profile_entry, standing_facts
 from ._gateway import MembaseGateway
+from ._runtime import wait_for_future
 from .errors import MembaseRecallTimeout
 
 T = TypeVar("T")
@@ -52,12 +51,15 @@ class Recall:
         self._paused_until = 0.0  # after a 403: no recall before then
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
-        self._pid = os.getpid()  # the process that started the requests above
+        self._lock = _runtime.new_lock()
+        _runtime.forget_in_child(self._forget_parent_requests)
+
+    def _forget_parent_requests(self) -> None:
+        self._late, self._profile_reading = {}, None  # a forked child: their threads are the parent's
 
     def pause(self, seconds: float) -> None:
         """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
-        with LOCK:
-            self._paused_until = time.monotonic() + seconds
+        self._paused_until = time.monotonic() + seconds
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -115,16 +117,13 @@ class Recall:
         return entries
 
     def _submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
-        name = f"membase-recall[{self._ledger.store_name}]"
-        return _background.submit(fn, name=name, kind="recall", lane=self, future=future)
+        return _runtime.submit(fn, name=f"membase-recall[{self._ledger.store_name}]", future=future)
 
     def _skip(self) -> str | None:
         now = time.monotonic()
-        with LOCK:
-            if self._pid != os.getpid():  # a forked child: the parent's requests have no thread here
-                self._late, self._profile_reading, self._pid = {}, None, os.getpid()
-            if now < self._paused_until:
-                return "key refused (403)"
+        if now < self._paused_until:
+            return "key refused (403)"
+        with self._lock:
             waking = any(started > now - self._hold_limit for started in self._late.values())
         return "memory waking" if waking else None
 
@@ -133,26 +132,25 @@ class Recall:
 
         def read() -> None:
             facts = standing_facts(self._gateway.profile(None, retry=False))
-            with LOCK:
-                self._profile = (time.monotonic(), facts)
+            self._profile = (time.monotonic(), facts)
 
-        with LOCK:
+        with self._lock:
             if self._profile_ttl is None or time.monotonic() - self._profile[0] < self._profile_ttl:
                 return None
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading
             reading = self._profile_reading = Future[None]()
-        return self._submit(read, reading)  # outside LOCK (see _background.submit)
+        return self._submit(read, reading)  # outside the lock (see _runtime.submit)
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
         linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
-        with LOCK:
+        with self._lock:
             self._late[future] = started
 
         def release(_: Future[Any]) -> None:
-            with LOCK:
-                del self._late[future]
+            with self._lock:
+                self._late.pop(future, None)  # gone in a forked child
             error, elapsed = future.exception(), round(time.monotonic() - started, 1)
             outcome = "late recall finished" if error is None else "late recall failed"
             self._ledger.late(

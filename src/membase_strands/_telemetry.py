@@ -26,7 +26,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
-from ._background import LOCK
+from . import _runtime
 from ._failures import describe_failure, detail_of
 
 logger = logging.getLogger("membase_strands")
@@ -45,13 +45,14 @@ NOTE_TEXT = "membase.note.text"
 # Always in a snapshot; ``errors.<kind>`` (describe_failure's kinds) and ``tool_calls.<tool>`` once they happen.
 STANDARD = tuple(
     """recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled recall_late_completions
-    recall_errors writes_saved writes_deduplicated writes_sent_again writes_lost write_timeouts write_cancellations
-    write_errors""".split()
+    recall_errors writes_saved writes_deduplicated writes_sent_again writes_unknown writes_lost write_timeouts
+    write_cancellations write_errors""".split()
 )
 
 # A proxy until a tracer provider is set, then the real thing: a provider set after import still counts.
 _tracer = trace.get_tracer(__name__)
 _ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # live stores' ledgers, for the metrics
+_ledgers_lock = _runtime.new_lock()
 
 
 class Ledger:
@@ -60,8 +61,9 @@ class Ledger:
     def __init__(self, store_name: str, redact: Callable[[str], str]) -> None:
         self.store_name = store_name
         self._redact = redact
-        self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under LOCK
-        with LOCK:
+        self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under its lock
+        self.lock = _runtime.new_lock()
+        with _ledgers_lock:
             _ledgers.add(self)
 
     def record(
@@ -80,7 +82,7 @@ class Ledger:
         kind = None if error is None else describe_failure(error).kind
         counted = counted if kind is None else (*counted, f"errors.{kind}")
         if counted:
-            with LOCK:
+            with self.lock:
                 for name in counted:
                     self.counts[name] += amount
         _current.get(_NOWHERE).outcome(outcome, error_kind=kind, **attributes)
@@ -97,7 +99,7 @@ class Ledger:
 
     def snapshot(self) -> dict[str, int]:
         """A copy of the counts, the standard names first (even at zero)."""
-        with LOCK:
+        with self.lock:
             return dict(self.counts)
 
 
@@ -171,7 +173,7 @@ def link_here() -> SpanContext | None:
 
 def _observe(name: str, by: str | None, options: metrics.CallbackOptions) -> list[metrics.Observation]:
     """Each live store's counter ``name`` or, ``by`` an attribute, its counters ``name.<value>``."""
-    with LOCK:
+    with _ledgers_lock:
         ledgers = list(_ledgers)
     return [
         metrics.Observation(value, {"membase.store": ledger.store_name, **({by: key.partition(".")[2]} if by else {})})

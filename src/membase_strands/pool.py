@@ -11,14 +11,14 @@ import asyncio
 import inspect
 import logging
 import os
+import threading
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from typing import Any
 
-from . import _background
-from ._background import LOCK
+from . import _runtime
 from ._closing import dropped_stores_closing
 from ._telemetry import Ledger
 from .store import MembaseMemoryStore, ledger_of
@@ -69,10 +69,10 @@ class MembaseStorePool:
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
         self._ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # of the stores it built, while they count
         self._retired: Counter[str] = Counter()  # the counts of those that are gone
-        self._closed = False
+        self._closed, self._lock = False, _runtime.new_lock()
 
     def __len__(self) -> int:
-        with LOCK:  # the stores kept for reuse, at most max_stores
+        with self._lock:  # the stores kept for reuse, at most max_stores
             return len(self._stores)
 
     def __repr__(self) -> str:
@@ -107,23 +107,20 @@ class MembaseStorePool:
 
     def counters(self) -> dict[str, int]:
         """The sum of the counters of every store the pool built (see :meth:`MembaseMemoryStore.counters`)."""
-        with LOCK:
-            total = Counter(self._retired)
-            for ledger in self._ledgers:
-                total.update(ledger.counts)
+        with self._lock:
+            total, ledgers = Counter(self._retired), list(self._ledgers)
+        for ledger in ledgers:
+            total.update(ledger.snapshot())
         return dict(total)
 
     def close(self) -> None:
         """Close every store the pool built that is still alive, side by side; safe to call twice.
 
-        Each closes as :meth:`MembaseMemoryStore.close` does (up to ``write_timeout`` for its running writes, then
-        up to ``write_timeout`` more for a failed batch sent again), so this returns within about two
-        ``write_timeout`` however many stores there are. From async code, use :meth:`aclose` (or ``async with``).
+        Each closes as :meth:`MembaseMemoryStore.close` does (up to ``close_timeout`` for its writes), side by side,
+        so this returns within about ``close_timeout`` however many stores there are. From async code, use
+        :meth:`aclose` (or ``async with``).
         """
-        closing = [
-            _background.submit(store.close, name=f"membase-close[{store.name}]", kind="close")
-            for store in self._close_pool()
-        ]
+        closing = [_runtime.submit(store.close, name=f"membase-close[{store.name}]") for store in self._close_pool()]
         wait([*closing, *dropped_stores_closing()])
         _warn_failed(future.exception() for future in closing)
 
@@ -132,7 +129,7 @@ class MembaseStorePool:
         closing = [store.aclose() for store in self._close_pool()]
         outcomes = await asyncio.gather(*closing, return_exceptions=True)
         for dropped in dropped_stores_closing():
-            await _background.wait_for_future(dropped, None)
+            await _runtime.wait_for_future(dropped, None)
         _warn_failed(outcomes)
 
     def __enter__(self) -> MembaseStorePool:
@@ -149,7 +146,7 @@ class MembaseStorePool:
 
     def _close_pool(self) -> list[MembaseMemoryStore]:
         """Refuse new stores; the stores handed out that are still alive, now the caller's to close."""
-        with LOCK:
+        with self._lock:
             self._closed = True
             alive = list(self._alive.values())  # before letting go of the kept ones, which may be their only holder
             self._stores.clear()
@@ -159,10 +156,10 @@ class MembaseStorePool:
         """The user's store still alive, else ``built``, kept as the most recently used (``None``: neither).
 
         Past the bound the least recently used is let go of (not closed: an agent may be mid-turn on it), and dropped
-        only once LOCK is released: a store collected under it would start its closing thread there (see
-        ``_background.submit``). One store is kept per call, so at most one is let go of.
+        only once the lock is released: a store collected under it would start its closing thread there (see
+        ``_runtime.submit``). One store is kept per call, so at most one is let go of.
         """
-        with LOCK:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
             store = self._alive.get(user_id, built)
@@ -174,7 +171,7 @@ class MembaseStorePool:
             if len(self._stores) > self._max_stores:
                 old_user, let_go = self._stores.popitem(last=False)
                 logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
-        del let_go  # outside LOCK
+        del let_go  # outside the lock
         return store
 
     def _build(self, user_id: str) -> MembaseMemoryStore:
@@ -197,14 +194,14 @@ class MembaseStorePool:
                 f"{type(credential).__name__}, not an API key or a local directory"
             )
         ledger = ledger_of(store)  # it counts a write still running after the store is gone
-        with LOCK:
+        with self._lock:
             self._ledgers.add(ledger)
-        weakref.finalize(ledger, _retire, self._retired, ledger.counts)
+        weakref.finalize(ledger, _retire, self._retired, self._lock, ledger.counts)
         return store
 
 
-def _retire(retired: Counter[str], counts: Counter[str]) -> None:
-    with LOCK:
+def _retire(retired: Counter[str], lock: threading.RLock, counts: Counter[str]) -> None:
+    with lock:
         retired.update(counts)
 
 

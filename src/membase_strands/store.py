@@ -1,7 +1,8 @@
 """``MembaseMemoryStore``: a Strands ``MemoryStore`` over a person's Membase memory.
 
-Every Membase call runs on a ``_background`` thread while its caller waits within a budget (recall, captured
-writes, the set-up check), so a slow or unreachable Membase costs a turn at most its budget.
+Recall, captured writes and the set-up check run on ``_runtime``'s daemon threads while their caller waits within a
+budget, so a slow or unreachable Membase costs a turn at most its budget; the tools run on the thread Strands gives
+them. Every attempt ends at ``request_timeout`` in its socket (``_http``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
-from . import _options, _telemetry
-from ._background import LOCK
+from . import _options, _runtime, _telemetry
 from ._closing import Closing
 from ._containers import SetupCheck
 from ._failures import ACCESS_SENTENCE
@@ -65,6 +65,7 @@ class MembaseMemoryStore:
         request_timeout: float = _options.DEFAULT_REQUEST_TIMEOUT,
         max_response_bytes: int = _options.DEFAULT_RESPONSE_BYTES,
         access_cooldown: float | None = 60.0,
+        close_timeout: float = _options.DEFAULT_CLOSE_TIMEOUT,
         capture: bool = False,
         extraction: ExtractionConfig | bool | None = None,
         capture_roles: Iterable[str] | str = ("user",),
@@ -93,6 +94,8 @@ class MembaseMemoryStore:
                 up to three times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
+            close_timeout: Seconds closing waits for captured writes still running (fit it to a server's grace
+                period: gunicorn gives 30 s); what is still running then is logged by count.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
@@ -138,7 +141,7 @@ class MembaseMemoryStore:
             max_chars=max_recall_chars,
             profile_ttl=profile_ttl if recall_profile else None,
         )
-        self._writes = WriteRecord(self._ledger, write_timeout)
+        self._writes = WriteRecord(self._ledger, write_timeout, close_timeout)
         self._tool_context = ToolContext(
             gateway=gateway,
             ledger=self._ledger,
@@ -150,6 +153,7 @@ class MembaseMemoryStore:
             ids=("forget" in self._tool_names),
         )
         self._tools: list[AgentTool] | None = None
+        self._tools_lock = _runtime.new_lock()
         container = self._container  # not self: the check's thread must not keep the store alive
         self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger)
         self._closing = Closing(self, self._writes, gateway, self.name)
@@ -249,16 +253,16 @@ class MembaseMemoryStore:
 
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``, built once per store."""
-        with LOCK:  # agents built at the same moment all get the same tools
+        with self._tools_lock:  # agents built at the same moment all get the same tools
             if self._tools is None:
                 self._tools = build_tools(self._tool_context, self._tool_names)
             return list(self._tools)
 
     def close(self) -> None:
         """Close the store, blocking (from async code, use :meth:`aclose`); safe to call twice, a client passed in is
-        left open. Waits up to ``write_timeout`` for captured writes still running, then sends once more a failed
-        batch no manager retry will bring back and waits for it as long: each outcome waited for is logged and
-        counted when this returns. A second caller waits for the first, up to ``write_timeout``."""
+        left open. Waits up to ``close_timeout`` for captured writes still running, sending once more a batch that
+        failed with no manager retry left to bring it back; each outcome waited for is logged and counted when this
+        returns, and writes still running then are logged by count. A second caller waits for the first."""
         self._closing.close()
 
     async def aclose(self) -> None:

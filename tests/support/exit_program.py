@@ -30,7 +30,8 @@ from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, ScriptedModel
 
 for name, url in zip(("preloaded", "graced", "cut"), sys.argv[1:4]):
-    options = dict(container="Main", capture=True, extraction=True, write_timeout=0.5 if name == "cut" else 30.0)
+    budget = 0.5 if name == "cut" else 30.0
+    options = dict(container="Main", capture=True, extraction=True, write_timeout=budget, close_timeout=budget)
     stores[name] = MembaseMemoryStore(api_key=API_KEY, base_url=url, name=name, **options)
 
 

@@ -26,7 +26,7 @@ from strands.memory import MemoryManager
 from strands.types.content import Message
 
 from membase_strands import MembaseMemoryStore
-from membase_strands._background import IDLE_NAME
+from membase_strands._runtime import IDLE_NAME
 from membase_strands.testing import InMemoryMembase, Responder, ScriptedModel, Step
 
 RECALL_THREAD = "membase-recall["

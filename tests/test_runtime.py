@@ -1,7 +1,7 @@
-"""Where the library's blocking work runs: daemon threads with a cap per kind of call, awaited from any event loop;
+"""Where the library's blocking work runs: daemon threads, one per call at once, awaited from any event loop;
 and the store on them, with many agents, many threads, a burst, a stalled Membase and a refused key.
 
-The first part drives ``_background.submit`` / ``wait_for_future`` on threads of the test's own (``threads``); the
+The first part drives ``_runtime.submit`` / ``wait_for_future`` on threads of the test's own (``threads``); the
 rest goes through a real ``strands.Agent`` and counts requests, counters and thread names.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, _background
-from membase_strands._background import IDLE_NAME, submit, wait_for_future
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, _runtime
+from membase_strands._runtime import IDLE_NAME, submit, wait_for_future
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase
 from tests.support.store_helpers import (
@@ -44,8 +44,8 @@ request_id: contextvars.ContextVar[object] = contextvars.ContextVar("request_id"
 @pytest.fixture
 def threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The library's threads, fresh for this test (an earlier test's may still be idle), kept for ``KEEP`` s idle."""
-    monkeypatch.setattr(_background, "_threads", _background._Threads())
-    monkeypatch.setattr(_background, "IDLE_SECONDS", KEEP)
+    monkeypatch.setattr(_runtime, "_workers", _runtime._Workers())
+    monkeypatch.setattr(_runtime, "IDLE_SECONDS", KEEP)
 
 
 def where() -> threading.Thread:
@@ -114,35 +114,18 @@ def test_an_idle_thread_takes_the_next_call_in_that_calls_own_context_and_keeps_
     assert request_id.get() == "none"
 
 
-def test_threads_grow_to_the_kinds_cap_past_which_a_call_waits_its_turn_and_the_lanes_take_turns(threads, gates):
-    gates_of, running = [gates.new() for _ in range(_background.WORK_THREADS)], threading.Event()
+def test_every_call_gets_a_thread_at_once_however_many_others_hang(threads, gates):
+    gates_of, running = [gates.new() for _ in range(40)], [threading.Event() for _ in range(40)]
     busy = [
-        submit(functools.partial(held, gate, running if n == 0 else None), name=f"membase-test[busy-{n}]")
+        submit(functools.partial(held, gate, running[n]), name=f"membase-test[busy-{n}]")
         for n, gate in enumerate(gates_of)
     ]
-    # Each call got a thread of its own while the others hung: threads grow, and no call waits behind a hung one.
-    assert running.wait(LONG)
-    assert wait_until(lambda: len(membase_threads("membase-test[busy")) == len(busy), timeout=LONG)
-    ran: list[tuple[str, threading.Thread]] = []
-    in_line = [
-        submit(
-            functools.partial(lambda call: ran.append((call, where())), call), name=f"membase-test[{call}]", lane=lane
-        )
-        for call, lane in [("a1", "a"), ("a2", "a"), ("b1", "b"), ("dropped", "c"), ("a3", "a")]
-    ]
-
-    # No thread started for the calls past the cap; recalls and closes have threads of their own all the same.
-    assert membase_threads("membase-test[lane") == [] and ran == []
-    assert submit(lambda: "recalled", name="membase-test[recall]", kind="recall").result(timeout=LONG) == "recalled"
-    assert submit(lambda: "closed", name="membase-test[close]", kind="close").result(timeout=LONG) == "closed"
-    assert in_line[3].cancel()  # still in line: nobody has started it, and nobody will
-
-    gates_of[0].set()  # one thread is free: it takes the calls in line, one after another, the lanes taking turns
-    freed = busy[0].result(timeout=LONG)
-    for future in (in_line[0], in_line[1], in_line[2], in_line[4]):
-        future.result(timeout=LONG)
-    assert ran == [(call, freed) for call in ("a1", "b1", "a2", "a3")]
-    assert not any(future.done() for future in busy[1:])
+    # Each call got a thread of its own while the others hung: no call waits behind a hung one.
+    assert all(event.wait(LONG) for event in running)
+    assert submit(lambda: "ran", name="membase-test[next]").result(timeout=LONG) == "ran"
+    for gate in gates_of:
+        gate.set()
+    assert all(future.result(timeout=LONG) for future in busy)
 
 
 def test_a_thread_that_cannot_start_fails_its_call_and_idle_threads_retire_and_a_later_call_starts_one(
@@ -159,33 +142,13 @@ def test_a_thread_that_cannot_start_fails_its_call_and_idle_threads_retire_and_a
     monkeypatch.setattr(threading.Thread, "start", refuse_once)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         submit(lambda: "never", name="membase-test[refused]").result(timeout=LONG)
-    monkeypatch.setattr(_background, "IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(_runtime, "IDLE_SECONDS", 0.2)
     together = threading.Barrier(3, timeout=LONG)
     ran_on = [submit(functools.partial(meet, together), name=f"membase-test[r{i}]") for i in range(3)]
     for thread in [future.result(timeout=LONG) for future in ran_on]:
         thread.join(LONG)
         assert not thread.is_alive()
     assert submit(lambda: "again", name="membase-test[again]").result(timeout=LONG) == "again"
-
-
-async def test_a_recall_whose_budget_runs_out_while_it_waits_for_a_thread_is_never_sent(
-    threads, fake, make_store, gates
-):
-    fake.remember(FACT)
-    gate, running = gates.new(), [threading.Event() for _ in range(_background.RECALL_THREADS)]
-    for n in range(_background.RECALL_THREADS):  # every thread recalls may take is busy until the gate opens
-        submit(functools.partial(held, gate, running[n]), name=f"membase-test[recall-{n}]", kind="recall")
-    assert all(event.wait(LONG) for event in running)
-    store = make_store(name="in-line", recall_timeout=BUDGET)
-
-    with pytest.raises(MembaseRecallTimeout, match="ran out of time"):
-        await store.search(QUESTION)
-    gate.set()
-
-    assert fake.sent("POST", "/v1/search") == []
-    assert [entry.content for entry in await store.search(QUESTION)] == [f"[Main] {FACT}"]  # not skipped
-    counters = store.counters()
-    assert (counters["recalls"], counters["recall_timeouts"], counters["recall_skipped"]) == (2, 1, 0)
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
@@ -323,11 +286,11 @@ def test_consecutive_recalls_run_on_one_reused_thread_named_after_the_store(thre
     assert len(set(in_flight.senders)) == 1, f"{len(set(in_flight.senders))} threads served 5 recalls in turn"
 
 
-def test_a_burst_of_six_times_the_recall_threads_on_one_store_all_return_memory(monkeypatch):
-    """A burst past the recall threads' cap: the calls past it wait their turn inside their budget, none is dropped.
-    Over a loopback server that answers in 20 ms; how fast the burst goes is measured in the benchmarks."""
-    burst = 6 * _background.RECALL_THREADS  # six times the cap: most wait their turn
-    monkeypatch.setattr(_background, "IDLE_SECONDS", LONG)  # no thread retires (closing its connection) meanwhile
+def test_a_burst_of_a_hundred_recalls_on_one_store_all_return_memory(monkeypatch):
+    """A burst of recalls on one store: none is dropped or doubled, and the connections they opened stay open for the
+    next turns. Over a loopback server that answers in 20 ms; how fast the burst goes is measured in the benchmarks."""
+    burst = 100
+    monkeypatch.setattr(_runtime, "IDLE_SECONDS", LONG)  # no thread retires (closing its connection) meanwhile
     with LoopbackMembase() as server:
         server.fake.remember(FACT)
         server.latency = 0.02
@@ -349,10 +312,8 @@ def test_a_burst_of_six_times_the_recall_threads_on_one_store_all_return_memory(
         assert len(server.fake.sent("POST", "/v1/search")) == burst  # each sent once: none dropped, none doubled
         counters = store.counters()
         assert (counters["recalls"], counters["recall_hits"], counters["recall_errors"]) == (burst, burst, 0)
-        # At most one request per recall thread was ever in flight, each thread on a connection of its own that
-        # stayed open: none was closed under the burst.
-        assert server.peak_in_flight <= _background.RECALL_THREADS
-        assert server.open_connections == server.connections <= _background.RECALL_THREADS
+        # Kept-alive connections, none closed under the burst.
+        assert server.open_connections == server.connections <= burst
 
 
 # --- A stalled Membase, a refused key ---------------------------------------------------------------------
