@@ -353,7 +353,11 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
 async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing_in_its_wait_is_lost_in_one_line(
     exit_hook, fake, gates, caplog, no_key_in_logs
 ):
-    notes, other, release = capturing(fake, name="notes", write_timeout=BUDGET, close_timeout=BUDGET), InMemoryMembase(), gates.new()
+    notes, other, release = (
+        capturing(fake, name="notes", write_timeout=BUDGET, close_timeout=BUDGET),
+        InMemoryMembase(),
+        gates.new(),
+    )
     await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
     failing = capturing(other)
     await held_write(other, failing, status(500, "internal"), release)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, _runtime
+from membase_strands import MembaseAccessError, MembaseMemoryStore, _runtime
 from membase_strands._runtime import IDLE_NAME, submit, wait_for_future
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase

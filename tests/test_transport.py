@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
@@ -26,7 +27,16 @@ import pytest
 
 from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, MembaseWriteTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall
-from tests.support.loopback import LoopbackMembase, drip, drip_header_lines, meet
+from tests.support.loopback import (
+    HANG_UPS,
+    FullBacklog,
+    LoopbackMembase,
+    drip,
+    drip_header_lines,
+    hang_up,
+    listen_overflows,
+    meet,
+)
 from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, result_text, until, wait_until
 
 DEADLINE = 0.5  # request_timeout, for the tests about it
@@ -118,14 +128,14 @@ async def test_a_recall_and_a_captured_write_left_running_are_hung_up_at_request
     assert await until(lambda: len(loopback.drips) == 2, LONG)  # each drip ends at its next line: the client is gone
     assert all(dripped.hung_up and dripped.sent <= DRIP_BOUND for dripped in loopback.drips), loopback.drips
     assert await until(
-        lambda: store.counters()["recall_late_completions"] == store.counters()["write_errors"] == 1, LONG
+        lambda: store.counters()["recall_late_completions"] == store.counters()["writes_unknown"] == 1, LONG
     )
     assert store.counters().get("errors.timeout") == 2  # each ended as a timeout, not as a lost connection
 
 
-async def test_a_captured_write_to_a_dripping_server_fails_in_the_background_and_the_retry_saves_it(
-    loopback, built, caplog
-):
+async def test_a_captured_write_cut_off_mid_answer_is_never_sent_again_and_said_so_once(loopback, built, caplog):
+    """Membase read the note, then its answer dripped past request_timeout: the note may be saved, so neither the
+    store nor the manager's retry sends it again (an unkeyed write sent twice is stored twice)."""
     caplog.set_level(logging.INFO, logger="membase_strands")
     loopback.on("POST", "/v1/memories", drip(LONG_BODY, every=DRIP_EVERY))
     store = built(capture=True, write_timeout=DEADLINE / 2, request_timeout=DEADLINE)
@@ -133,16 +143,16 @@ async def test_a_captured_write_to_a_dripping_server_fails_in_the_background_and
     with pytest.raises(MembaseWriteTimeout):
         await store.add(NOTE)  # the body drips for longer than the write budget
 
-    failed = "a write that ran out of time failed; the store sends it again with its next write or when it closes"
-    assert await until(lambda: any(failed in r.getMessage() for r in caplog.records), LONG)
+    unknown = "a write that ran out of time ended without an answer: Membase may or may not have saved it"
+    assert await until(lambda: any(unknown in r.getMessage() for r in caplog.records), LONG)
     assert await until(lambda: len(loopback.drips) == 1, LONG)  # the server finds the client gone at its next byte
     assert loopback.drips[0].hung_up and loopback.drips[0].sent <= DRIP_BOUND, loopback.drips
-    # The manager's retry takes the kept batch's place: sent once more, and saved (late, if a loaded machine is slow).
-    with contextlib.suppress(MembaseWriteTimeout):
-        await store.add(NOTE)
-    assert await until(lambda: store.counters()["writes_saved"] == 1, LONG)
-    assert len(loopback.fake.sent("POST", "/v1/memories")) == 2
-    assert (store.counters().get("errors.timeout"), store.counters().get("errors.error")) == (1, None)  # a timeout
+    assert await store.add(NOTE) is None  # the manager's retry sends nothing
+    store.close()
+    assert len(loopback.fake.sent("POST", "/v1/memories")) == 1
+    counters = store.counters()
+    assert (counters["writes_unknown"], counters["writes_sent_again"], counters["writes_deduplicated"]) == (1, 0, 1)
+    assert sum(unknown in r.getMessage() for r in caplog.records) == 1
 
 
 class Chunks(httpx.SyncByteStream):
@@ -210,7 +220,7 @@ def test_recall_the_tool_and_search_keep_at_most_their_limit_when_a_server_sends
 
 
 # --- Connections, TLS and proxies -----------------------------------------------------------------
-def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_retires(loopback, built):
+def test_requests_at_once_each_get_a_connection_kept_alive_for_the_next_turns(loopback, built):
     users = 12
     # The server holds each search until all of them are in: twelve requests in flight at once, a socket each.
     together = threading.Barrier(users)
@@ -223,10 +233,9 @@ def test_each_library_thread_keeps_its_own_connection_and_closes_it_when_it_reti
 
     assert asyncio.run(recall_all()) == [[f"[Main] {FACT}"]] * users
     assert loopback.connections == users
-    assert asyncio.run(made[0].search(QUESTION))  # a kept socket serves the next turn
-    assert loopback.connections == users
-    # Idle threads retire (after 2 s) and close the connections they kept: none is left open.
-    assert wait_until(lambda: loopback.open_connections == 0, timeout=LONG)
+    for store in made:  # kept sockets serve the next turns, whoever's they were
+        assert asyncio.run(store.search(QUESTION))
+    assert loopback.open_connections == loopback.connections == users
 
 
 @pytest.fixture
@@ -291,3 +300,136 @@ def test_a_stores_recall_and_tools_go_through_the_proxy_the_environment_named_wh
         recalls_and_tool_find(built(recall_timeout=LONG), FACT)
         recalls_and_tool_find(proxied, through)
         assert (len(proxy.fake.sent()), len(loopback.fake.sent())) == (4, 4)
+
+
+# --- A save Membase may have read is never sent again ----------------------------------------------------------------
+@pytest.mark.parametrize("way", HANG_UPS)
+def test_a_save_membase_read_before_the_connection_ended_is_stored_once_whichever_path_sent_it(loopback, built, way):
+    """The server reads the save (the fake stores it), then ends the connection without a whole answer. Neither the
+    transport, nor the store, nor the manager's retry sends it again: ``add``, a captured turn and ``membase_save``."""
+    options = {"container": "Main", "capture": True, "write_timeout": LONG, "recall_timeout": LONG}
+    noted = {path: f"Remember the {path} note about the ledger ({way})." for path in ("add", "captured", "tool")}
+
+    loopback.on("POST", "/v1/memories", hang_up(way))
+    store = built(name="add", **options)
+    with pytest.raises(membase.APIConnectionError):
+        asyncio.run(store.add(noted["add"]))
+    assert asyncio.run(store.add(noted["add"])) is None  # the manager's retry: nothing is sent
+
+    loopback.on("POST", "/v1/memories", hang_up(way))
+    agent, _ = make_agent(built(name="captured", extraction=True, **options), ["Noted.", "Noted again."])
+    agent(noted["captured"])  # its flush fails: the manager keeps the batch
+    agent("And that is all.")  # its flush retries the batch: only the new words are sent
+
+    loopback.on("POST", "/v1/memories", hang_up(way))
+    tool_agent, model = make_agent(
+        built(name="tool", **options), [ToolCall("membase_save", {"content": noted["tool"]})]
+    )
+    tool_agent("Please remember it.")
+    assert model.tool_results()[-1]["status"] == "error"
+
+    saved = loopback.fake.saved()
+    assert [saved.count(note) for note in noted.values()] == [1, 1, 1], saved
+    assert "And that is all." in saved
+    sent = [seen.body["content"] for seen in loopback.requests("POST", "/v1/memories")]
+    assert len(sent) == len(set(sent)) == 4, sent  # each once: nothing went out twice
+
+
+# --- Proxies, as httpx reads them ------------------------------------------------------------------------------------
+def through_proxy(store: MembaseMemoryStore, proxy: LoopbackMembase, target: str) -> bool:
+    """Whether one recall by ``store``, and one request by a plain ``httpx.Client`` (httpx's own reading of the
+    environment) to ``target``, went through ``proxy``; they must agree."""
+    before = len(proxy.fake.sent())
+    asyncio.run(store.search(QUESTION))
+    ours = len(proxy.fake.sent()) > before
+    with httpx.Client() as plain:
+        plain.post(f"{target}/v1/search", json={"q": QUESTION}, headers={"Authorization": f"Bearer {API_KEY}"})
+    theirs = len(proxy.fake.sent()) > before + ours
+    assert ours == theirs, f"the store went {'through' if ours else 'around'} the proxy, httpx the other way"
+    return ours
+
+
+def test_the_proxy_variables_route_a_store_as_they_route_httpx(loopback, built, clean_network_env):
+    with LoopbackMembase() as proxy:
+        address = proxy.url.split("//")[1].split("/")[0]
+        membase_port = loopback.url.split(":")[2].split("/")[0]
+        cases = {  # NO_PROXY as users write it: httpx's reading of each is the route
+            "": True,
+            "127.0.0.1": False,
+            f"127.0.0.1:{membase_port}": False,
+            "127.0.0.1:1": True,  # another port
+            "127.0.0.0/8": True,  # httpx reads a CIDR as its first address only
+            "localhost,*": False,
+            ".0.0.1": False,  # a domain suffix: 127.0.0.1 ends with it
+        }
+        for no_proxy, proxied in cases.items():
+            clean_network_env.setenv("HTTP_PROXY", address)  # no scheme: httpx takes it as http://
+            clean_network_env.setenv("NO_PROXY", no_proxy)
+            assert through_proxy(built(recall_timeout=LONG), proxy, loopback.url) == proxied, no_proxy
+
+
+def test_a_proxy_password_shows_nowhere_and_a_proxy_scheme_httpx_cannot_use_is_refused_when_built(
+    built, clean_network_env, caplog
+):
+    caplog.set_level(logging.DEBUG)
+    password = "pr0xy-s3cret-pass"
+    with socket_nobody_answers() as dead:
+        clean_network_env.setenv("HTTP_PROXY", f"http://user:{password}@{dead}")
+        store = built(recall_timeout=LONG, request_timeout=1.0)
+        with pytest.raises(membase.APIConnectionError) as raised:
+            asyncio.run(store.search(QUESTION))
+        agent, model = make_agent(store, [ToolCall("membase_search", {"query": "ledger"}), "done"])
+        agent("go")
+    shown = [str(raised.value), repr(raised.value.__cause__), repr(store), model.tool_result_text(), caplog.text]
+    assert not [text for text in shown if password in text or "s3cret" in text]
+    clean_network_env.setenv("HTTP_PROXY", f"ftp://user:{password}@127.0.0.1:1")
+    with pytest.raises(ValueError, match="scheme 'ftp'") as refused:
+        built()
+    assert password not in str(refused.value)
+
+
+@contextlib.contextmanager
+def socket_nobody_answers() -> Iterator[str]:
+    """``host:port`` of a port that refuses connections (bound, never listening)."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{bound.getsockname()[1]}"
+
+
+# --- A connect that stalls ---------------------------------------------------------------------------------------
+needs_linux_counters = pytest.mark.skipif(listen_overflows() is None, reason="counts stalled connects on Linux only")
+
+
+@needs_linux_counters
+def test_a_connect_that_stalls_is_one_attempt_per_sdk_attempt_ended_at_request_timeout(built, instant_backoff):
+    """A server's listen backlog is full: each connect stalls (its SYN dropped, which the kernel counts). A recall's
+    attempt ends at request_timeout with one connect, and is not tried again past its deadline; a tool's three."""
+    backlog = FullBacklog()
+    try:
+        store = built(base_url=backlog.url, recall_timeout=LONG, request_timeout=DEADLINE)
+        before = listen_overflows() or 0
+        with pytest.raises(membase.APITimeoutError):
+            asyncio.run(store.search(QUESTION))
+        assert (listen_overflows() or 0) - before == 1
+        status, text = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
+        assert status == "error" and "did not answer in time" in text
+        assert (listen_overflows() or 0) - before == 1 + 3  # the SDK's three attempts, one connect each
+    finally:
+        backlog.close()
+
+
+@needs_linux_counters
+def test_a_connect_that_stalls_then_headers_that_drip_end_together_at_request_timeout(built):
+    """The stalled connect gets through when the kernel sends it again (about a second later); then the server drips
+    header lines. The same attempt's deadline ends both: the drip is cut off within the attempt's lines."""
+    backlog, attempt, every = FullBacklog(), 2.0, 0.1
+    try:
+        store = built(base_url=backlog.url, recall_timeout=LONG, request_timeout=attempt)
+        serving = backlog.drip_to_next((listen_overflows() or 0) + 1, every)
+        with pytest.raises(membase.APITimeoutError):
+            asyncio.run(store.search(QUESTION))
+        serving.join(LONG)
+        [dripped] = backlog.dripped
+        assert dripped.hung_up and dripped.lines_within(attempt, every), dripped
+    finally:
+        backlog.close()

@@ -20,6 +20,7 @@ import json
 import re
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -65,6 +66,10 @@ class Dripped:
 
     sent: int
     hung_up: bool
+
+    def lines_within(self, seconds: float, every: float) -> bool:
+        """Whether no more was sent than fits in ``seconds`` at one line (or byte) every ``every`` s, with slack."""
+        return self.sent <= seconds / every + 5
 
 
 class LoopbackMembase:
@@ -379,6 +384,28 @@ def drip_header_lines(every: float = 0.2, limit: float = 60.0, stop: threading.E
     return act
 
 
+HANG_UPS = ("close", "half status line", "reset", "headers then close", "200 KB header")
+"""Ways a server that has read a request can end its connection without a whole answer."""
+
+
+def hang_up(way: str) -> RawAction:
+    """End the connection one of the :data:`HANG_UPS` ways, after the request was read (and the fake acted on it)."""
+
+    def act(handler: _Handler) -> None:
+        handler.close_connection = True
+        if way == "half status line":
+            handler.wfile.write(b"HTTP/1.1 20")
+        elif way == "reset":  # a linger of 0: closing sends RST, not FIN
+            handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        elif way == "headers then close":
+            handler.wfile.write(_OK + b"Content-Length: 100\r\n\r\n")
+        elif way == "200 KB header":
+            handler.wfile.write(_OK + b"X-Huge: " + b"h" * 200_000 + b"\r\n\r\n{}")
+        handler.wfile.flush()
+
+    return act
+
+
 ERROR_FILLER = "The request was rejected because one of its fields is not valid for this Memory. " * 12
 """Readable text around an echoed key: long enough that a key at any offset up to 400 has text after it."""
 
@@ -438,3 +465,63 @@ def huge(length: int, stop: threading.Event | None = None) -> RawAction:
     start = _OK + b"Content-Length: %d\r\n\r\n" % length + _HEAD
     sizes = range(len(_HEAD), length, len(_CHUNK))
     return lambda handler: _stream(handler, start, (_CHUNK[: length - sent] for sent in sizes), stop)
+
+
+def listen_overflows() -> int | None:
+    """How many connections this machine's listeners have refused for a full backlog so far (Linux; else ``None``)."""
+    try:
+        lines = open("/proc/net/netstat", encoding="ascii").read().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            return dict(zip(names.split()[1:], map(int, values.split()[1:]), strict=True)).get("ListenOverflows")
+    return None
+
+
+class FullBacklog:
+    """A listener on 127.0.0.1 whose backlog is full: a connect to :attr:`url` stalls (its SYN is dropped) until
+    :meth:`drip_to_next` frees it; each stalled connect counts once in :func:`listen_overflows`."""
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)  # room for one waiting connection: the filler's
+        self._filler = socket.create_connection(self._listener.getsockname())
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.dripped: list[Dripped] = []
+
+    def drip_to_next(self, overflows: int, every: float = 0.1) -> threading.Thread:
+        """Once ``overflows`` connects have stalled here, free the backlog, take the next connection, read its
+        request and drip header lines to it until it hangs up (recorded in :attr:`dripped`)."""
+
+        def serve() -> None:
+            deadline = time.monotonic() + LIMIT
+            while (listen_overflows() or 0) < overflows and time.monotonic() < deadline:
+                time.sleep(0.01)  # the kernel's counter has no event to wait on
+            waiting, _ = self._listener.accept()  # the filler: its place is free now
+            waiting.close()
+            self._listener.settimeout(LIMIT)
+            connection, _ = self._listener.accept()  # the stalled connect, sent again by its kernel
+            with connection:
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += connection.recv(65536)
+                lines, hung_up = 0, False
+                try:
+                    connection.sendall(_OK)
+                    while time.monotonic() < deadline:
+                        time.sleep(every)
+                        connection.sendall(f"X-Drip-{lines}: still coming\r\n".encode())
+                        lines += 1
+                except OSError:
+                    hung_up = True
+                self.dripped.append(Dripped(lines, hung_up))
+
+        thread = threading.Thread(target=serve, name="full-backlog", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._filler.close()
+        self._listener.close()
