@@ -2,7 +2,7 @@
 
 The server runs as a user starts it (``uvicorn server:app --app-dir examples``; ``gunicorn -k
 uvicorn.workers.UvicornWorker -w 2``) with a scripted model and each user's key in ``MEMBASE_KEY_<user>``; Membase is
-:class:`LoopbackMembase`, one account per key. Twenty concurrent clients, one user each, send turns whose words are
+:class:`LoopbackMembase`, one account per key. Fifty concurrent clients, one user each, send turns whose words are
 unique to their user: two while Membase saves at once, then two while it is slow to save (``SLOW_WRITE`` for each
 first one; each second one held until the lifespan shutdown begins, then ``HELD_PAST_SHUTDOWN`` more), so each 200
 goes out after ``write_timeout`` with its write running. Once half the second writes are in, the server gets SIGTERM
@@ -47,11 +47,11 @@ pytest.importorskip("uvicorn", reason="the served example needs the dev dependen
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 COLLECT_GARBAGE = ROOT / "tests" / "support" / "collect_garbage"
-CLIENTS = 20
+CLIENTS = 50
 FAST_TURNS = 2  # per client, while Membase saves at once
 SLOW_TURNS = 2  # per client, then, while Membase is slow to save
 WRITE_TIMEOUT = 1.0  # the store's write budget: each slow turn's 200 leaves its write running
-SLOW_WRITE = 1.2  # a first slow write takes this long: it ends long before the shutdown
+SLOW_WRITE = 1.5  # a first slow write takes this long (more than WRITE_TIMEOUT): it ends long before the shutdown
 HELD_PAST_SHUTDOWN = 0.2  # a second one ends this long after the lifespan's close began, well within its wait
 SIGTERM_AT = CLIENTS + CLIENTS // 2  # slow writes in: every first one, and half the second ones (in flight for sure)
 WAIT = 60.0  # the longest any wait here lasts (for an answer, for a process to exit), but for a server to start:
