@@ -169,7 +169,7 @@ class MembaseTransport(httpx.BaseTransport):
 
     def __init__(self, route: Route) -> None:
         self._route = route
-        self._reads = route.transport or _Pool(route, keep_alive=True)
+        self._kept_alive = None if route.transport is not None else _pool(route, keep_alive=True)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         deadline = time.monotonic() + self._route.seconds
@@ -179,7 +179,8 @@ class MembaseTransport(httpx.BaseTransport):
                 steps: list[str] = []
                 request.extensions["trace"] = functools.partial(_note, steps)  # httpx's public extension
                 try:
-                    return self._exchange(request, deadline, fresh=last)
+                    status, headers, content = self._exchange(request, deadline, fresh=last)
+                    return httpx.Response(status, headers=headers, content=content, request=request)
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     if last or time.monotonic() >= deadline:
                         raise
@@ -191,36 +192,47 @@ class MembaseTransport(httpx.BaseTransport):
         finally:
             _deadline.reset(token)
 
-    def _exchange(self, request: httpx.Request, deadline: float, *, fresh: bool) -> httpx.Response:
-        """One send of ``request``, its answer read whole within the bounds: a read on a kept-alive connection unless
-        ``fresh``, a write always on a connection of its own."""
-        if self._route.transport is not None or (_is_read(request) and not fresh):
-            return self._read(request, self._reads.handle_request(request), deadline)
-        with _Pool(self._route, keep_alive=False) as own:
-            return self._read(request, own.handle_request(request), deadline)
+    def _exchange(self, request: httpx.Request, deadline: float, *, fresh: bool) -> tuple[int, httpx.Headers, bytes]:
+        """One send of ``request`` and its answer, read whole within the bounds: a read goes on a kept-alive
+        connection unless ``fresh``, a write always on a connection of its own."""
+        if self._route.transport is not None:
+            with contextlib.closing(self._route.transport.handle_request(request)) as response:
+                chunks = response.iter_bytes()  # identity-encoded: the raw body, or a mock's, already read
+                status, headers = response.status_code, response.headers
+                return status, headers, self._body(status, headers, chunks, deadline)
+        own = None if _is_read(request) and not fresh else _pool(self._route, keep_alive=False)
+        pool = own or self._kept_alive
+        assert pool is not None
+        url = request.url
+        target = httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path)
+        sending = httpcore.Request(request.method, target, headers=request.headers.raw, content=request.stream)
+        sending.extensions = request.extensions  # the timeouts, and the trace
+        with _as_httpx(request), own or contextlib.nullcontext():
+            with contextlib.closing(pool.handle_request(sending)) as answer:
+                headers = httpx.Headers(answer.headers)
+                return answer.status, headers, self._body(answer.status, headers, answer.iter_stream(), deadline)
 
-    def _read(self, request: httpx.Request, response: httpx.Response, deadline: float) -> httpx.Response:
-        """The answer with its body read whole within the deadline and the size bound."""
-        limit, encoding = self._route.max_bytes, response.headers.get("content-encoding", "identity")
-        with contextlib.closing(response):
-            if encoding.lower() != "identity":
-                raise BadResponseError(
-                    f"Membase answered with a body compressed as {encoding!r}, which was not asked for",
-                    status=response.status_code,
-                )
-            stated = response.headers.get("content-length", "")
-            length = int(stated) if stated.isdigit() else None
-            if (length or 0) > limit:
-                raise _too_large(limit, response.status_code)
-            body, overdue = bytearray(), False
-            for chunk in response.iter_bytes():  # identity-encoded: the raw body, or a mock's, already read
-                if overdue:  # only more data tells that a late body was not whole
-                    raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
-                body += chunk
-                if len(body) > limit:
-                    raise _too_large(limit, response.status_code)
-                overdue = time.monotonic() > deadline and (length is None or len(body) < length)
-        return httpx.Response(response.status_code, headers=response.headers, content=bytes(body), request=request)
+    def _body(self, status: int, headers: httpx.Headers, chunks: Iterator[bytes], deadline: float) -> bytes:
+        """The whole body, read within the deadline and the size bound."""
+        limit, encoding = self._route.max_bytes, headers.get("content-encoding", "identity")
+        if encoding.lower() != "identity":
+            why = f"Membase answered with a body compressed as {encoding!r}, which was not asked for"
+            raise BadResponseError(why, status=status)
+        stated = headers.get("content-length", "")
+        length = int(stated) if stated.isdigit() else None
+        body, overdue = bytearray(), False
+        for chunk in chunks if (length or 0) <= limit else ():
+            if overdue:  # only more data tells that a late body was not whole
+                raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
+            body += chunk
+            if len(body) > limit:
+                break
+            overdue = time.monotonic() > deadline and (length is None or len(body) < length)
+        if len(body) > limit or (length or 0) > limit:
+            raise BadResponseError(
+                f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status
+            )
+        return bytes(body)
 
 
 def _is_read(request: httpx.Request) -> bool:
@@ -231,86 +243,34 @@ def _note(steps: list[str], step: str, info: dict[str, Any]) -> None:
     steps.append(step)
 
 
-def _too_large(limit: int, status: int) -> BadResponseError:
-    return BadResponseError(f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status)
-
-
-class _Pool(httpx.BaseTransport):
-    """httpcore's connection pool, over the network backend that bounds each attempt; httpx's errors."""
-
-    def __init__(self, route: Route, *, keep_alive: bool) -> None:
-        proxy = None
-        if route.proxy is not None:
-            given = httpx.Proxy(route.proxy)
-            proxy = httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context)
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=route.verify,
-            proxy=proxy,
-            max_connections=None,  # a hung request never keeps another from a connection
-            max_keepalive_connections=None if keep_alive else 0,
-            keepalive_expiry=_KEEP_ALIVE,
-            network_backend=_BoundedBackend(),
-        )
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        with _as_httpx(request):
-            answer = self._pool.handle_request(
-                httpcore.Request(
-                    request.method,
-                    httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
-                    headers=request.headers.raw,
-                    content=request.stream,
-                    extensions=request.extensions,
-                )
-            )
-        assert isinstance(answer.stream, Iterable)
-        return httpx.Response(answer.status, headers=answer.headers, stream=_Body(answer, request))
-
-    def close(self) -> None:
-        self._pool.close()
-
-
-class _Body(httpx.SyncByteStream):
-    def __init__(self, answer: httpcore.Response, request: httpx.Request) -> None:
-        self._answer, self._request = answer, request
-
-    def __iter__(self) -> Iterator[bytes]:
-        with _as_httpx(self._request):
-            yield from self._answer.iter_stream()
-
-    def close(self) -> None:
-        self._answer.close()
-
-
-_ERRORS: dict[type[Exception], type[httpx.TransportError]] = {
-    httpcore.ConnectTimeout: httpx.ConnectTimeout,
-    httpcore.ReadTimeout: httpx.ReadTimeout,
-    httpcore.WriteTimeout: httpx.WriteTimeout,
-    httpcore.PoolTimeout: httpx.PoolTimeout,
-    httpcore.TimeoutException: httpx.TimeoutException,
-    httpcore.ConnectError: httpx.ConnectError,
-    httpcore.ReadError: httpx.ReadError,
-    httpcore.WriteError: httpx.WriteError,
-    httpcore.NetworkError: httpx.NetworkError,
-    httpcore.ProxyError: httpx.ProxyError,
-    httpcore.UnsupportedProtocol: httpx.UnsupportedProtocol,
-    httpcore.RemoteProtocolError: httpx.RemoteProtocolError,
-    httpcore.LocalProtocolError: httpx.LocalProtocolError,
-    httpcore.ProtocolError: httpx.ProtocolError,
-}
+def _pool(route: Route, *, keep_alive: bool) -> httpcore.ConnectionPool:
+    """httpcore's connection pool over the network backend that bounds each attempt."""
+    proxy = None
+    if route.proxy is not None:
+        given = httpx.Proxy(route.proxy)
+        proxy = httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context)
+    return httpcore.ConnectionPool(
+        ssl_context=route.verify,
+        proxy=proxy,
+        max_connections=None,  # a hung request never keeps another from a connection
+        max_keepalive_connections=None if keep_alive else 0,
+        keepalive_expiry=_KEEP_ALIVE,
+        network_backend=_BoundedBackend(),
+    )
 
 
 @contextlib.contextmanager
 def _as_httpx(request: httpx.Request) -> Iterator[None]:
-    """httpcore's errors raised as httpx's (as ``httpx.HTTPTransport`` does), which the SDK knows."""
+    """httpcore's errors raised as httpx's of the same name, as ``httpx.HTTPTransport`` maps them (the SDK knows
+    httpx's)."""
     try:
         yield
     except Exception as error:
-        kind = next((_ERRORS[kind] for kind in type(error).__mro__ if kind in _ERRORS), None)
-        if kind is None:
+        kinds = (kind for kind in type(error).__mro__ if kind.__module__.startswith("httpcore"))
+        same = next((getattr(httpx, kind.__name__) for kind in kinds if hasattr(httpx, kind.__name__)), None)
+        if same is None:
             raise
-        raise kind(str(error), request=request) from error
+        raise same(str(error), request=request) from error
 
 
 class _BoundedBackend(httpcore.NetworkBackend):
