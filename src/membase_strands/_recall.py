@@ -23,7 +23,7 @@ from strands.memory import MemoryEntry
 from . import _background, _telemetry
 from ._background import LOCK, wait_for_future
 from ._formatting import arrange, memory_entries, profile_entry, standing_facts
-from ._gateway import MembaseGateway
+from ._gateway import RECALL, MembaseGateway
 from .errors import MembaseRecallTimeout
 
 T = TypeVar("T")
@@ -49,15 +49,9 @@ class Recall:
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
         self._late: dict[Future[Any], float] = {}  # late request -> when it started
-        self._paused_until = 0.0  # after a 403: no recall before then
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._pid = os.getpid()  # the process that started the requests above
-
-    def pause(self, seconds: float) -> None:
-        """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
-        with LOCK:
-            self._paused_until = time.monotonic() + seconds
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -123,7 +117,7 @@ class Recall:
         with LOCK:
             if self._pid != os.getpid():  # a forked child: the parent's requests have no thread here
                 self._late, self._profile_reading, self._pid = {}, None, os.getpid()
-            if now < self._paused_until:
+            if self._gateway.off(RECALL):  # paused after a 403
                 return "key refused (403)"
             waking = any(started > now - self._hold_limit for started in self._late.values())
         return "memory waking" if waking else None
