@@ -116,8 +116,9 @@ class MembaseGateway:
         self.without_secret: Callable[[BaseException], BaseException] = partial(without_secret, secret=masked)
         self.ledger = Ledger(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
-        self._off: dict[str, tuple[float, str, str]] = {}  # verb -> (when it is tried again, sentence, refusal)
-        self._said: set[str] = set()  # verbs refused as above the level, said at WARNING until one succeeds
+        # verb -> (when it is tried again, sentence, refusal); kept past that time until the verb succeeds. Each step
+        # is one dict operation: no lock.
+        self._off: dict[str, tuple[float, str, str]] = {}
         self._resolver = ContainerResolver()
         # The clients by the process they were built in: (the one that retries, the one that makes a single attempt).
         self._clients: dict[int, tuple[membase.Membase, membase.Membase]] = {}
@@ -169,7 +170,7 @@ class MembaseGateway:
         def send(client: membase.Membase, container_id: str | None) -> Any:
             return client.search(sendable(query), container=container_id, limit=limit)
 
-        answer = self._in(container, "search_memories", send, retry=retry)
+        answer = self._call("search_memories", self._resolved(container, send), retry=retry, container=container)
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
@@ -193,7 +194,7 @@ class MembaseGateway:
             )
             return None
 
-        return self._in(container, SAVE, send, retry=False)
+        return self._call(SAVE, self._resolved(container, send), retry=False, container=container)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
         """The profile: standing facts and recent changes (each as text, masked: all of it may be shown) and, with
@@ -242,8 +243,7 @@ class MembaseGateway:
 
     def off(self, verb: str) -> Refused | None:
         """The refusal that keeps ``verb`` (or :data:`RECALL`) off for now, so that nothing is sent for it; or None."""
-        with LOCK:
-            until, sentence, refusal = self._off.get(verb, (0.0, "", ""))
+        until, sentence, refusal = self._off.get(verb, (0.0, "", ""))
         return Refused(sentence, refusal) if time.monotonic() < until else None
 
     def pause_recall(self, refused: Refused) -> None:
@@ -251,17 +251,15 @@ class MembaseGateway:
         every turn)."""
         self._switch_off(RECALL, refused.message, refused.refusal)
 
-    def _switch_off(self, verb: str, sentence: str, refusal: str) -> None:
-        if self._cooldown is not None:
-            with LOCK:
-                self._off[verb] = (time.monotonic() + self._cooldown, sentence, refusal)
+    def _switch_off(self, verb: str, sentence: str, refusal: str) -> bool:
+        """Switch ``verb`` off for ``access_cooldown``; whether it is news: not refused since it last succeeded."""
+        entry = (time.monotonic() + (self._cooldown or 0.0), sentence, refusal)
+        news = self._off.setdefault(verb, entry) is entry  # one step: two refusals at once are news once
+        self._off[verb] = entry
+        return news
 
-    def _in(
-        self, container: str | None, verb: str, send: Callable[[membase.Membase, str | None], T], *, retry: bool
-    ) -> T:
-        """``send`` with the id of the Memory ``container`` names (see ContainerResolver.call)."""
-        call = lambda client: self._resolver.call(client, container, partial(send, client))  # noqa: E731
-        return self._call(verb, call, retry=retry, container=container)
+    def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
+        return lambda client: self._resolver.call(client, wanted, partial(send, client))  # see ContainerResolver.call
 
     def _call(self, verb: str, call: Callable[[membase.Membase], T], *, retry: bool, container: str | None = None) -> T:
         """``call`` (Membase's ``verb``) with the client that retries (or not), unless the verb is off: a 403 becomes a
@@ -278,9 +276,7 @@ class MembaseGateway:
         except membase.PermissionDeniedError as error:
             denied = error
         else:
-            if verb in self._said:  # allowed again: a later refusal is news
-                with LOCK:
-                    self._said.discard(verb)
+            self._off.pop(verb, None)  # allowed (again): a later refusal is news
             return answer
         refused = self._refused(verb, denied, container)
         refused.__cause__ = self.without_secret(denied)  # raised outside the except: no context holds the server's text
@@ -298,12 +294,9 @@ class MembaseGateway:
         may_not, meanwhile = _LEVELS.get(verb, ("may not do that: it is above the key's access level", ""))
         sentence = f"This Membase key {may_not}. {_OWNER}"
         if verb in _LEVELS:
-            self._switch_off(verb, sentence, LEVEL)
-            with LOCK:
-                first = verb not in self._said
-                self._said.add(verb)
+            news = self._switch_off(verb, sentence, LEVEL)
             pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
-            self.ledger.log(logging.WARNING if first else logging.INFO, f"this Membase key {may_not}{pause}")
+            self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
         return Refused(sentence, LEVEL)
 
 
@@ -320,20 +313,17 @@ def key_hint(key: str) -> tuple[str, str]:
 
 def too_large(texts: Iterable[str]) -> bool:
     """Whether ``texts`` together are more UTF-8 bytes than Membase takes in a note, measured without a copy of any
-    whole: by their lengths where that settles it (``str.isascii()`` costs nothing), else a slice at a time."""
-    texts = list(texts)
-    least = sum(len(text) for text in texts)
-    if (
-        least > MAX_NOTE_BYTES
-        or sum(len(text) if text.isascii() else 4 * len(text) for text in texts) <= MAX_NOTE_BYTES
-    ):
-        return least > MAX_NOTE_BYTES
+    whole: by length where that settles it (``str.isascii()`` costs nothing), else a slice at a time."""
     size = 0
     for text in texts:
-        for start in range(0, len(text), _SLICE):
-            size += len(text[start : start + _SLICE].encode("utf-8", "surrogatepass"))
-            if size > MAX_NOTE_BYTES:
-                return True
+        if text.isascii() or size + len(text) > MAX_NOTE_BYTES:  # a character is a byte at least
+            size += len(text)
+        else:
+            size += sum(
+                len(text[at : at + _SLICE].encode("utf-8", "surrogatepass")) for at in range(0, len(text), _SLICE)
+            )
+        if size > MAX_NOTE_BYTES:
+            return True
     return False
 
 

@@ -24,7 +24,6 @@ from strands.types.tools import AgentTool
 from strands.types.tools import ToolContext as StrandsToolContext
 
 from . import _telemetry
-from ._background import LOCK
 from ._containers import names_in_reach
 from ._failures import LEVEL, Refused, describe_failure
 from ._formatting import Passage, arrange, memory_label, passage_id, profile_text, search_text
@@ -190,8 +189,7 @@ class ToolContext:
         wanted = memory_id.strip()
         if not wanted:
             return _reply("Nothing was forgotten: no id was given.", ok=False)
-        with LOCK:
-            shown = self.shown.get(wanted)
+        shown = self.shown.get(wanted)
         try:
             preview = self.gateway.forget(wanted, confirm=False)  # what would be forgotten; nothing is yet
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
@@ -214,19 +212,18 @@ class ToolContext:
             self.gateway.forget(wanted, confirm=True)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_forget", error)
-        with LOCK:
-            self.shown.pop(wanted, None)
+        self.shown.pop(wanted, None)
         return _reply(f"Forgotten, with the user's approval: {clip(content, 200)}")
 
     def _remember(self, passages: list[Passage]) -> None:
-        """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest."""
-        with LOCK:
-            for passage in passages:
-                if known := passage_id(passage.metadata):
-                    self.shown.pop(known, None)
-                    self.shown[known] = (passage.memory, clip(passage.text, 2000))
-            for oldest in list(self.shown)[: max(0, len(self.shown) - _SHOWN_IDS)]:
-                del self.shown[oldest]
+        """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest
+        (each step one dict operation: safe from any thread)."""
+        for passage in passages:
+            if known := passage_id(passage.metadata):
+                self.shown.pop(known, None)
+                self.shown[known] = (passage.memory, clip(passage.text, 2000))
+        for oldest in list(self.shown)[: max(0, len(self.shown) - _SHOWN_IDS)]:
+            self.shown.pop(oldest, None)
 
     def _memory_of(self, passage_id: str) -> str:
         """The name of the Memory a passage id names, or the id's own prefix when it cannot be looked up."""
