@@ -328,9 +328,7 @@ class MembaseMemoryStore:
         not sent; None when saving is on."""
         if (refused := self._gateway.off(SAVE)) is not None:
             self._ledger.count("writes_refused", amount=parts)
-            self._ledger.log(
-                logging.DEBUG, "captured write not sent: this key may not save, so its words are not saved"
-            )
+            self._ledger.log(logging.DEBUG, "captured write not sent: saving is off, so its words are not saved")
         return refused
 
     async def _await_or_report(self, action: str, running: Awaitable[T]) -> T:
