@@ -74,12 +74,12 @@ class Ledger:
         """Count a failure: ``names``, and ``errors.<kind>`` of ``error``, which the current span records too."""
         kind = describe_failure(error).kind
         self.count(*names, f"errors.{kind}")
-        _current.get(_NOWHERE).outcome(None, error_kind=kind)
+        mark(None, error_kind=kind)
 
     def log(self, level: int, message: str, *, error: BaseException | None = None, **fields: Any) -> None:
         """Set ``fields`` on the current span and, at ``level``, log ``message`` in the Strands style: ``store=<name>,
         key=<hint>, <fields>, reason=<the error's text> | message``, the key masked in all of it."""
-        _current.get(_NOWHERE).outcome(None, **fields)
+        mark(None, **fields)
         if logger.isEnabledFor(level):
             named = {"store": self.store_name, "key": self.key_hint or None, **fields}
             if error is not None:
@@ -152,10 +152,10 @@ _NOWHERE = Operation(trace.INVALID_SPAN)
 
 @contextmanager
 def operation(name: str, ledger: Ledger, links: list[Link] | None = None, **attributes: Any) -> Iterator[Operation]:
-    """A span ``name`` of ``ledger``'s store (with ``membase.<name>`` attributes, the store's name and its key's hint)
-    for the block: a child of the current span or, given the
-    ``links`` of a late outcome, a root span. Left by an exception with no outcome set, its outcome is ``cancelled``,
-    ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text."""
+    """A span ``name`` of ``ledger``'s store (``membase.<name>`` attributes, the store's name and key hint) for the
+    block: a child of the current span or, given the ``links`` of a late outcome, a root span. Left by an exception
+    with no outcome set, its outcome is ``cancelled``, ``timeout`` or ``error`` with ``membase.error.kind``; its status
+    says the outcome, never the error's text."""
     span = _tracer.start_span(name, None if links is None else otel_context.Context(), links=links)
     traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
     ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)

@@ -199,11 +199,7 @@ class InMemoryMembase:
             if body.get("static"):
                 self.standing.append(content)
                 recorded = {"static": True, "status": "recorded", "content": content}
-                return (
-                    httpx.Response(202, json={**recorded, "run_id": "run_1"})
-                    if self.hosted
-                    else httpx.Response(200, json=recorded)
-                )
+                return httpx.Response(202 if self.hosted else 200, json=recorded)
             container = body.get("container")
             if container is None:
                 if len(self.containers) != 1:
@@ -222,17 +218,12 @@ class InMemoryMembase:
 
     def _above_the_key(self, request: httpx.Request) -> str | None:
         """The verb ``request`` asks for, when the key may not use it: above its level, or the profile not ticked."""
-        if request.method == "DELETE":
-            verb, needed = "forget_memory", "full"
-        elif (request.method, request.url.path) == ("POST", "/v1/memories"):
-            verb, needed = "add_memory", "read_write"
-        else:
-            return (
-                "get_profile"
-                if (request.method, request.url.path) == ("GET", "/v1/profile") and not self.profile
-                else None
-            )
-        return verb if LEVELS.index(self.level) < LEVELS.index(needed) else None
+        route = (request.method, request.url.path)
+        if route == ("GET", "/v1/profile"):
+            return None if self.profile else "get_profile"
+        verb, needed = ("forget_memory", "full") if request.method == "DELETE" else ("add_memory", "read_write")
+        writes = request.method == "DELETE" or route == ("POST", "/v1/memories")
+        return verb if writes and LEVELS.index(self.level) < LEVELS.index(needed) else None
 
     def _keep(self, note: Note) -> Note:
         note.id = f"{note.container}:{next(self._numbers)}"
