@@ -72,11 +72,7 @@ def redact(text: str, secret: str) -> str:
     for block in blocks:
         at = text.find(block)
         while at >= 0:
-            runs += [
-                (start, start + PIECE)
-                for start in range(max(0, at - 4), at + 1)
-                if text[start : start + PIECE] in pieces
-            ]
+            runs += [(s, s + PIECE) for s in range(max(0, at - 4), at + 1) if text[s : s + PIECE] in pieces]
             at = text.find(block, at + 1)
     if not runs:  # the common case
         return text
