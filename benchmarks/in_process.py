@@ -244,7 +244,8 @@ def _answer_trials(body: bytes, trials: int) -> dict[str, list[float]]:
     """Seconds of the raw SDK call, the recall, the ``membase_search`` tool and the JSON parse, per trial."""
     fake = _answering(body)
     client = kit_client(fake, max_retries=0)
-    store = fake.store(recall_timeout=60.0)  # one attempt, in a budget the work always fits
+    # One attempt, in a budget the work always fits, reading answers past the default max_response_bytes.
+    store = fake.store(recall_timeout=60.0, max_response_bytes=256 * MB)
     [search] = [
         t for t in store.get_tools() if isinstance(t, DecoratedFunctionTool) and t.tool_name == "membase_search"
     ]

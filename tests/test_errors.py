@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 
 import membase
 import pytest
 
 from membase_strands import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
-from membase_strands._failures import ACCESS_SENTENCE, BadResponseError, describe_failure, redact
+from membase_strands._failures import (
+    ACCESS_SENTENCE,
+    PIECE,
+    BadResponseError,
+    Failure,
+    Refused,
+    describe_failure,
+    redact,
+    refusal_of,
+)
 from membase_strands._text import clip
 from membase_strands.testing import API_KEY
 
@@ -118,3 +128,37 @@ CLIPS += [("nul\x00bell\x07esc\x1bdel\x7fend", 50, "nul bell esc del end")]
 def test_clip(text: str, limit: int, expected: str) -> None:
     assert clip(text, limit) == expected
     assert all(len(clip("a b c d e f g h i j k l m n o p q r s t u v w x y z" * 3, n)) <= n for n in range(1, 30))
+
+
+def test_the_three_403s_are_told_apart_by_membases_words() -> None:
+    level = status_error(
+        membase.PermissionDeniedError, 403, "tool 'add_memory' is not in this agent's capability profile"
+    )
+    reach = status_error(membase.PermissionDeniedError, 403, "container 'mv-1': may not use that container")
+    assert [refusal_of(error) for error in (level, reach, CASES["403"][0])] == ["level", "reach", "revoked"]
+    refused = Refused("This Membase key may not save notes.", "level")
+    assert describe_failure(refused) == Failure("access", "This Membase key may not save notes.")
+    assert MembaseAccessError("x").refusal == "revoked" and MembaseAccessError("x", "reach").refusal == "reach"
+
+
+def _redact_by_every_window(text: str, secret: str) -> str:
+    """The plain reading of redact(): every window of PIECE characters that is a piece of the secret (or of its quoted
+    form) is masked, runs that overlap or touch as one."""
+    forms = (secret, repr(secret)[1:-1])
+    pieces = {form[i : i + PIECE] for form in forms for i in range(len(form) - PIECE + 1)}
+    kept, end = [], 0
+    for start in range(len(text) - PIECE + 1):
+        if text[start : start + PIECE] in pieces:
+            if start > end or not kept:
+                kept += [text[end:start], "[redacted]"]
+            end = start + PIECE
+    return "".join([*kept, text[end:]])
+
+
+def test_redact_finds_every_piece_through_the_keys_aligned_blocks() -> None:
+    chooser = random.Random(7)
+    secret = f"{API_KEY}\n"
+    for _ in range(2000):
+        parts = [secret[a : a + chooser.randint(1, 12)] for a in (chooser.randrange(len(secret)) for _ in range(4))]
+        text = "".join(chooser.choice(["x", " ", "Bearer ", "\\n", *parts]) for _ in range(chooser.randint(0, 30)))
+        assert redact(text, secret) == _redact_by_every_window(text, secret), text

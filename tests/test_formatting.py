@@ -227,6 +227,9 @@ def test_a_passages_id_is_the_one_membase_forget_takes() -> None:
     assert search_text("tea", answer, ids=True).splitlines()[1:] == [
         "1. [Main] tea (id: ctr_main:7)",
         "2. [Main] no id",
+        "",
+        "(A passage shown without an id cannot be forgotten with membase_forget: the user can remove it in the "
+        "Membase app, on its Memory's page.)",
     ]
 
 

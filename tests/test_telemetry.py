@@ -245,7 +245,7 @@ def test_without_a_tracer_the_store_records_nothing_and_recalls_as_before(fake, 
 
 
 async def _link_in_a_task() -> object:
-    with _telemetry.operation(_telemetry.RECALL, "untraced"):
+    with _telemetry.operation(_telemetry.RECALL, _telemetry.Ledger("untraced")):
         return _telemetry.link_here()
 
 

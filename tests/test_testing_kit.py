@@ -6,12 +6,23 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import httpx
+import membase as sdk
 import pytest
 from membase import Membase
 from strands import Agent
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
-from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, refuse_connection, status
+from membase_strands.testing import (
+    API_KEY,
+    InMemoryMembase,
+    ScriptedModel,
+    ToolCall,
+    hang,
+    rate_limited,
+    refuse_connection,
+    status,
+)
 from tests.support.store_helpers import FACT, make_agent
 
 
@@ -127,3 +138,38 @@ def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_
     assert (alice.saved(), bob.saved()) == (["Alice walks."], [])
     assert [r.path for r in alice.sent()] == ["/v1/search", "/v1/search", "/v1/memories"]  # its own key's only
     assert [r.key for r in alice.requests] == [API_KEY, "bob-key", API_KEY, API_KEY]  # the host's, each with its key
+
+
+def test_it_answers_as_hosted_membase_documents_it_for_a_keys_level_and_tick() -> None:
+    membase = InMemoryMembase(level="read", profile=False, hosted=True)
+    note = membase.remember(FACT)
+    client = membase.client(max_retries=0)
+    for refused, verb in [
+        (lambda: client.memories.add("x"), "add_memory"),
+        (lambda: client.memories.forget(note), "forget_memory"),
+        (lambda: client.profile(), "get_profile"),
+    ]:
+        with pytest.raises(sdk.PermissionDeniedError, match=f"'{verb}' is not in this agent's capability"):
+            refused()
+    membase.level, membase.profile = "full", True
+    raw = httpx.Client(
+        base_url=membase.base_url, transport=membase.transport, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    added = raw.post("/v1/memories", json={"content": "I like tea."})
+    assert added.status_code == 202 and added.json()["status"] == "queued"
+    fact = raw.post("/v1/memories", json={"content": "My name is Ada.", "static": True})
+    assert fact.status_code == 202 and fact.json()["status"] == "recorded"
+    asked = client.memories.forget(note)
+    assert asked["status"] == "confirmation_required" and "content" not in asked and asked["how"]
+    membase.sources = False
+    assert "source" not in client.search("ledger")["results"][0]
+    membase.on("POST", "/v1/memories", rate_limited)
+    busy = raw.post("/v1/memories", json={"content": "x", "static": True})
+    assert (
+        busy.status_code == 429 and "retry-after" not in busy.headers and busy.json()["error"]["code"] == "rate_limited"
+    )
+    membase.revoked = True
+    with pytest.raises(sdk.PermissionDeniedError, match="revoked"):
+        client.search("ledger")
+    with pytest.raises(ValueError, match="level"):
+        InMemoryMembase(level="admin")

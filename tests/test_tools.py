@@ -443,7 +443,9 @@ def test_the_user_is_asked_before_anything_is_forgotten_and_yes_forgets_once(fak
     assert result.stop_reason == "interrupt"
     [interrupt] = result.interrupts
     assert interrupt.name == "membase_forget"
-    assert interrupt.reason == {"memory_id": "ctr_work:1", "content": "The launch is in May.", "memory": "Work"}
+    how = "Pass confirm=true to remove it."  # Membase's sentence for the person
+    reason = {"memory_id": "ctr_work:1", "content": "The launch is in May.", "memory": "Work", "how": how}
+    assert interrupt.reason == reason
     assert [r.params for r in fake.sent("DELETE")] == [{"confirm": "false"}]  # asked what would be forgotten
     assert confirmed(fake) == [] and fake.forgotten == [] and len(model.calls) == 1
 

@@ -135,9 +135,10 @@ class SetupCheck:
             with self._lock:
                 first, self._waited_out = self._waited_out is not check, check
             if first:  # agents built together during one outage warn once
-                self._ledger.record(None, level=logging.WARNING, message=unlisted, reason="no answer in time")
+                self._ledger.log(logging.WARNING, unlisted, reason="no answer in time")
         except membase.MembaseError as error:
-            self._ledger.record(None, level=logging.WARNING, message=unlisted, error=error)
+            self._ledger.failed(error)
+            self._ledger.log(logging.WARNING, unlisted, error=error)
         except Exception:
             with self._lock:
                 self._running = None  # the next agent lists the Memories again: they may have changed

@@ -6,6 +6,7 @@ A server may echo what it was sent: every error text that leaves the library goe
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import traceback
 from collections.abc import Callable
@@ -17,15 +18,33 @@ from ._text import clip
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
 ACCESS_SENTENCE = (
-    "Membase refused this key: this Membase key was narrowed or revoked by its owner, "
-    "or the action is above what the key may do. The request was not retried."
+    "Membase refused this key: this Membase key was narrowed or revoked by its owner, or it expired. "
+    "The request was not retried."
 )
+LEVEL, REACH, REVOKED = "level", "reach", "revoked"  # Membase's three 403s (see Refused)
 _TRY_LATER = "; try again in a minute."  # the advice for a failure that may pass
 PIECE = 8  # no run of this many characters of a key ever leaves the library
 
 
 class BadResponseError(membase.MembaseError):
     """Membase answered 2xx with a body this library cannot read (not JSON, or the wrong shape)."""
+
+
+class Refused(membase.PermissionDeniedError):
+    """A 403 told apart (``refusal``: :data:`LEVEL`, :data:`REACH` or :data:`REVOKED`), its message the sentence the
+    model reads; Membase's own text stays on its (masked) cause. The gateway raises it, also without a request for a
+    verb that is off for the store after a refusal."""
+
+    def __init__(self, sentence: str, refusal: str) -> None:
+        super().__init__(sentence, status=403)
+        self.refusal = refusal
+
+
+def refusal_of(error: membase.PermissionDeniedError) -> str:
+    """Which of the three refusals a 403 is, by Membase's message as its documentation words them: "... not in this
+    agent's capability profile" (:data:`LEVEL`), "may not use that container" (:data:`REACH`), else :data:`REVOKED`."""
+    text = error.message[:4096].lower()
+    return LEVEL if "capability profile" in text else REACH if "may not use that container" in text else REVOKED
 
 
 @dataclass(frozen=True)
@@ -43,21 +62,36 @@ def detail_of(error: BaseException, redact: Callable[[str], str] = str) -> str:
 
 
 def redact(text: str, secret: str) -> str:
-    """``text`` with each piece of ``secret`` that is :data:`PIECE` characters or longer masked, wherever it is."""
+    """``text`` with each piece of ``secret`` that is :data:`PIECE` characters or longer masked, wherever it is, in one
+    pass: every such piece holds one of the secret's aligned 4-character blocks whole, so ``str.find`` looks for those
+    and only the few windows around each find are compared."""
     if len(secret) < PIECE:
         return text.replace(secret, "[redacted]") if secret else text
-    forms = (secret, repr(secret)[1:-1])  # transports quote what they reject (b'Bearer ...\n')
-    pieces = {form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1)}
-    if not any(piece in text for piece in pieces):  # the common case
+    pieces, blocks = _pieces(secret)
+    runs = []  # (start, end) of each masked piece
+    for block in blocks:
+        at = text.find(block)
+        while at >= 0:
+            runs += [(s, s + PIECE) for s in range(max(0, at - 4), at + 1) if text[s : s + PIECE] in pieces]
+            at = text.find(block, at + 1)
+    if not runs:  # the common case
         return text
     kept: list[str] = []  # the text and the masks so far
     end = 0  # where the last masked run ends
-    for start in range(len(text) - PIECE + 1):
-        if text[start : start + PIECE] in pieces:
-            if start > end or not kept:  # a run of its own (runs that overlap or touch are one)
-                kept += [text[end:start], "[redacted]"]
-            end = start + PIECE
+    for start, stop in sorted(runs):
+        if start > end or not kept:  # a run of its own (runs that overlap or touch are one)
+            kept += [text[end:start], "[redacted]"]
+        end = max(end, stop)
     return "".join([*kept, text[end:]])
+
+
+@functools.lru_cache(maxsize=1024)
+def _pieces(secret: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The :data:`PIECE`-character pieces of ``secret`` and of its quoted form (transports quote what they reject:
+    ``b'Bearer ...\\n'``), and their aligned 4-character blocks."""
+    forms = (secret, repr(secret)[1:-1])
+    pieces = frozenset(form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1))
+    return pieces, tuple({form[start : start + 4] for form in forms for start in range(0, len(form) - 3, 4)})
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:
@@ -80,7 +114,10 @@ def describe_failure(
     detail = detail_of(error, redact)
     # Order matters: APITimeoutError is an APIConnectionError, every status error an APIStatusError.
     if isinstance(error, (membase.PermissionDeniedError, MembaseAccessError)):
-        return Failure("access", ACCESS_SENTENCE)
+        said = (
+            error.message if isinstance(error, Refused) else str(error) if isinstance(error, MembaseAccessError) else ""
+        )
+        return Failure("access", said or ACCESS_SENTENCE)
     if isinstance(error, membase.AuthenticationError):
         return Failure("unauthenticated", "Membase did not receive a usable API key (401); check MEMBASE_API_KEY.")
     if isinstance(error, (membase.APITimeoutError, MembaseRecallTimeout, MembaseWriteTimeout)):

@@ -1,8 +1,9 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
 Everything from Membase is data: names stay on one line inside the brackets that frame them, passages lose control
-characters and unpaired surrogates. The work is bounded by what can be shown: cleaning maps each character on its own,
-so a passage is cleaned only as far as it takes to show it or to tell it from the others.
+characters and unpaired surrogates, and the key is masked in what is shown (a server may echo it). The work is bounded
+by what can be shown: cleaning maps each character on its own, so a passage is cleaned (and masked) only as far as it
+takes to show it or to tell it from the others.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ PROFILE_LABEL = "Membase profile"
 _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
 _SILENCE = "Nothing from it is included, so its silence is not evidence that it holds nothing relevant."
 _NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
+_NO_ID = (
+    "(A passage shown without an id cannot be forgotten with membase_forget: the user can remove it in the Membase "
+    "app, on its Memory's page.)"
+)
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
 _FOLD_START = 256
 
@@ -63,7 +68,8 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer; :func:`arrange` sets the ``floor`` it applied and what it left out below it or as copies."""
+    """A search answer; :func:`arrange` sets the ``floor`` it applied and what it left out below it or as copies, and
+    masks with ``redact`` what it shows."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]
@@ -71,6 +77,7 @@ class SearchAnswer:
     floor: float | None = None
     below_floor: int = 0
     folded: int = 0
+    redact: Callable[[str], str] = field(default=str, repr=False, compare=False)
 
 
 def memory_label(name: str) -> str:
@@ -85,7 +92,8 @@ def _label_of(name: str) -> str:
 
 def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> SearchAnswer:
     """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
-    (arrange() drops blank ones), and its Memories that report an ``error``. No ``results`` list: BadResponseError."""
+    (arrange() drops blank ones, and masks with ``redact`` what it shows), and its Memories that report an ``error``,
+    masked. No ``results`` list: BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
@@ -102,9 +110,9 @@ def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> S
     for row in rows:
         if error := row.get("error"):
             reason = clip(clean_text(redact(str(error)[:4096])), 200) or "no reason given"
-            unsearched.append(Unsearched(memory_label(str(row.get("name") or row.get("id") or "")), reason))
+            unsearched.append(Unsearched(redact(memory_label(str(row.get("name") or row.get("id") or ""))), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
-    return SearchAnswer(passages, unsearched, none_answered)
+    return SearchAnswer(passages, unsearched, none_answered, redact=redact)
 
 
 def arrange(
@@ -122,7 +130,8 @@ def arrange(
     shown = [reading for reading in readings if first[reading] is reading]
     kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
     below, folded = len(shown) - len(kept), len(readings) - len(shown)
-    return SearchAnswer(_fit(kept[:most], budget), answer.unsearched, answer.none_answered, min_score, below, folded)
+    passages = _fit(kept[:most], budget, answer.redact)
+    return SearchAnswer(passages, answer.unsearched, answer.none_answered, min_score, below, folded, answer.redact)
 
 
 class _Reading:
@@ -173,20 +182,30 @@ def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]
             yield [copy for first in same for copy in copies[first.head]]
 
 
-def _fit(readings: list[_Reading], budget: int | None) -> list[Passage]:
+def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], str] = str) -> list[Passage]:
     kept: list[Passage] = []
     left = sys.maxsize if budget is None else budget
     for reading in readings:
-        memory, *others = reading.memories
         room = left - sum(len(name) + 3 for name in reading.memories)  # the label: "[name] " for each
         text = clean_text(reading.head) if not reading.long and room >= 0 else None
         if text is not None and len(text) <= room:
-            kept.append(Passage(memory, text, reading.passage.metadata, tuple(others)))
+            kept.append(_shown(reading, redact(text), redact))
             left = room - len(text)
         elif not kept:  # the best passage alone is longer than the budget: it is shown cut, alone
-            text = (text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
-            return [Passage(memory, text, {**reading.passage.metadata, "cut": True}, tuple(others))]
+            text = redact(text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
+            return [_shown(reading, text, redact, cut=True)]
     return kept
+
+
+def _shown(reading: _Reading, text: str, redact: Callable[[str], str], **extra: Any) -> Passage:
+    """A passage as the model is shown it: ``text``, its labels masked, and only the plain values of its hit's fields
+    (text masked): a field that holds a list or an object is left out."""
+    memory, *others = (redact(name) for name in reading.memories)
+    plain = {
+        key: value for key, value in reading.passage.metadata.items() if isinstance(value, str | int | float | None)
+    }
+    metadata = {key: redact(value) if isinstance(value, str) else value for key, value in plain.items()}
+    return Passage(memory, text, {**metadata, **extra}, tuple(others))
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
@@ -204,7 +223,8 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
 
 
 def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
-    """The ``membase_search`` tool's answer to what :func:`arrange` returned; ``ids``: each passage's id too."""
+    """The ``membase_search`` tool's answer to what :func:`arrange` returned; ``ids``: each passage's id too (and
+    how to remove those that have none)."""
     quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
     weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
@@ -216,6 +236,8 @@ def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
         found = f"Membase found {count} passage{'s' if count != 1 else ''} for {quoted}:"
         lines = [found, *_numbered(answer.passages, ids)]
         lines += ["", f"({weaker}.)"] if below else []
+        if ids and not all(passage_id(passage.metadata) for passage in answer.passages):
+            lines += ["", _NO_ID]
     elif below:
         lines = [f"Nothing matched {quoted} above the relevance floor: {weaker}."]
     elif answer.unsearched:
@@ -227,12 +249,13 @@ def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
     return "\n".join(lines)
 
 
-def profile_text(body: Any, topic: str | None, limit: int | None = None) -> str:
+def profile_text(body: Any, topic: str | None, limit: int | None = None, redact: Callable[[str], str] = str) -> str:
     """The ``membase_profile`` tool's answer: standing facts, recent changes and the first 50 results on
-    ``topic``, fitted to ``limit`` as by :func:`arrange` in the profile's order, and cut at a line past it."""
-    standing, recent = _bulleted(standing_facts(body)), _bulleted(_facts(body.get("dynamic")))
+    ``topic``, fitted to ``limit`` as by :func:`arrange` in the profile's order (masked by ``redact``), and cut at a
+    line past it."""
+    standing, recent = _bulleted(standing_facts(body)), _bulleted(facts(body.get("dynamic")))
     results = parse_search({"results": _as_list(body.get("results"))}, 50).passages if topic else []
-    topical = _numbered(_fit(_readings(results, limit), limit))
+    topical = _numbered(_fit(_readings(results, limit), limit, redact))
     about = f'"{clip(topic or "", 120)}"'
     if not (standing or recent or topical):
         if topic:
@@ -253,7 +276,7 @@ def standing_facts(body: Any) -> list[str]:
     """The standing facts of a ``client.profile()`` answer, as text."""
     if not isinstance(body, dict):
         raise BadResponseError("the profile answer is not an object")
-    return _facts(body.get("static"))
+    return facts(body.get("static"))
 
 
 def profile_entry(facts: list[str], budget: int | None) -> MemoryEntry:
@@ -264,7 +287,7 @@ def profile_entry(facts: list[str], budget: int | None) -> MemoryEntry:
     return MemoryEntry(content=text, metadata={"memory": PROFILE_LABEL, "profile": True, "standing_facts": len(facts)})
 
 
-def _facts(items: Any) -> list[str]:
+def facts(items: Any) -> list[str]:
     """The text of each profile fact (a string, or an object with its text under a few names)."""
     facts = []
     for item in _as_list(items):

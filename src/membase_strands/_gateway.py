@@ -6,15 +6,21 @@ does (the tools, which should wait out a waking memory); one makes a single atte
 hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
 A forked child builds its own at its first call; a client passed in (``client=``) cannot be rebuilt, so one used
 before the fork is refused in the child.
+
+It also keeps what Membase refused (docs/access.md): a verb above the key's level is off for ``access_cooldown``
+seconds (said once, then no request is sent for it), and automatic recall pauses as long after a 403. What it hands
+on from Membase is masked: the key never leaves it, only its hint (:func:`key_hint`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,8 +30,9 @@ import membase
 
 from . import _http, _local, _runtime
 from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
-from ._failures import BadResponseError, redact, without_secret
-from ._formatting import SearchAnswer, parse_search
+from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, redact, refusal_of, without_secret
+from ._formatting import SearchAnswer, facts, memory_label, parse_search
+from ._telemetry import Ledger
 from ._text import sendable
 
 logger = logging.getLogger(__name__)
@@ -35,6 +42,25 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "https://api.app.membase.com"
 # What the SDK lets through for a 2xx whose body it cannot decode (``response.json()`` raises either).
 _UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
+MAX_NOTE_BYTES = 32 * 1024 * 1024  # Membase takes uploads of up to 32 MiB a file, and a note is one
+_SLICE = 1024 * 1024  # characters encoded at a time to measure a note
+
+# Membase's verbs that a key's level may refuse, and the recall pause, by the name its refusals use.
+SAVE, FORGET, PROFILE, RECALL = "add_memory", "forget_memory", "get_profile", "recall"
+# verb -> (what the key may not do, as the model reads it; what the store does while it is off, for the log)
+_LEVELS = {
+    SAVE: (
+        "may not save notes: saving needs a key with Read & write access",
+        "captured writes are not sent (their words are not saved; capture=False stops capturing) and membase_save "
+        "answers without a request; recall goes on",
+    ),
+    FORGET: ("may not forget or delete: that needs a key with Full access", "membase_forget answers without a request"),
+    PROFILE: (
+        "may not read the profile: its owner did not allow it (the 'Your profile' tick)",
+        "recall_profile and membase_profile leave the profile out",
+    ),
+}
+_OWNER = "Its owner can change that on the key's page in the Membase app (Connect › Developer keys)."
 
 
 class MembaseGateway:
@@ -51,6 +77,7 @@ class MembaseGateway:
         transport: httpx.BaseTransport | None = None,
         request_timeout: float = 90.0,
         max_response_bytes: int = 16 * 1024 * 1024,
+        access_cooldown: float | None = 60.0,
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
@@ -81,6 +108,16 @@ class MembaseGateway:
                 self.base_url = self._route.base_url
         self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
+        # Redaction masks a developer key's token only: its hint is meant to be logged. A function of the token alone:
+        # the ledger holds it, and must not hold the gateway.
+        self.key_hint, masked = key_hint(self._secret)
+        self.redact: Callable[[str], str] = partial(redact, secret=masked)
+        self.without_secret: Callable[[BaseException], BaseException] = partial(without_secret, secret=masked)
+        self.ledger = Ledger(store_name, self.redact, self.key_hint)
+        self._cooldown = access_cooldown
+        # verb -> (when it is tried again, sentence, refusal); kept past that time until the verb succeeds. Each step
+        # is one dict operation: no lock.
+        self._off: dict[str, tuple[float, str, str]] = {}
         self._resolver = ContainerResolver()
         self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
         self._lock, self._given_used_before_fork = _runtime.new_lock(), False
@@ -140,12 +177,15 @@ class MembaseGateway:
         def send(client: membase.Membase, container_id: str | None) -> Any:
             return client.search(sendable(query), container=container_id, limit=limit)
 
-        answer = self._call(lambda client: self._resolver.call(client, container, partial(send, client)), retry=retry)
+        answer = self._call("search_memories", self._resolved(container, send), retry=retry, container=container)
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
         """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored. A 2xx
-        whose body cannot be read means Membase took the note: it counts as saved (``None``)."""
+        whose body cannot be read means Membase took the note: it counts as saved (``None``). ``ValueError``: the
+        note is larger than Membase takes (nothing is copied or sent)."""
+        if too_large([content]):
+            raise ValueError(f"the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); nothing was sent")
 
         def send(client: membase.Membase, container_id: str | None) -> Any:
             try:
@@ -156,15 +196,21 @@ class MembaseGateway:
                 if not 200 <= (error.status or 0) < 300:
                     raise
                 why = f"unreadable ({error.message})"  # too large, or compressed
-            message = "store=<%s>, reason=<2xx answer is %s> | Membase accepted the note; counting it as saved"
-            logger.warning(message, self._store_name, why)
+            self.ledger.log(
+                logging.WARNING, "Membase accepted the note; counting it as saved", reason=f"2xx answer is {why}"
+            )
             return None
 
-        return self._call(lambda client: self._resolver.call(client, container, partial(send, client)), retry=False)
+        return self._call(SAVE, self._resolved(container, send), retry=False, container=container)
 
-    def profile(self, topic: str | None, *, retry: bool = True) -> Any:
-        """The profile: standing facts, recent changes and, with ``topic``, relevant results."""
-        return self._call(lambda client: client.profile(q=sendable(topic) if topic else None), retry=retry)
+    def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
+        """The profile: standing facts and recent changes (each as text, masked: all of it may be shown) and, with
+        ``topic``, relevant results (masked as they are shown)."""
+        body = self._call(PROFILE, lambda client: client.profile(q=sendable(topic) if topic else None), retry=retry)
+        if not isinstance(body, dict):
+            raise BadResponseError("the profile answer is not an object")
+        masked = {key: [self.redact(fact) for fact in facts(body.get(key))] for key in ("static", "dynamic")}
+        return {**body, **masked}
 
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
         """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it); without
@@ -176,18 +222,19 @@ class MembaseGateway:
                 return client.documents.delete(urllib.parse.quote(document, safe=""), confirm=confirm)
             return client.memories.forget(urllib.parse.quote(passage_id, safe=":"), confirm=confirm)
 
-        answer = self._call(forget, retry=False)  # a confirmed forget is sent once
+        answer = self._call(FORGET, forget, retry=False)  # a confirmed forget is sent once
         if not isinstance(answer, dict):
             raise BadResponseError("the answer to a forget is not an object")
         return answer
 
     def memories_in_reach(self) -> list[Container]:
-        """The Memories this key reaches, in one attempt."""
-        return parse_containers(self._call(lambda client: client.containers.list(), retry=False))
+        """The Memories this key reaches, in one attempt, their names masked."""
+        listed = parse_containers(self._call("list_containers", lambda client: client.containers.list(), retry=False))
+        return [Container(container.id, self.redact(container.name)) for container in listed]
 
     def container_id(self, name: str) -> str:
         """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
-        return self._call(lambda client: self._resolver.resolve(client, name), retry=True)
+        return self._call("list_containers", lambda client: self._resolver.resolve(client, name), retry=True)
 
     def check_setup(self, container: str | None) -> None:
         """The store's set-up check: the pinned Memory's id, remembered; or, with none pinned, one Memory at most
@@ -201,20 +248,90 @@ class MembaseGateway:
                 "the one to write to"
             )
 
-    def _call(self, call: Callable[[membase.Membase], T], *, retry: bool) -> T:
-        """``call`` with the client that retries (or not); a 2xx body that cannot be read becomes a Membase error."""
+    def off(self, verb: str) -> Refused | None:
+        """The refusal that keeps ``verb`` (or :data:`RECALL`) off for now, so that nothing is sent for it; or None."""
+        until, sentence, refusal = self._off.get(verb, (0.0, "", ""))
+        return Refused(sentence, refusal) if time.monotonic() < until else None
+
+    def pause_recall(self, refused: Refused) -> None:
+        """Pause automatic recall for ``access_cooldown`` after it met ``refused`` (a revoked key is not asked on
+        every turn)."""
+        self._switch_off(RECALL, refused.message, refused.refusal)
+
+    def _switch_off(self, verb: str, sentence: str, refusal: str) -> bool:
+        """Switch ``verb`` off for ``access_cooldown``; whether it is news: not refused since it last succeeded."""
+        entry = (time.monotonic() + (self._cooldown or 0.0), sentence, refusal)
+        news = self._off.setdefault(verb, entry) is entry  # one step: two refusals at once are news once
+        self._off[verb] = entry
+        return news
+
+    def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
+        return lambda client: self._resolver.call(client, wanted, partial(send, client))  # see ContainerResolver.call
+
+    def _call(self, verb: str, call: Callable[[membase.Membase], T], *, retry: bool, container: str | None = None) -> T:
+        """``call`` (Membase's ``verb``) with the client that retries (or not), unless the verb is off: a 403 becomes a
+        :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's error is masked."""
+        if (refused := self.off(verb)) is not None:
+            raise refused
         client = self._client(retry=retry)
         try:
-            return call(client)
-        except _UNREADABLE as error:  # a ValueError of the library's own (a Memory name) passes
+            answer = call(client)
+        except _UNREADABLE as error:
             raise BadResponseError(f"Membase answered with a body that is {_unreadable(error)}") from None
+        except ValueError as error:  # the library's own, about a Memory name: it may list names Membase sent
+            raise ValueError(self.redact(str(error))) from None
+        except membase.PermissionDeniedError as error:
+            denied = error
+        else:
+            self._off.pop(verb, None)  # allowed (again): a later refusal is news
+            return answer
+        refused = self._refused(verb, denied, container)
+        refused.__cause__ = self.without_secret(denied)  # raised outside the except: no context holds the server's text
+        raise refused
 
-    def redact(self, text: str) -> str:
-        return redact(text, self._secret)
+    def _refused(self, verb: str, error: membase.PermissionDeniedError, container: str | None) -> Refused:
+        """The :class:`Refused` of a 403 to ``verb``; one above the key's level switches the verb off, said once."""
+        refusal = refusal_of(error)
+        if refusal == REACH:
+            named = f"the Memory '{memory_label(container)}'" if container else "a Memory the request named"
+            outside = f"Membase refused {named}: it is outside this Membase key's reach, or no longer exists"
+            return Refused(self.redact(f"{outside}; the other Memories in reach still work."), REACH)
+        if refusal != LEVEL:
+            return Refused(ACCESS_SENTENCE, refusal)
+        may_not, meanwhile = _LEVELS.get(verb, ("may not do that: it is above the key's access level", ""))
+        sentence = f"This Membase key {may_not}. {_OWNER}"
+        if verb in _LEVELS:
+            news = self._switch_off(verb, sentence, LEVEL)
+            pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
+            self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
+        return Refused(sentence, LEVEL)
 
-    def without_secret(self, error: BaseException) -> BaseException:
-        """``error``, or a copy without the API key when it (or an error chained to it) carries the key."""
-        return without_secret(error, self._secret)
+
+def key_hint(key: str) -> tuple[str, str]:
+    """What logs, spans and ``repr`` show of ``key``, and what must never be shown: for a developer key
+    (``mbk_<key id>_<token>``) ``mbk_<key id>…``, the part the Membase app shows, and its token; for a key of any other
+    shape, a digest that reveals none of it, and the whole key. ``("", "")`` for no key (local Membase)."""
+    kind, _, rest = key.partition("_")
+    key_id, _, token = rest.partition("_")
+    if kind == "mbk" and key_id and token:
+        return f"mbk_{key_id}…", token
+    return ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key
+
+
+def too_large(texts: Iterable[str]) -> bool:
+    """Whether ``texts`` together are more UTF-8 bytes than Membase takes in a note, measured without a copy of any
+    whole: by length where that settles it (``str.isascii()`` costs nothing), else a slice at a time."""
+    size = 0
+    for text in texts:
+        if text.isascii() or size + len(text) > MAX_NOTE_BYTES:  # a character is a byte at least
+            size += len(text)
+        else:
+            size += sum(
+                len(text[at : at + _SLICE].encode("utf-8", "surrogatepass")) for at in range(0, len(text), _SLICE)
+            )
+        if size > MAX_NOTE_BYTES:
+            return True
+    return False
 
 
 def _checked_key(key: str | None) -> str:

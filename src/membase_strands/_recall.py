@@ -21,7 +21,7 @@ from strands.memory import MemoryEntry
 
 from . import _runtime, _telemetry
 from ._formatting import arrange, memory_entries, profile_entry, standing_facts
-from ._gateway import MembaseGateway
+from ._gateway import RECALL, MembaseGateway
 from ._runtime import wait_for_future
 from .errors import MembaseRecallTimeout
 
@@ -48,7 +48,6 @@ class Recall:
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
         self._late: dict[Future[Any], float] = {}  # late request -> when it started
-        self._paused_until = 0.0  # after a 403: no recall before then
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._lock = _runtime.new_lock()
@@ -56,10 +55,6 @@ class Recall:
 
     def _forget_parent_requests(self) -> None:
         self._late, self._profile_reading = {}, None  # a forked child: their threads are the parent's
-
-    def pause(self, seconds: float) -> None:
-        """Skip recalls for ``seconds`` (Membase refused the key: a revoked key is not hit on every turn)."""
-        self._paused_until = time.monotonic() + seconds
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -121,7 +116,7 @@ class Recall:
 
     def _skip(self) -> str | None:
         now = time.monotonic()
-        if now < self._paused_until:
+        if self._gateway.off(RECALL):  # paused after a 403
             return "key refused (403)"
         with self._lock:
             waking = any(started > now - self._hold_limit for started in self._late.values())

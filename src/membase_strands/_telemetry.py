@@ -1,11 +1,11 @@
 """What a store did, recorded once: counted (its ``counters()``, and OpenTelemetry metrics over them), set on the
-current span, and logged where the words matter (:meth:`Ledger.record`).
+current span, and logged where the words matter (:class:`Ledger`).
 
 Spans go through ``opentelemetry-api``'s global tracer provider only, as children of the current span (under
 Strands 1.46+, the manager's ``memory.*`` spans); a recall or write that ends after its caller stopped waiting gets
-a root span linked to its own. No span attribute carries the key or an error's text (only its kind), nor the user's
-words unless named in the ``gen_ai_unredacted_attributes=`` token of ``OTEL_SEMCONV_STABILITY_OPT_IN`` as Strands
-reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands, without the token no text is recorded.
+a root span linked to its own. No span attribute carries the key (only its hint) or an error's text (only its kind),
+nor the user's words unless named in the ``gen_ai_unredacted_attributes=`` token of ``OTEL_SEMCONV_STABILITY_OPT_IN``
+as Strands reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands, without the token no text is recorded.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ NOTE_TEXT = "membase.note.text"
 # Always in a snapshot; ``errors.<kind>`` (describe_failure's kinds) and ``tool_calls.<tool>`` once they happen.
 STANDARD = tuple(
     """recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled recall_late_completions
-    recall_errors writes_saved writes_deduplicated writes_sent_again writes_unknown writes_lost write_timeouts
-    write_cancellations write_errors""".split()
+    recall_errors writes_saved writes_deduplicated writes_sent_again writes_unknown writes_lost writes_refused
+    write_timeouts write_cancellations write_errors""".split()
 )
 
 # A proxy until a tracer provider is set, then the real thing: a provider set after import still counts.
@@ -56,45 +56,53 @@ _ledgers_lock = _runtime.new_lock()
 
 
 class Ledger:
-    """One store's record of what it did; safe from any thread."""
+    """One store's record of what it did, safe from any thread: :meth:`count` and :meth:`failed` count, :func:`mark`
+    sets the current span's outcome, :meth:`log` writes a line (and sets its fields on the span)."""
 
-    def __init__(self, store_name: str, redact: Callable[[str], str]) -> None:
-        self.store_name = store_name
-        self._redact = redact
+    def __init__(self, store_name: str, redact: Callable[[str], str] = str, key_hint: str = "") -> None:
+        self.store_name, self.key_hint, self.redact = store_name, key_hint, redact
         self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under its lock
         self.lock = _runtime.new_lock()
         with _ledgers_lock:
             _ledgers.add(self)
 
-    def record(
-        self,
-        outcome: str | None,
-        *counted: str,
-        amount: int = 1,
-        level: int | None = None,
-        message: str = "",
-        error: BaseException | None = None,
-        **attributes: Any,
-    ) -> None:
-        """Count ``amount`` more of each of ``counted``; set ``outcome`` and ``attributes`` (and the kind of
-        ``error``) on the current span; at ``level``, log ``message`` after the attributes and the error's text
-        (key masked), in the Strands style: ``store=<name>, reason=<...> | message``."""
-        kind = None if error is None else describe_failure(error).kind
-        counted = counted if kind is None else (*counted, f"errors.{kind}")
-        if counted:
-            with self.lock:
-                for name in counted:
-                    self.counts[name] += amount
-        _current.get(_NOWHERE).outcome(outcome, error_kind=kind, **attributes)
-        if level is not None and logger.isEnabledFor(level):
-            fields = {"store": self.store_name, **attributes}
+    def count(self, *names: str, amount: int = 1) -> None:
+        """Count ``amount`` more of each of ``names``."""
+        with self.lock:
+            for name in names:
+                self.counts[name] += amount
+
+    def failed(self, error: BaseException, *names: str) -> None:
+        """Count a failure: ``names``, and ``errors.<kind>`` of ``error``, which the current span records too."""
+        kind = describe_failure(error).kind
+        self.count(*names, f"errors.{kind}")
+        mark(None, error_kind=kind)
+
+    def log(self, level: int, message: str, *, error: BaseException | None = None, **fields: Any) -> None:
+        """Set ``fields`` on the current span and, at ``level``, log ``message`` in the Strands style: ``store=<name>,
+        key=<hint>, <fields>, reason=<the error's text> | message``, the key masked in all of it."""
+        mark(None, **fields)
+        if logger.isEnabledFor(level):
+            named = {"store": self.store_name, "key": self.key_hint or None, **fields}
             if error is not None:
-                fields["reason"] = detail_of(error, self._redact)
-            logger.log(level, "%s | %s", ", ".join(f"{name}=<{value}>" for name, value in fields.items()), message)
+                named["reason"] = detail_of(error)
+            line = ", ".join(f"{name}=<{value}>" for name, value in named.items() if value is not None)
+            logger.log(level, "%s", self.redact(f"{line} | {message}"))
+
+    def record(self, outcome: str | None, *counted: str, amount: int = 1, **logged: Any) -> None:
+        """The all-in-one call of the modules not moved to the calls above yet (``_writes``, ``_recall``): count,
+        mark, and with ``level=`` log ``message=`` (and ``error=``, which is counted by kind too)."""
+        level, message, error = logged.pop("level", None), logged.pop("message", ""), logged.pop("error", None)
+        self.count(*counted, amount=amount)
+        if error is not None:
+            self.failed(error)
+        mark(outcome, **logged)
+        if level is not None:
+            self.log(level, message, error=error, **logged)
 
     def late(self, span: str, linked: SpanContext | None, outcome: str, *counted: str, **record: Any) -> None:
         """:meth:`record` the late end of a recall or write on a root span linked to its turn's (which has ended)."""
-        with operation(span, self.store_name, [Link(linked)] if linked is not None else []):
+        with operation(span, self, [Link(linked)] if linked is not None else []):
             self.record(outcome if record.get("error") is None else "error", *counted, **record)
 
     def snapshot(self) -> dict[str, int]:
@@ -103,11 +111,18 @@ class Ledger:
             return dict(self.counts)
 
 
+def mark(outcome: str | None, **attributes: Any) -> None:
+    """Set the current span's outcome (unless ``None``) and ``membase.`` attributes (but ``None`` ones)."""
+    _current.get(_NOWHERE).outcome(outcome, **attributes)
+
+
 @dataclass
 class Operation:
-    """One span of the store's work; nothing is recorded on a span that is not recording."""
+    """One span of the store's work; nothing is recorded on a span that is not recording, and text set on it is
+    ``redact``-ed."""
 
     span: trace.Span
+    redact: Callable[[str], str] = str
     outcome_set: str | None = None
 
     def outcome(self, outcome: str | None, *, error_kind: str | None = None, **attributes: Any) -> None:
@@ -116,12 +131,13 @@ class Operation:
             self.outcome_set = outcome or self.outcome_set
             for name, value in {"outcome": outcome, "error.kind": error_kind, **attributes}.items():
                 if value is not None:
-                    self.span.set_attribute(f"membase.{name}", value)
+                    self.span.set_attribute(f"membase.{name}", self.redact(value) if isinstance(value, str) else value)
 
     def text(self, attribute: str, value: str | Sequence[str]) -> None:
         """Record the user's words under ``attribute``, only if they opted in to it."""
         if self.span.is_recording() and _opted_in(attribute):
-            self.span.set_attribute(attribute, value if isinstance(value, str) else list(value))
+            masked = self.redact(value) if isinstance(value, str) else [self.redact(text) for text in value]
+            self.span.set_attribute(attribute, masked)
 
 
 def _opted_in(attribute: str) -> bool:
@@ -137,16 +153,17 @@ _NOWHERE = Operation(trace.INVALID_SPAN)
 
 
 @contextmanager
-def operation(name: str, store_name: str, links: list[Link] | None = None, **attributes: Any) -> Iterator[Operation]:
-    """A span ``name`` (with ``membase.<name>`` attributes) for the block: a child of the current span or, given the
-    ``links`` of a late outcome, a root span. Left by an exception with no outcome set, its outcome is ``cancelled``,
-    ``timeout`` or ``error`` with ``membase.error.kind``; its status says the outcome, never the error's text."""
+def operation(name: str, ledger: Ledger, links: list[Link] | None = None, **attributes: Any) -> Iterator[Operation]:
+    """A span ``name`` of ``ledger``'s store (``membase.<name>`` attributes, the store's name and key hint) for the
+    block: a child of the current span or, given the ``links`` of a late outcome, a root span. Left by an exception
+    with no outcome set, its outcome is ``cancelled``, ``timeout`` or ``error`` with ``membase.error.kind``; its status
+    says the outcome, never the error's text."""
     span = _tracer.start_span(name, None if links is None else otel_context.Context(), links=links)
     traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
     ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
     with ending if traced else nullcontext():
-        made = Operation(span)
-        made.outcome(None, store=store_name, **attributes)
+        made = Operation(span, ledger.redact)
+        made.outcome(None, store=ledger.store_name, key=ledger.key_hint or None, **attributes)
         token = _current.set(made)
         try:
             yield made

@@ -3,7 +3,8 @@
 
 A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
 ``membase_forget`` never forgets on the model's word: it asks Membase what would be forgotten, then raises a Strands
-interrupt for the application to ask the user, and forgets only when the answer to it is ``True``.
+interrupt for the application to ask the user (naming the passage as ``membase_search`` showed it, and Membase's own
+``how``), and forgets only when the answer to it is ``True``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import membase
@@ -24,9 +25,9 @@ from strands.types.tools import ToolContext as StrandsToolContext
 
 from . import _telemetry
 from ._containers import names_in_reach
-from ._failures import describe_failure
-from ._formatting import arrange, memory_label, profile_text, search_text
-from ._gateway import MembaseGateway
+from ._failures import LEVEL, Refused, describe_failure
+from ._formatting import Passage, arrange, memory_label, passage_id, profile_text, search_text
+from ._gateway import SAVE, MembaseGateway
 from ._options import passages_wanted, query_text
 from ._text import clip
 
@@ -36,6 +37,13 @@ _MAYBE_SAVED = (
     "with membase_search that it is not already there."
 )
 _DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
+_QUEUED = " Membase learns it in the background, so a search right away may not find it yet."
+_UNSHOWN = (
+    "Nothing was forgotten: membase_search has not shown a passage with the id '{}', and Membase did not say what it "
+    "holds, so the user cannot be asked to approve it. Search for it and use the id shown; or the user can remove it "
+    "themselves in the Membase app, on its Memory's page."
+)
+_SHOWN_IDS = 256  # the passages (by id) a store's tools remember as membase_search showed them, the newest
 
 
 def build_tools(context: ToolContext, names: tuple[str, ...]) -> list[AgentTool]:
@@ -51,9 +59,8 @@ def _tool(method: Callable[..., dict[str, Any]]) -> DecoratedFunctionTool[..., d
 
     @functools.wraps(method)  # keeps the signature and docstring Strands builds the tool's schema from
     def run(self: ToolContext, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        ledger = self.ledger
-        with _telemetry.operation(_telemetry.TOOL, ledger.store_name, tool=method.__name__) as operation:
-            ledger.record(None, f"tool_calls.{method.__name__}")
+        with _telemetry.operation(_telemetry.TOOL, self.ledger, tool=method.__name__) as operation:
+            self.ledger.count(f"tool_calls.{method.__name__}")
             if self.is_closed():
                 operation.outcome("error", error_kind="closed")
                 return _reply(CLOSED_SENTENCE, ok=False)
@@ -79,6 +86,7 @@ class ToolContext:
     min_score: float | None
     is_closed: Callable[[], bool]
     ids: bool  # whether membase_search shows each passage's id (for membase_forget)
+    shown: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (Memory, text) as membase_search showed
 
     @_tool
     def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
@@ -104,10 +112,10 @@ class ToolContext:
             return self._failed("membase_search", error, container_named=target is not None)
         shown = arrange(answer, count, min_score=self.min_score, budget=self.max_recall_chars)
         reply = search_text(text, shown, ids=self.ids)
-        outcome = "hit" if shown.passages else "empty"
-        self.ledger.record(
-            outcome, passages=len(shown.passages), unanswered=len(answer.unsearched), chars_returned=len(reply)
-        )
+        if self.ids:
+            self._remember(shown.passages)
+        outcome, unanswered = "hit" if shown.passages else "empty", len(answer.unsearched)
+        _telemetry.mark(outcome, passages=len(shown.passages), unanswered=unanswered, chars_returned=len(reply))
         return _reply(reply, ok=not answer.none_answered)  # when no Memory could answer, nothing was searched
 
     @_tool
@@ -122,14 +130,16 @@ class ToolContext:
             container: The name of the Memory to save to. Omit when only one Memory is in reach.
             standing_fact: True for a lasting fact about the user, kept in their profile.
         """
-        if not content.strip():
+        if not content or content.isspace():  # not strip(): a note too large to send must not be copied
             return _reply("Nothing was saved: the content was empty.", ok=False)
         target, posted = None if standing_fact else (container or self.container), False
         try:
+            if (refused := self.gateway.off(SAVE)) is not None:  # not even the Memory is looked up
+                raise refused
             if target is not None:  # found first, so a lookup that timed out is known to have saved nothing
                 self.gateway.container_id(target)
             posted = True
-            self.gateway.save(content, target, static=standing_fact)
+            answer = self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _reply(f"Nothing was saved: {error}.", ok=False)
         except membase.BadRequestError as error:
@@ -148,7 +158,9 @@ class ToolContext:
             return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
             return _reply("Saved as a standing fact in the user's Membase profile.")
-        return _reply(f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase.")
+        queued = isinstance(answer, dict) and answer.get("status") == "queued"  # hosted: accepted, learned later
+        saved = f"Saved to the Memory '{memory_label(target)}'." if target else "Saved to Membase."
+        return _reply(saved + (_QUEUED if queued else ""))
 
     @_tool
     def membase_profile(self, topic: str | None = None) -> dict[str, Any]:
@@ -160,7 +172,8 @@ class ToolContext:
         """
         wanted = query_text(topic) if topic and topic.strip() else None
         try:
-            return _reply(profile_text(self.gateway.profile(wanted), wanted, self.max_recall_chars))
+            body = self.gateway.profile(wanted)
+            return _reply(profile_text(body, wanted, self.max_recall_chars, self.gateway.redact))
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_profile", error)
 
@@ -176,23 +189,41 @@ class ToolContext:
         wanted = memory_id.strip()
         if not wanted:
             return _reply("Nothing was forgotten: no id was given.", ok=False)
+        shown = self.shown.get(wanted)
         try:
             preview = self.gateway.forget(wanted, confirm=False)  # what would be forgotten; nothing is yet
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return self._failed("membase_forget", error)
+            guessed = shown is None and isinstance(error, membase.NotFoundError)  # an id the model made up
+            return self._failed("membase_forget", error, level=logging.INFO if guessed else logging.WARNING)
         if preview.get("status") != "confirmation_required":
             status = clip(str(preview.get("status")), 40)
             return _reply(f"Nothing was forgotten: Membase answered '{status}' instead of asking to confirm.", ok=False)
-        content = clip(str(preview.get("content") or preview.get("title") or ""), 2000)
-        reason = {"memory_id": wanted, "content": content, "memory": self._memory_of(wanted)}
+        said = self.gateway.redact(clip(str(preview.get("content") or preview.get("title") or ""), 2000))
+        memory, content = shown or ("", said)  # hosted Membase says nothing of the content: what search showed
+        if not content:
+            self.ledger.log(logging.INFO, "forget not asked for: an id search never showed", tool="membase_forget")
+            return _reply(_UNSHOWN.format(clip(wanted, 120)), ok=False)
+        how = self.gateway.redact(clip(str(preview.get("how") or ""), 500))  # Membase's sentence for the person
+        reason = {"memory_id": wanted, "content": content, "memory": memory or self._memory_of(wanted), "how": how}
         if tool_context.interrupt("membase_forget", reason=reason) is not True:  # the application asked the user
-            self.ledger.record("declined")
+            _telemetry.mark("declined")
             return _reply(_DECLINED)
         try:
             self.gateway.forget(wanted, confirm=True)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_forget", error)
+        self.shown.pop(wanted, None)
         return _reply(f"Forgotten, with the user's approval: {clip(content, 200)}")
+
+    def _remember(self, passages: list[Passage]) -> None:
+        """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest
+        (each step one dict operation: safe from any thread)."""
+        for passage in passages:
+            if known := passage_id(passage.metadata):
+                self.shown.pop(known, None)
+                self.shown[known] = (passage.memory, clip(passage.text, 2000))
+        for oldest in list(self.shown)[: max(0, len(self.shown) - _SHOWN_IDS)]:
+            self.shown.pop(oldest, None)
 
     def _memory_of(self, passage_id: str) -> str:
         """The name of the Memory a passage id names, or the id's own prefix when it cannot be looked up."""
@@ -203,11 +234,17 @@ class ToolContext:
             return next(c.name for c in self.gateway.memories_in_reach() if c.id == container)
         return container or "Membase"
 
-    def _failed(self, tool: str, error: BaseException, *, container_named: bool = False) -> dict[str, Any]:
-        """Count and log a failed Membase call, and tell the model why."""
+    def _failed(
+        self, tool: str, error: BaseException, *, container_named: bool = False, level: int = logging.WARNING
+    ) -> dict[str, Any]:
+        """Count and log a failed Membase call, and tell the model why (a refusal above the key's level at DEBUG: the
+        gateway says it once)."""
         failure = describe_failure(error, container_named=container_named, redact=self.gateway.redact)
-        message = "Membase call failed; the model was told"
-        self.ledger.record("error", level=logging.WARNING, message=message, error=error, tool=tool)
+        said_once = isinstance(error, Refused) and error.refusal == LEVEL
+        self.ledger.failed(error)
+        self.ledger.log(
+            logging.DEBUG if said_once else level, "Membase call failed; the model was told", error=error, tool=tool
+        )
         return _reply(failure.sentence, ok=False)
 
 

@@ -6,8 +6,18 @@ failing store and keeps a failed write for a retry) treats them like any other r
 
 
 class MembaseAccessError(PermissionError):
-    """Membase refused the key (HTTP 403): unknown or expired, narrowed or revoked by its owner, or the Memory or
-    the action is beyond its reach. The store never retries a 403."""
+    """Membase refused the key (HTTP 403); the store never sends the same request again at once.
+
+    Attributes:
+        refusal: Which of Membase's three refusals it was: ``"level"`` (the action is above the key's access level,
+            or the profile is not allowed for it), ``"reach"`` (the Memory is outside the key's reach, or gone) or
+            ``"revoked"`` (the key is unknown, expired, or revoked by its owner). docs/access.md says what the store
+            does after each.
+    """
+
+    def __init__(self, message: str, refusal: str = "revoked") -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 class MembaseRecallTimeout(TimeoutError):

@@ -20,8 +20,8 @@ from strands.types.content import Message
 from . import _options, _runtime, _telemetry
 from ._closing import Closing
 from ._containers import SetupCheck
-from ._failures import ACCESS_SENTENCE
-from ._gateway import MembaseGateway
+from ._failures import LEVEL, Refused
+from ._gateway import MAX_NOTE_BYTES, SAVE, MembaseGateway, too_large
 from ._recall import Recall
 from ._telemetry import Ledger
 from ._tools import ToolContext, build_tools
@@ -93,7 +93,8 @@ class MembaseMemoryStore:
             request_timeout: Seconds one attempt of a Membase request may take, headers and body (the tools try
                 up to three times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
-            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try); ``None``: never.
+            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and a verb Membase
+                refused as above the key's level (saving, forgetting, the profile) is off; ``None``: never.
             close_timeout: Seconds closing waits for captured writes still running (fit it to a server's grace
                 period: gunicorn gives 30 s); what is still running then is logged by count.
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
@@ -126,11 +127,12 @@ class MembaseMemoryStore:
             transport=transport,
             request_timeout=request_timeout,
             max_response_bytes=max_response_bytes,
+            access_cooldown=access_cooldown,
             store_name=self.name,
         )
-        self._ledger = Ledger(self.name, gateway.redact)
+        self._ledger = gateway.ledger
         if capture and client is not None and client.max_retries > 0:
-            self._ledger.record(None, level=logging.WARNING, message=_RETRYING_CLIENT.format(client.max_retries))
+            self._ledger.log(logging.WARNING, _RETRYING_CLIENT.format(client.max_retries))
         self._recall = Recall(
             gateway,
             self._ledger,
@@ -159,8 +161,9 @@ class MembaseMemoryStore:
         self._closing = Closing(self, self._writes, gateway, self.name)
 
     def __repr__(self) -> str:
+        key = f"key={self._gateway.key_hint!r}, " if self._gateway.key_hint else ""
         return (
-            f"MembaseMemoryStore(name={self.name!r}, {self._gateway.location}, container={self._container!r}, "
+            f"MembaseMemoryStore(name={self.name!r}, {key}{self._gateway.location}, container={self._container!r}, "
             f"capture={self.writable}, recall_timeout={self._recall_timeout!r})"
         )
 
@@ -191,16 +194,16 @@ class MembaseMemoryStore:
             ValueError: ``options["max_search_results"]`` is not a whole number of at least 1.
             asyncio.CancelledError: The task was cancelled; the request goes on, and recalls skip while it runs.
         """
-        with _telemetry.operation(_telemetry.RECALL, self.name) as operation:
+        with _telemetry.operation(_telemetry.RECALL, self._ledger) as operation:
             self._check_open()
             if not isinstance(query, str) or not query.strip():
-                self._ledger.record("skipped", reason="blank query")
+                _telemetry.mark("skipped", reason="blank query")
                 return []
             query = _options.query_text(query)  # what is sent, from here down to the request
             operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
-            self._ledger.record(None, "recalls")
+            self._ledger.count("recalls")
             entries = await self._await_or_report("recall", self._recall.run(query, limit))
             operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
             return entries
@@ -213,15 +216,21 @@ class MembaseMemoryStore:
             Membase's answer, or ``None`` when this store has saved the same note already.
 
         Raises:
-            ValueError: Capture is off, the content is blank, or a metadata flag has the wrong type.
+            ValueError: Capture is off, the content is blank or larger than Membase takes (32 MiB), or a metadata
+                flag has the wrong type.
             MembaseWriteTimeout: The budget ran out; the request goes on in the background, never sent twice.
-            MembaseAccessError: Membase refused the key (403).
+            MembaseAccessError: Membase refused the key (403); while saving is off after a refusal above the key's
+                level, at once, with no request.
             membase.MembaseError: Any other failure, so the manager keeps the write for a retry.
         """
         self._require_capture("add")
-        if not isinstance(content, str) or not content.strip():
+        if not isinstance(content, str) or not content or content.isspace():  # no copy: it may be too large
             raise ValueError("add needs non-blank text content")
         title, static = _options.write_flags(metadata)
+        if too_large([content]):
+            raise ValueError(f"add: the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); not sent")
+        if (refused := self._saving_off(1)) is not None:
+            raise MembaseAccessError(refused.message, refused.refusal)
         target = None if static else self._container
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
         gateway = self._gateway  # not self: a batch kept for sending again must not keep the store alive
@@ -232,14 +241,24 @@ class MembaseMemoryStore:
         each line starting with its role when both are captured.
 
         Returns:
-            Membase's answer, or ``None`` when no text was left to send or all of it was saved already.
+            Membase's answer, or ``None`` when no text was left to send, all of it was saved already, or it was not
+            sent: larger than Membase takes (32 MiB; a WARNING says so), or while saving is off after a refusal
+            above the key's level (a DEBUG line; counted in ``writes_refused``).
 
         Raises:
             ValueError: Capture is off.
             MembaseWriteTimeout, MembaseAccessError, membase.MembaseError: As for :meth:`add`.
         """
         self._require_capture("add_messages")
+        kept = [message for message in messages if message.get("role") in self._capture_roles]
+        if too_large(block["text"] for message in kept for block in message.get("content", []) if "text" in block):
+            said = f"a captured batch is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB): not sent"
+            self._ledger.count("writes_lost", amount=len(kept))
+            self._ledger.log(logging.WARNING, f"{said}, so its words are not saved", messages=len(kept))
+            return None
         parts = message_parts(messages, getattr(context, "sequence_numbers", None), self._capture_roles)
+        if parts and self._saving_off(len(parts)) is not None:
+            return None
         gateway, container = self._gateway, self._container  # not self: see add()
         return await self._write(parts, lambda todo: gateway.save("\n".join(p.text for p in todo), container))
 
@@ -299,7 +318,7 @@ class MembaseMemoryStore:
             )
 
     async def _write(self, parts: list[Part], send: Callable[[list[Part]], Any]) -> Any:
-        with _telemetry.operation(_telemetry.WRITE, self.name, parts=len(parts)) as operation:
+        with _telemetry.operation(_telemetry.WRITE, self._ledger, parts=len(parts)) as operation:
             if not parts:
                 operation.outcome("empty", decision="nothing to send")
                 return None
@@ -307,6 +326,14 @@ class MembaseMemoryStore:
             result = await self._await_or_report("write", self._writes.write(parts, send))
             operation.outcome("saved")
             return result
+
+    def _saving_off(self, parts: int) -> Refused | None:
+        """The refusal that keeps saving off (above the key's level, said once at WARNING), counting the ``parts``
+        not sent; None when saving is on."""
+        if (refused := self._gateway.off(SAVE)) is not None:
+            self._ledger.count("writes_refused", amount=parts)
+            self._ledger.log(logging.DEBUG, "captured write not sent: saving is off, so its words are not saved")
+        return refused
 
     async def _await_or_report(self, action: str, running: Awaitable[T]) -> T:
         """Await a recall or write; a failure but a time-out is counted and raised for the manager: a 403 as
@@ -319,22 +346,18 @@ class MembaseMemoryStore:
             failed = error
         # Raised outside the except: no context carries the server's text.
         clean = self._gateway.without_secret(failed)
-        if not isinstance(failed, membase.PermissionDeniedError):
-            self._ledger.record(None, f"{action}_errors", error=failed)
+        self._ledger.failed(failed, f"{action}_errors")
+        if not isinstance(failed, Refused):
             raise clean
         pause = ""
         if action == "recall" and self._access_cooldown is not None:
-            self._recall.pause(self._access_cooldown)
+            self._gateway.pause_recall(failed)
             pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-        self._ledger.record(
-            None,
-            f"{action}_errors",
+        if action == "recall" or failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
             # The manager logs a failed recall as a warning: the store's own line would be a second one.
-            level=logging.INFO if action == "recall" else logging.WARNING,
-            message=f"{action} refused: this Membase key was narrowed or revoked by its owner{pause}",
-            error=failed,
-        )
-        refused = MembaseAccessError(ACCESS_SENTENCE)
+            level = logging.INFO if action == "recall" else logging.WARNING
+            self._ledger.log(level, f"{action} refused by Membase{pause}", error=failed)
+        refused = MembaseAccessError(failed.message, failed.refusal)
         refused.__cause__ = clean
         raise refused
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import select
 import signal
 import threading
@@ -141,9 +142,16 @@ def posted(fake: InMemoryMembase) -> list[str]:
     return [r.body["content"] for r in fake.sent(*MEMORIES)]
 
 
+KEY_FIELD = re.compile(r", key=<[^>]*>")
+"""The key's hint in a log line (``test_access.py`` checks it): the lines tests read here leave it out."""
+
+
 def lines(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG, source: str = "") -> list[str]:
-    """The messages of the log records at ``level`` or above (of loggers named ``source``...), in order."""
-    return [r.getMessage() for r in caplog.records if r.levelno >= level and r.name.startswith(source)]
+    """The messages of the log records at ``level`` or above (of loggers named ``source``...), in order, each
+    without the key's hint."""
+    return [
+        KEY_FIELD.sub("", r.getMessage()) for r in caplog.records if r.levelno >= level and r.name.startswith(source)
+    ]
 
 
 def logged(caplog: pytest.LogCaptureFixture, words: str, level: int = logging.DEBUG) -> Callable[[], int]:

@@ -1,4 +1,5 @@
-"""An in-memory Membase for tests: notes searched by shared words, every request recorded, faults per route."""
+"""An in-memory Membase for tests: notes searched by shared words, every request recorded, faults per route; as the
+local engine answers, or as hosted Membase documents it (key levels, the profile tick, queued notes)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ API_KEY = "mb_test_key_5ecr3t_do_not_log"
 
 Responder = Callable[[httpx.Request], httpx.Response]
 _NUMBERS = itertools.count(1)
+LEVELS = ("read", "read_write", "full")  # a key's access levels: Read, Read & write, Full access
 
 
 @dataclass
@@ -51,14 +53,27 @@ class InMemoryMembase:
     It is the account of one key (:data:`API_KEY` unless named); :meth:`account` is another key's account on the same
     host, and a request is answered from the account of the key it carries, as Membase keeps one memory per key.
 
+    Args:
+        key: The key whose account this is.
+        level: The key's access level, ``"read"``, ``"read_write"`` or ``"full"``: a verb above it is refused with
+            403 as Membase words it ("... not in this agent's capability profile").
+        profile: Whether the key's owner ticked the profile (else reading it is refused the same way).
+        hosted: Answer as hosted Membase documents it, not as the local engine: a note is accepted with 202
+            ``queued`` (a standing fact 202 ``recorded``), and a forget's confirmation has no content, only ``how``.
+
     Attributes:
         base_url: The fake's own host (no request leaves the process).
         transport: The ``httpx`` transport that reaches this host: a store's ``transport=``.
         requests: Every request that reached this host, whichever key it carried.
+        sources: Whether a hit carries its ``source`` (where its id lives; hosted Membase may leave it out).
+        revoked: Set it to answer every request with 403, as for a key revoked or expired.
     """
 
-    def __init__(self, *, key: str = API_KEY) -> None:
-        self.key = key
+    def __init__(self, *, key: str = API_KEY, level: str = "full", profile: bool = True, hosted: bool = False) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        self.key, self.level, self.profile, self.hosted = key, level, profile, hosted
+        self.sources, self.revoked = True, False
         # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
         self.containers: list[dict[str, Any]] = [{"id": "ctr_main", "name": "Main"}]
         self.notes: list[Note] = []  # the notes in its Memories, seeded ones too
@@ -153,6 +168,10 @@ class InMemoryMembase:
     def answer(self, request: httpx.Request) -> httpx.Response:
         """Answer ``request`` as the in-memory Membase does, ignoring injected faults (for custom responders)."""
         route, body = (request.method, request.url.path), _body(request)
+        if self.revoked:
+            return error(403, "unauthorized", "invalid, expired or revoked key")
+        if verb := self._above_the_key(request):
+            return error(403, "unauthorized", f"tool '{verb}' is not in this agent's capability profile")
         if route == ("GET", "/v1/containers"):
             return httpx.Response(200, json={"containers": self.containers})
         if route == ("GET", "/v1/profile"):
@@ -166,7 +185,7 @@ class InMemoryMembase:
             if limit is not None and not 1 <= limit <= 50:
                 return error(400, "bad_request", "limit must be 1-50")
             if container is not None and container not in {c["id"] for c in self.containers}:
-                return error(403, "unauthorized", f"container {container!r} is not in reach")
+                return error(403, "unauthorized", f"container {container!r}: may not use that container")
             searched = [{"id": c["id"], "name": c["name"]} for c in self.containers if container in (None, c["id"])]
             for row in searched:
                 if row["id"] in self.unsearchable:
@@ -179,19 +198,32 @@ class InMemoryMembase:
                 return error(400, "bad_request", "content is required")
             if body.get("static"):
                 self.standing.append(content)
-                return httpx.Response(200, json={"static": True, "status": "recorded", "content": content})
+                recorded = {"static": True, "status": "recorded", "content": content}
+                return httpx.Response(202 if self.hosted else 200, json=recorded)
             container = body.get("container")
             if container is None:
                 if len(self.containers) != 1:
                     return error(400, "bad_request", "several containers are in reach; name one")
                 container = self.containers[0]["id"]
             elif container not in {c["id"] for c in self.containers}:
-                return error(403, "unauthorized", f"container {container!r} is not in reach")
+                return error(403, "unauthorized", f"container {container!r}: may not use that container")
             note = self._keep(Note(content=content, container=container, title=body.get("title") or ""))
+            if self.hosted:  # accepted, learned later
+                queued = {"memory_id": note.id, "document_id": f"doc_{note.id}", "status": "queued"}
+                return httpx.Response(202, json={**queued, "learning_run": {"status": "queued"}})
             return httpx.Response(200, json={"memory_id": note.id, "memory_ids": [note.id], "container": container})
         if request.method == "DELETE" and request.url.path.startswith("/v1/memories/"):
             return self._forget(request.url.path.removeprefix("/v1/memories/"), request.url.params.get("confirm"))
         return error(404, "not_found", f"no route {request.method} {request.url.path}")
+
+    def _above_the_key(self, request: httpx.Request) -> str | None:
+        """The verb ``request`` asks for, when the key may not use it: above its level, or the profile not ticked."""
+        route = (request.method, request.url.path)
+        if route == ("GET", "/v1/profile"):
+            return None if self.profile else "get_profile"
+        verb, needed = ("forget_memory", "full") if request.method == "DELETE" else ("add_memory", "read_write")
+        writes = request.method == "DELETE" or route == ("POST", "/v1/memories")
+        return verb if writes and LEVELS.index(self.level) < LEVELS.index(needed) else None
 
     def _keep(self, note: Note) -> Note:
         note.id = f"{note.container}:{next(self._numbers)}"
@@ -203,6 +235,9 @@ class InMemoryMembase:
         note = next((n for n in self.notes if n.id == memory_id), None)
         if note is None:
             return error(404, "not_found", "memory not found")
+        if confirm != "true" and self.hosted:  # no content: the how sentence is for the person
+            how = "Forgetting removes it from the Memory for good; pass confirm=true once the person agreed."
+            return httpx.Response(200, json={"status": "confirmation_required", "verb": "forget_memory", "how": how})
         if confirm != "true":
             body = {"status": "confirmation_required", "memory_id": note.id, "content": note.content}
             return httpx.Response(200, json={**body, "how": "Pass confirm=true to remove it."})
@@ -217,8 +252,9 @@ class InMemoryMembase:
         notes = [n for n in self.notes if container in (None, n.container) and n.container not in self.unsearchable]
         scored = sorted(((len(wanted & _words(n.content)), n) for n in notes), key=lambda pair: -pair[0])
         return [
-            {"content": n.content, "container": n.container, "title": n.title, "source": f"episode:{n.id}"}
+            {"content": n.content, "container": n.container, "title": n.title}
             | {"container_name": names.get(n.container, n.container), "score": float(overlap)}
+            | ({"source": f"episode:{n.id}"} if self.sources else {})
             for overlap, n in scored[:limit]
             if overlap
         ]
@@ -228,6 +264,14 @@ def error(status: int, code: str, message: str, headers: dict[str, str] | None =
     """A Membase error envelope. Retry-After 0 keeps the SDK's retries instant in tests."""
     body = {"error": {"code": code, "message": message, "details": None, "retryable": status == 429, "trace_id": ""}}
     return httpx.Response(status, json=body, headers={"Retry-After": "0", **(headers or {})})
+
+
+def rate_limited(request: httpx.Request) -> httpx.Response:
+    """A responder answering as hosted Membase does when the account already runs two agent turns (a standing fact,
+    a forget): 429 ``rate_limited``, with no Retry-After."""
+    response = error(429, "rate_limited", "the account already runs two agent turns")
+    del response.headers["Retry-After"]
+    return response
 
 
 def status(code: int, message: str = "refused", headers: dict[str, str] | None = None) -> Responder:
