@@ -28,13 +28,14 @@ from ._containers import names_in_reach
 from ._failures import LEVEL, Refused, describe_failure
 from ._formatting import Passage, arrange, memory_label, passage_id, profile_text, search_text
 from ._gateway import SAVE, MembaseGateway
+from ._http import may_have_arrived
 from ._options import passages_wanted, query_text
 from ._text import clip
 
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
 _MAYBE_SAVED = (
-    "Membase did not answer in time, so the note may or may not have been saved; try again in a minute, after checking "
-    "with membase_search that it is not already there."
+    "so the note may or may not have been saved; try again in a minute, after checking with membase_search that it "
+    "is not already there."
 )
 _DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
 _QUEUED = " Membase learns it in the background, so a search right away may not find it yet."
@@ -151,9 +152,16 @@ class ToolContext:
                         ok=False,
                     )
             return self._failed("membase_save", error, container_named=target is not None)
-        except membase.APITimeoutError as error:
+        except membase.APIConnectionError as error:  # a timeout too
             failed = self._failed("membase_save", error)
-            return _reply(_MAYBE_SAVED, ok=False) if posted else failed
+            if not posted or not may_have_arrived(error):
+                return failed
+            lead = (
+                "Membase did not answer in time"
+                if isinstance(error, membase.APITimeoutError)
+                else ("The connection to Membase broke off after the note was sent")
+            )
+            return _reply(f"{lead}, {_MAYBE_SAVED}", ok=False)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_save", error, container_named=target is not None)
         if standing_fact:
