@@ -61,7 +61,9 @@ class Recall:
         per Memory that could not answer; ``[]`` while the guard is up or recall is paused. ``MembaseRecallTimeout``
         when the budget runs out (the request goes on, holding the guard)."""
         if skip := self._skip():
-            self._ledger.record("skipped", "recall_skipped", level=logging.DEBUG, message="recall skipped", reason=skip)
+            self._ledger.count("recall_skipped")
+            _telemetry.mark("skipped")
+            self._ledger.log(logging.DEBUG, "recall skipped", reason=skip)
             return []
         started, retry = time.monotonic(), self._budget is None
         searching = self._submit(lambda: self._gateway.search(query, limit, self._container, retry=retry))
@@ -69,27 +71,28 @@ class Recall:
         try:
             answer = await wait_for_future(searching, self._budget)
         except asyncio.TimeoutError:
-            if not searching.cancel():  # it was sent; one still waiting for a thread never will be
-                self._hold_guard(searching, started)
+            self._hold_guard(searching, started)
             message = (
                 "recall ran out of time; the turn goes on without memory and the request finishes in the background"
             )
             # INFO, not WARNING: the manager logs the exception below as one, once is enough.
-            self._ledger.record(None, "recall_timeouts", level=logging.INFO, message=message, budget=self._budget)
+            self._ledger.count("recall_timeouts")
+            self._ledger.log(logging.INFO, message, budget=self._budget)
             raise MembaseRecallTimeout(
                 f"Membase recall ran out of time after {self._budget:g} s; it goes on in the background"
             ) from None
         except asyncio.CancelledError:
-            if not searching.cancel() and not searching.done():
+            if not searching.done():
                 self._hold_guard(searching, started)
-            self._ledger.record(None, "recall_cancelled", level=logging.INFO, message="recall cancelled")
+            self._ledger.count("recall_cancelled")
+            self._ledger.log(logging.INFO, "recall cancelled")
             raise
         if profile is not None:  # wait for the standing facts within what is left of the budget
             left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
             try:
                 await wait_for_future(profile, left)
             except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
-                self._ledger.record(None, level=logging.DEBUG, message="profile not read for recall", error=error)
+                self._ledger.log(logging.DEBUG, "profile not read for recall", error=error)
         standing = self._profile[1]
         head = [profile_entry(standing, self._max_chars)] if standing else []
         budget = None if self._max_chars is None else self._max_chars - sum(len(entry.content) for entry in head)
@@ -99,10 +102,10 @@ class Recall:
         entries = head + memory_entries(shown)
         for counter, count in [("folded", shown.folded), ("below_floor", shown.below_floor)]:
             if count:
-                self._ledger.record(None, f"recall_passages_{counter}", amount=count)
-        self._ledger.record(
+                self._ledger.count(f"recall_passages_{counter}", amount=count)
+        self._ledger.count("recall_hits" if shown.passages else "recall_empty")
+        _telemetry.mark(
             "hit" if shown.passages else "empty",
-            "recall_hits" if shown.passages else "recall_empty",
             passages=len(shown.passages),
             chars_injected=sum(len(entry.content) for entry in entries),
             unanswered=len(shown.unsearched),
@@ -157,6 +160,6 @@ class Recall:
                 error=error,
                 elapsed_s=elapsed,
             )
-            self._ledger.record(None, "recall_late_completions")  # last: whoever sees it finds the outcome logged
+            self._ledger.count("recall_late_completions")  # last: whoever sees it finds the outcome logged
 
         future.add_done_callback(release)

@@ -89,21 +89,25 @@ class Ledger:
             line = ", ".join(f"{name}=<{value}>" for name, value in named.items() if value is not None)
             logger.log(level, "%s", self.redact(f"{line} | {message}"))
 
-    def record(self, outcome: str | None, *counted: str, amount: int = 1, **logged: Any) -> None:
-        """The all-in-one call of the modules not moved to the calls above yet (``_writes``, ``_recall``): count,
-        mark, and with ``level=`` log ``message=`` (and ``error=``, which is counted by kind too)."""
-        level, message, error = logged.pop("level", None), logged.pop("message", ""), logged.pop("error", None)
-        self.count(*counted, amount=amount)
-        if error is not None:
-            self.failed(error)
-        mark(outcome, **logged)
-        if level is not None:
-            self.log(level, message, error=error, **logged)
-
-    def late(self, span: str, linked: SpanContext | None, outcome: str, *counted: str, **record: Any) -> None:
-        """:meth:`record` the late end of a recall or write on a root span linked to its turn's (which has ended)."""
+    def late(
+        self,
+        span: str,
+        linked: SpanContext | None,
+        outcome: str,
+        *counted: str,
+        level: int,
+        message: str,
+        error: BaseException | None = None,
+        **fields: Any,
+    ) -> None:
+        """Count, trace and log the late end of a recall or write, on a root span linked to its turn's (which has
+        ended): ``outcome``, or ``error`` (counted by kind)."""
         with operation(span, self, [Link(linked)] if linked is not None else []):
-            self.record(outcome if record.get("error") is None else "error", *counted, **record)
+            self.count(*counted)
+            if error is not None:
+                self.failed(error)
+            mark(outcome if error is None else "error")
+            self.log(level, message, error=error, **fields)
 
     def snapshot(self) -> dict[str, int]:
         """A copy of the counts, the standard names first (even at zero)."""

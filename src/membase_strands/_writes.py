@@ -155,8 +155,9 @@ class WriteRecord:
         decision = "send" if not sent else "partial" if todo else "already saved"
         if sent:
             message = "not sending again what this store saved (or may have saved) already"
-            self._ledger.record(None, "writes_deduplicated", amount=sent, level=logging.DEBUG, message=message)
-        self._ledger.record(None, sent=len(todo), deduplicated=sent, decision=decision)
+            self._ledger.count("writes_deduplicated", amount=sent)
+            self._ledger.log(logging.DEBUG, message)
+        _telemetry.mark(None, sent=len(todo), deduplicated=sent, decision=decision)
         result = None
         if request is not None:
             self._start(request)
@@ -193,13 +194,13 @@ class WriteRecord:
                 f"writes still running when closing stopped waiting after {self.close_bound:g} s: not confirmed "
                 "saved, and lost if the process ends now"
             )
-            self._ledger.record(None, level=logging.WARNING, message=message, writes=left)
+            self._ledger.log(logging.WARNING, message, writes=left)
 
     def at_exit(self) -> None:
         """The interpreter's last wait for this record's writes (``_runtime`` calls it)."""
         if not self.idle():
             message = f"the interpreter is exiting; waiting up to {self.close_bound:g} s for writes still running"
-            self._ledger.record(None, level=logging.INFO, message=message)
+            self._ledger.log(logging.INFO, message)
             self.drain(time.monotonic() + self.close_bound)
 
     def _wait_running(self, deadline: float) -> None:
@@ -208,7 +209,7 @@ class WriteRecord:
         while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
             if new := [future for future in running if future not in announced]:
                 message = "waiting for writes still running"
-                self._ledger.record(None, level=logging.INFO, message=message, writes=len(new))
+                self._ledger.log(logging.INFO, message, writes=len(new))
                 announced.update(new)
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
@@ -221,11 +222,15 @@ class WriteRecord:
                 return  # it ended as the budget ran out: the outcome is recorded, and it is this caller's to report
             what = "it goes on in the background" if own else "an earlier write of the same content is still running"
             message = f"Membase write ran out of time; {what}"
-            self._ledger.record("timeout", "write_timeouts", level=logging.INFO, message=message)
+            self._ledger.count("write_timeouts")
+            _telemetry.mark("timeout")
+            self._ledger.log(logging.INFO, message)
             raise MembaseWriteTimeout(message) from None
         except asyncio.CancelledError:
             message = "the caller stopped waiting for a Membase write; it goes on in the background"
-            self._ledger.record("cancelled", "write_cancellations", level=logging.INFO, message=message)
+            self._ledger.count("write_cancellations")
+            _telemetry.mark("cancelled")
+            self._ledger.log(logging.INFO, message)
             if own and not self._let_go(request, "cancelled") and request.outcome.exception() is not None:
                 self._report(request, "cancelled")  # it failed just before: nobody else reports it
             raise
@@ -260,10 +265,11 @@ class WriteRecord:
                         self._sent[part.key] = _Sent(part.anchor, part.anchor_bytes, time.monotonic(), late)
                     self._evict()
             if error is None:
-                self._ledger.record(None, "writes_saved", amount=len(request.parts))
+                self._ledger.count("writes_saved", amount=len(request.parts))
             elif unknown and why is None:  # its caller raises the error; the record says once what it means
                 message = f"a captured write's fate is unknown: {_UNKNOWN}"
-                self._ledger.record(None, "writes_unknown", level=logging.WARNING, message=message, error=error)
+                self._ledger.failed(error, "writes_unknown")
+                self._ledger.log(logging.WARNING, message, error=error)
             if why is not None:
                 self._report(request, why)
         finally:
@@ -280,13 +286,22 @@ class WriteRecord:
         elif may_have_arrived(error):
             message, counted = f"{what} ended without an answer: {_UNKNOWN}", ("writes_unknown",)
         elif why == "sent again" or _runtime.exiting() or request.size > RECORD_BYTES:
-            self._ledger.record(None, "writes_lost", amount=len(request.parts))
+            self._ledger.count("writes_lost", amount=len(request.parts))
             message = f"{what} failed; it is not saved, and nothing will send it again"
         else:
             self._keep(request)
             message = f"{what} failed; the store sends it again {self._resends}"
-        late = {"level": logging.INFO if error is None else logging.WARNING, "message": message, "reason": why}
-        self._ledger.late(_telemetry.WRITE_LATE, request.linked, "saved", *counted, error=error, **late)
+        level = logging.INFO if error is None else logging.WARNING
+        self._ledger.late(
+            _telemetry.WRITE_LATE,
+            request.linked,
+            "saved",
+            *counted,
+            level=level,
+            message=message,
+            error=error,
+            reason=why,
+        )
 
     def _keep(self, request: _Request) -> None:
         """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
@@ -297,7 +312,8 @@ class WriteRecord:
                 dropped.append(self._kept.pop(0))
         for lost in dropped:
             message = f"a failed write kept for sending again was dropped to stay within {RECORD_BYTES} bytes"
-            self._ledger.record(None, "writes_lost", amount=len(lost.parts), level=logging.WARNING, message=message)
+            self._ledger.count("writes_lost", amount=len(lost.parts))
+            self._ledger.log(logging.WARNING, message)
 
     def _send_kept(self, without: Collection[Hashable] = ()) -> int:
         """Send each kept batch once more in the background, but the parts sent, being sent, or in an earlier kept
@@ -311,7 +327,7 @@ class WriteRecord:
                     taken.update(part.key for part in parts)
             self._unsettled.update(requests)
         for request in requests:
-            self._ledger.record(None, "writes_sent_again", amount=len(request.parts))
+            self._ledger.count("writes_sent_again", amount=len(request.parts))
             self._start(request)
         return len(requests)
 
