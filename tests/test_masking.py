@@ -19,10 +19,12 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from membase_strands import MembaseMemoryStore
 from membase_strands.check import run_check
 from membase_strands.testing import InMemoryMembase, ToolCall, status
 from tests.support.agents import ALL_TOOLS, resume
 from tests.support.leaks import error_texts, span_texts
+from tests.support.loopback import LoopbackMembase, RawAction
 from tests.support.store_helpers import LONG, MEMORIES, QUESTION, make_agent
 
 KEY = "mb_" + hashlib.sha256(b"echoed by Membase").hexdigest()[:32]
@@ -108,3 +110,41 @@ def _failures(fake: InMemoryMembase, store: Any) -> list[BaseException]:
                 raised.append(error)
     assert len(raised) == 2
     return raised
+
+
+def echo_in_reason_and_header(status_code: int, body: bytes) -> RawAction:
+    """Answer with ``body`` under a reason phrase and a header that both quote the request's key."""
+
+    def act(handler: Any) -> None:
+        handler.close_connection = True
+        head = f"HTTP/1.1 {status_code} Refused for {handler.seen.key}\r\nX-Echo: {handler.seen.key}\r\n"
+        handler.wfile.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        handler.wfile.flush()
+
+    return act
+
+
+@pytest.mark.parametrize("status_code", [200, 500, 403])
+def test_a_key_echoed_in_a_reason_phrase_or_a_header_shows_nowhere(
+    status_code: int, caplog: pytest.LogCaptureFixture, spans: InMemorySpanExporter
+) -> None:
+    caplog.set_level(logging.DEBUG)  # every logger (httpx's request lines too) but httpcore's byte-level trace
+    body = json.dumps({"results": [], "error": {"code": "error", "message": "refused"}}).encode()
+    with LoopbackMembase(InMemoryMembase(key=KEY)) as server:
+        for route in (("POST", "/v1/search"), ("POST", "/v1/search"), MEMORIES, ("GET", "/v1/profile")):
+            server.always(*route, echo_in_reason_and_header(status_code, body))
+        store = MembaseMemoryStore(api_key=KEY, base_url=server.url, capture=True, container=None, recall_timeout=LONG)
+        raised = []
+        for attempt in (store.search(QUESTION), store.add("A note for the ledger.")):
+            try:
+                asyncio.run(attempt)
+            except Exception as error:  # noqa: BLE001 - what the caller would see is checked below
+                raised.append(error)
+        agent, model = make_agent(store, [ToolCall("membase_search", {"query": "ledger"}), "done"])
+        agent("Look it up.")
+        store.close()
+    shown = [model.sent_text(), *(text for error in raised for text in error_texts(error)), repr(store)]
+    shown += [record.getMessage() for record in caplog.records if not record.name.startswith("httpcore")] + [
+        text for span in spans.get_finished_spans() for text in span_texts(span)
+    ]
+    assert not [text for text in shown if leaks(text)]
