@@ -287,30 +287,20 @@ class _BoundedBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
-        # Each address in turn, within the time left (socket.create_connection would give each the whole timeout).
+        # Each address in turn within what is left (socket.create_connection would give each the whole timeout).
         # Resolving the name is the one step no timeout reaches: the standard library takes none.
         try:
-            addresses = [str(row[4][0]) for row in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+            *others, last = [str(row[4][0]) for row in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
         except OSError as error:
             raise httpcore.ConnectError(str(error)) from error
-        for index, address in enumerate(addresses):
-            try:
-                left = _left(timeout, httpcore.ConnectTimeout)
-                stream = self._backend.connect_tcp(address, port, left, local_address, socket_options)
-                return _BoundedStream(stream)
-            except httpcore.ConnectError:
-                if index == len(addresses) - 1:
-                    raise
-        raise httpcore.ConnectError(f"no address for {host!r}")
+        for address in others:
+            with contextlib.suppress(httpcore.ConnectError):
+                return self._connect(address, port, timeout, local_address, socket_options)
+        return self._connect(last, port, timeout, local_address, socket_options)
 
-    def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.NetworkStream:
+    def _connect(self, address: str, port: int, timeout: float | None, *options: Any) -> httpcore.NetworkStream:
         left = _left(timeout, httpcore.ConnectTimeout)
-        return _BoundedStream(self._backend.connect_unix_socket(path, left, socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)
+        return _BoundedStream(self._backend.connect_tcp(address, port, left, *options))
 
 
 class _BoundedStream(httpcore.NetworkStream):
