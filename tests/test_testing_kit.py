@@ -111,11 +111,11 @@ def test_the_store_helper_passes_options_and_the_client_is_the_real_sdk() -> Non
 
 def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_its_key() -> None:
     alice = InMemoryMembase()
-    bob = alice.account("bob-key")
+    bob = alice.account("mb_key_of_bob")
     bob.remember("Bob rides a green Brompton bicycle.")
-    assert alice.account("bob-key") is bob and (bob.base_url, bob.transport) == (alice.base_url, alice.transport)
+    assert alice.account("mb_key_of_bob") is bob and (bob.base_url, bob.transport) == (alice.base_url, alice.transport)
 
-    with alice.pool(lambda user: {"alice": API_KEY, "bob": "bob-key"}[user]) as pool:
+    with alice.pool(lambda user: {"alice": API_KEY, "bob": "mb_key_of_bob"}[user]) as pool:
         assert isinstance(pool, MembaseStorePool)
         for user in ("alice", "bob"):
             agent, model = _agent(pool.store_for(user), ["ok"])
@@ -126,4 +126,4 @@ def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_
 
     assert (alice.saved(), bob.saved()) == (["Alice walks."], [])
     assert [r.path for r in alice.sent()] == ["/v1/search", "/v1/search", "/v1/memories"]  # its own key's only
-    assert [r.key for r in alice.requests] == [API_KEY, "bob-key", API_KEY, API_KEY]  # the host's, each with its key
+    assert [r.key for r in alice.requests] == [API_KEY, "mb_key_of_bob", API_KEY, API_KEY]  # the host's, each with its key
