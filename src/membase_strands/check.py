@@ -145,17 +145,15 @@ def _check(options: dict[str, Any], announce: Callable[[str], None] | None = Non
         return CheckReport("(not configured)", [Step("configuration", False, str(error))])
     with contextlib.closing(gateway):
         where_local = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
-        report = CheckReport(gateway.base_url if gateway.hosted else f"local Membase {where_local}")
-        report.probe_query, target = probe_query, report.target
-        if announce is not None:
+        target = gateway.base_url if gateway.hosted else f"local Membase {where_local}"
+        report = CheckReport(target, probe_query=probe_query)
+        if announce is not None and gateway.hosted:
             announce(
                 f"Asking Membase at {target}; a memory idle for a while can take up to a minute to wake up, and "
                 f"each request waits up to {timeout:g} s (--timeout SECONDS)..."
-                if gateway.hosted
-                else f"Checking {target}: its engine first saves and searches a note in a scratch directory..."
             )
         needed = {"profile": options["need_profile"], "save": options["need_save"]}
-        for step in _steps(gateway, report, options["container"], _Advice(target, timeout, options, gateway.redact)):
+        for step in _steps(gateway, report, options["container"], _advice(target, timeout, options, gateway.redact)):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
         report.probe_query = gateway.redact(report.probe_query)
     return report
@@ -184,40 +182,38 @@ def _engine_step() -> Step:
     return Step("engine", False, f"a note was saved, but {failed}{_LOCAL_LLM_HINT}")
 
 
-@dataclass(frozen=True)
-class _Advice:
-    """What to do about a failure, naming each setting where it was given (in run_check()'s words)."""
+def _advice(
+    target: str, timeout: float, options: dict[str, Any], redact: Callable[[str], str]
+) -> Callable[[BaseException], str]:
+    """What to do about a failure (redacted before anything is cut), naming each setting where it was given."""
 
-    target: str
-    timeout: float
-    options: dict[str, Any]
-    redact: Callable[[str], str]
-
-    def source(self, option: str, variable: str) -> str:
-        """Where ``option`` was set: its keyword, else ``variable``, else (neither) either of them."""
-        if self.options[option] is not None:
+    def source(option: str, variable: str) -> str:  # its keyword, else the variable, else (neither) either
+        if options[option] is not None:
             return f"{option}="
         return variable if os.environ.get(variable) else f"{option}= or {variable}"
 
-    def __call__(self, error: BaseException) -> str:
-        """What went wrong, and what to do about it (redacted before anything is cut)."""
-        failure = describe_failure(error, redact=self.redact)
-        host, key = self.source("base_url", "MEMBASE_BASE_URL"), self.source("api_key", "MEMBASE_API_KEY")
+    def advice(error: BaseException) -> str:
+        failure = describe_failure(error, redact=redact)
+        host, key = source("base_url", "MEMBASE_BASE_URL"), source("api_key", "MEMBASE_API_KEY")
         return {
-            "timeout": f"{self.target} did not answer within {self.timeout:g} s. A memory idle for a while can take "
-            f"up to a minute to wake up: try again with timeout=90. If it never answers, check the host in {host} "
-            "and the network.",
+            "timeout": f"{target} did not answer within {timeout:g} s. A memory idle for a while can take up to a "
+            f"minute to wake up: try again with timeout=90. If it never answers, check the host in {host} and the "
+            "network.",
             "connection": f"{failure.sentence} Check the host in {host} and the network.",
-            "not_found": f"{failure.sentence} {self.target} may not be Membase's API ({DEFAULT_BASE_URL} is): check "
-            f"the host in {host}.",
+            "not_found": f"{failure.sentence} {target} may not be Membase's API ({DEFAULT_BASE_URL} is): check the "
+            f"host in {host}.",
             "access": "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its "
             f"owner. Check it in Connect > Developer keys, and the key in {key}.",
             "unauthenticated": f"Membase received no usable key (401): check the key in {key} (a key from Connect > "
             "Developer keys).",
         }.get(failure.kind, failure.sentence)
 
+    return advice
 
-def _steps(gateway: MembaseGateway, report: CheckReport, container: str | None, advice: _Advice) -> Iterator[Step]:
+
+def _steps(
+    gateway: MembaseGateway, report: CheckReport, container: str | None, advice: Callable[[BaseException], str]
+) -> Iterator[Step]:
     """The checks, in order, filling in what ``report`` found; a failure the next checks need ends them."""
     if not gateway.hosted:
         yield _engine_step()
@@ -308,13 +304,7 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
     check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
     check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
-    check.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help=f"how long one attempt of a request may take (default {DEFAULT_TIMEOUT:g}; the searches try 3 times)",
-    )
+    check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help="per request (20)")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     options = vars(parser.parse_args(argv))
     if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr
