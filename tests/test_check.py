@@ -242,6 +242,8 @@ def test_the_command_speaks_in_its_flags_and_run_check_in_its_keywords(account, 
         assert in_keywords in detail and "--" not in detail, detail
         if keywords.get("api_key") == "k":  # a key is never echoed, however short
             assert not re.search(r"\bk\b", out.replace("--api-key", "")) and "[redacted]" not in out
+    monkeypatch.setenv("MEMBASE_API_KEY", "k")  # the key where it came from: the variable, not a flag
+    assert "[FAIL] configuration: MEMBASE_API_KEY: the value is too short" in cli(capsys)[1]
     assert account.requests == []
 
 

@@ -142,7 +142,10 @@ def _check(options: dict[str, Any], announce: Callable[[str], None] | None = Non
         where = {option: options[option] for option in ("client", "api_key", "base_url", "local")}
         gateway = MembaseGateway(**where, request_timeout=timeout, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
-        return CheckReport("(not configured)", [Step("configuration", False, str(error))])
+        detail = str(error)
+        if options["api_key"] is None and os.environ.get("MEMBASE_API_KEY"):  # say where the key came from
+            detail = re.sub(r"^api_key:", "MEMBASE_API_KEY:", detail)
+        return CheckReport("(not configured)", [Step("configuration", False, detail)])
     with contextlib.closing(gateway):
         where_local = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
         target = gateway.base_url if gateway.hosted else f"local Membase {where_local}"
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
     check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
     check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
-    check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help="per request (20)")
+    timeout = "how long each request may take (default 20; a memory idle for a while can take a minute to wake up)"
+    check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help=timeout)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     options = vars(parser.parse_args(argv))
     if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr
