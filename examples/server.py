@@ -1,19 +1,21 @@
 """A served agent with memory: FastAPI, one MembaseStorePool for all users, each user's turns captured.
 
-    MEMBASE_KEY_alice=mb_... uvicorn server:app --app-dir examples
+    MEMBASE_KEY_alice=mbk_... uvicorn server:app --app-dir examples
     curl -H 'X-User-Id: alice' -H 'Content-Type: application/json' -d '{"text": "I like green tea."}' \
         http://127.0.0.1:8000/chat
 
-Each user's own key is read from MEMBASE_KEY_<user id> (in production: your secrets manager or user database);
-MEMBASE_BASE_URL, if set, names the Membase host. The model is Strands' default (Amazon Bedrock: AWS credentials
-needed); MEMBASE_EXAMPLE_SCRIPTED=1 swaps in a scripted model that answers with what it recalled (the tests do).
-Under gunicorn: gunicorn -k uvicorn.workers.UvicornWorker -w 2 --chdir examples server:app (hosted Membase).
+Each user's own key is read from MEMBASE_KEY_<user id> (in production: your secrets manager or user database), or a
+local Membase directory from MEMBASE_LOCAL_<user id>; MEMBASE_BASE_URL, if set, names the Membase host. A user with
+neither is answered 403; one whose directory another process holds, 503. The model is Strands' default (Amazon
+Bedrock: AWS credentials needed); MEMBASE_EXAMPLE_SCRIPTED=1 swaps in a scripted model that answers with what it
+recalled (the tests do). Under gunicorn: gunicorn -k uvicorn.workers.UvicornWorker -w 2 --chdir examples server:app.
 """
 
 import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel
@@ -24,7 +26,9 @@ from membase_strands import MembaseStorePool, injection_config
 from membase_strands.testing import ScriptedModel
 
 
-def membase_key(user_id: str) -> str:
+def membase_key(user_id: str) -> str | Path:
+    if directory := os.environ.get(f"MEMBASE_LOCAL_{user_id}"):  # local Membase: a Path (one process per directory)
+        return Path(directory)
     return os.environ[f"MEMBASE_KEY_{user_id}"]  # a user with no key is refused (403 below)
 
 
@@ -63,6 +67,8 @@ async def chat(turn: Turn, request: Request, x_user_id: str = Header()) -> dict[
         store = request.app.state.pool.store_for(x_user_id)
     except ValueError:
         raise HTTPException(status_code=403, detail="no Membase key for this user") from None
+    except RuntimeError:  # the pool is closing, or the user's local directory is another process's
+        raise HTTPException(status_code=503, detail="this user's memory cannot be served here now") from None
     memory = MemoryManager(stores=[store], search_tool_config=False, injection=injection_config())
     agent = Agent(model=new_model(), memory_manager=memory, callback_handler=None)
     try:

@@ -3,6 +3,11 @@ the demo, ``many_users.py``, the tests and the recall-quality benchmark run the 
 
 Its answers make the engine really learn and rank: embeddings are hashed bag-of-words vectors, an episode is the
 conversation's own words, and the search steering keeps the candidates that share a word with the question.
+
+In Python: ``with StandInLLM() as llm: os.environ.update(llm.engine_env())`` before local Membase's first call. As a
+command, it runs another one with those variables set, and serves until that one ends:
+
+    uv run --python 3.12 examples/standin_llm.py python my_agent.py
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -226,3 +235,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def main(command: list[str]) -> int:
+    """Run ``command`` with local Membase pointed at a stand-in LLM, serving it until the command ends."""
+    if not command:
+        print("usage: standin_llm.py COMMAND [ARGUMENT...]  (runs COMMAND with local Membase's LLM a stand-in)")
+        return 2
+    with StandInLLM() as llm:
+        child = subprocess.Popen(command, env={**os.environ, **llm.engine_env()})
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the command too: the stand-in waits for its end
+        signal.signal(signal.SIGTERM, lambda signum, frame: child.terminate())
+        return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -5,19 +5,16 @@ Helpers that tests import (``make_agent``, ``timed``, ``Clock``, ...) live in ``
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from membase_strands import MembaseMemoryStore
 from membase_strands.testing import API_KEY, InMemoryMembase
+from tests.support.spans import span_switch
 from tests.support.store_helpers import Gates
 
 
@@ -63,28 +60,6 @@ def no_key_in_logs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     for record in caplog.records:
         assert API_KEY not in record.getMessage()
         assert API_KEY not in str(record.exc_text or "")
-
-
-class SpanSwitch(SimpleSpanProcessor):
-    """Keeps the spans that end while it is on: the process's tracer provider is set once, for the whole session."""
-
-    on = False
-
-    def on_end(self, span: ReadableSpan) -> None:
-        if self.on:
-            super().on_end(span)
-
-
-@functools.cache
-def span_switch() -> tuple[SpanSwitch, InMemorySpanExporter]:
-    """A switch on the process's SDK tracer provider (set here unless set already): Strands' spans and the store's."""
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-    provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider), "another tracer provider was set for this process"
-    switch = SpanSwitch(InMemorySpanExporter())
-    provider.add_span_processor(switch)
-    return switch, switch.span_exporter  # type: ignore[return-value]
 
 
 @pytest.fixture

@@ -6,11 +6,15 @@ save and search by the engine) is in ``tests/integration/test_local_directory.py
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import runpy
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,9 +24,10 @@ import pytest
 import membase_strands
 from membase_strands import check
 from membase_strands.testing import API_KEY, InMemoryMembase, status
-from tests.support.loopback import LoopbackMembase
+from tests.support.loopback import LoopbackMembase, stall
 
 CLI_KEY = "mb_cli_key_Zq8_n3ver_printed"
+WAITING = "a memory idle for a while can take up to a minute to wake up, and each request waits up to 3 s"
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_work", "name": "Work"}]
 ALL_ROUTES = [("GET", "/v1/containers"), ("POST", "/v1/search"), ("GET", "/v1/profile"), ("POST", "/v1/memories")]
 
@@ -45,6 +50,10 @@ def failed(report: check.CheckReport) -> list[str]:
     return [step.name for step in report.steps if step.required and not step.ok]
 
 
+def failed_lines(out: str) -> list[str]:
+    return re.findall(r"^  \[FAIL\] ([^:]+):", out, re.MULTILINE)
+
+
 def closed_port() -> str:
     """A loopback URL nothing listens on: a connection is refused at once, and nothing leaves the machine."""
     with socket.socket() as free:
@@ -64,7 +73,7 @@ def test_everything_working_is_ok_searches_twice_and_saves_nothing(server):
     report = run_check(server)
 
     assert report.ok and report.target == server.url and report.memories == ["Main", "Work"]
-    assert [step.name for step in report.steps] == ["reach", "memories in reach", "search", "profile", "save"]
+    assert [step.name for step in report.steps] == ["reach", "key", "memories in reach", "search", "profile", "save"]
     assert all(step.ok for step in report.steps)
     assert report.first_search_seconds is not None and report.suggested_recall_timeout == 2.0  # a fast warm search
     text = report.to_text()  # "Main, Work" and "Everything needed works.": the table below, for the command too
@@ -145,8 +154,8 @@ SCENARIOS: dict[str, tuple[Callable[[InMemoryMembase], None], dict[str, Any], li
         refuse(*ALL_ROUTES),
         {},
         [],
-        ["reach"],
-        ["[FAIL] reach", "403", "MEMBASE_API_KEY", "Connect > Developer keys"],
+        ["key"],
+        ["[  ok] reach", "[FAIL] key", "403", "the key in MEMBASE_API_KEY", "Connect > Developer keys"],
     ),
     "profile-save-refused": (REFUSED, {}, [], ["profile", "save"], ["may not read the profile", "may not save"]),
     "save-refused": (REFUSED, {"need_profile": False}, ["--no-profile"], ["save"], ["[note] profile", "may not save"]),
@@ -190,8 +199,8 @@ def test_the_report_and_the_command_say_the_same_and_exit_0_only_when_everything
     assert [(step["name"], step["ok"]) for step in data["steps"]] == [(step.name, step.ok) for step in report.steps]
     assert all({"name", "ok", "detail", "required"} <= set(step) for step in data["steps"])
     assert {r.key for r in account.requests} == {CLI_KEY} and account.notes == [] and account.standing == []
-    if failing == ["reach"]:
-        assert len(account.sent()) == 3  # a refused key is not retried
+    if failing == ["key"]:
+        assert len(account.sent()) == 3  # one request per run: a refused key is not retried, nor asked more
     elif not failing:
         assert report.memories == ["Main", "Work"] and isinstance(data["suggested_recall_timeout"], float)
     if options.get("container") == "work":
@@ -210,8 +219,76 @@ def test_the_command_takes_the_key_and_host_from_its_flags_before_the_environmen
 
     sent, elsewhere = len(account.requests), closed_port()
     code, out = cli(capsys, "--api-key", CLI_KEY, "--base-url", elsewhere)
-    assert code == 1 and elsewhere in out and "MEMBASE_BASE_URL" in out
+    assert code == 1 and elsewhere in out and "Check the host in --base-url and the network." in out
+    assert "MEMBASE_BASE_URL" not in out  # the flag named the host, not the variable
     assert len(account.requests) == sent  # the flag's host was tried, not MEMBASE_BASE_URL's
+
+
+def test_the_command_speaks_in_its_flags_and_run_check_in_its_keywords(account, server, capsys, monkeypatch):
+    monkeypatch.delenv("MEMBASE_API_KEY")
+    told = {
+        "no key": ([], {}, "pass --api-key, set MEMBASE_API_KEY, or pass --local DIR", "pass api_key=, set"),
+        "a short key": (["--api-key", "k"], {"api_key": "k"}, "--api-key: the value is too short", "api_key: the"),
+        "a bad host": (["--base-url", "ftp://x"], {"base_url": "ftp://x"}, "check --base-url or", "check base_url= or"),
+        "no timeout": (["--timeout", "0"], {"timeout": 0}, "--timeout=SECONDS must be", "timeout=SECONDS must be"),
+    }
+    for flags, keywords, in_flags, in_keywords in told.values():
+        if flags:  # a key from the environment, so that the flag is what is wrong
+            monkeypatch.setenv("MEMBASE_API_KEY", CLI_KEY)
+        code, out = cli(capsys, *flags)
+        detail = steps(check.run_check(**keywords))["configuration"].detail
+
+        assert code == 1 and in_flags in out and "api_key=" not in out and "local=DIR" not in out, out
+        assert in_keywords in detail and "--" not in detail, detail
+        if keywords.get("api_key") == "k":  # a key is never echoed, however short
+            assert not re.search(r"\bk\b", out.replace("--api-key", "")) and "[redacted]" not in out
+    monkeypatch.setenv("MEMBASE_API_KEY", "k")  # the key where it came from: the variable, not a flag
+    assert "[FAIL] configuration: MEMBASE_API_KEY: the value is too short" in cli(capsys)[1]
+    assert account.requests == []
+
+
+def test_a_refused_or_missing_key_is_the_key_step_and_a_404_says_the_host_may_not_be_membase(server, monkeypatch):
+    monkeypatch.delenv("MEMBASE_BASE_URL", raising=False)
+    for code, said in ((401, "no usable key (401): check the key in api_key="), (403, "refused the key (403)")):
+        server.fake.on("GET", "/v1/containers", status(code))
+        report = run_check(server)
+        assert failed(report) == ["key"] and steps(report)["reach"].ok and said in steps(report)["key"].detail
+
+    server.fake.on("GET", "/v1/containers", status(404, "no route GET /v1/containers"))
+    report = run_check(server)
+    assert failed(report) == ["reach"] and "key" not in steps(report)
+    assert f"{server.url} may not be Membase's API (https://api.app.membase.com is): check the host in base_url=" in (
+        steps(report)["reach"].detail
+    )
+
+
+def test_a_host_that_never_answers_is_named_after_one_attempt_of_timeout_seconds(capsys, monkeypatch):
+    """``check --timeout 3`` against a host that takes the request and never answers: one attempt, bounded by the
+    timeout (the elapsed time is only checked against a generous bound), and a line on stderr before that request
+    says what it waits for."""
+    monkeypatch.delenv("MEMBASE_BASE_URL", raising=False)
+    release, printed, before_the_request = threading.Event(), io.StringIO(), []
+
+    def never_answer(handler: Any) -> None:
+        before_the_request.append(printed.getvalue())
+        stall(release)(handler)  # holds the request until the test ends
+
+    monkeypatch.setattr(sys, "stderr", printed)
+    with LoopbackMembase() as hanging:
+        hanging.always("GET", "/v1/containers", never_answer)
+        started = time.monotonic()
+        try:
+            code = check.main(["check", "--api-key", CLI_KEY, "--base-url", hanging.url, "--timeout", "3"])
+        finally:
+            release.set()
+        elapsed = time.monotonic() - started
+        assert len(hanging.requests("GET", "/v1/containers")) == 1 and len(hanging.seen) == 1  # one attempt in all
+
+    out = capsys.readouterr().out
+    assert code == 1 and failed_lines(out) == ["reach"]
+    assert f"[FAIL] reach: {hanging.url} did not answer within 3 s." in out and "--timeout=90" in out
+    assert before_the_request == [f"Asking Membase at {hanging.url}; {WAITING} (--timeout SECONDS)...\n"]
+    assert elapsed < 60  # a generous bound: the attempt's own (3 s) is shown by the single request above
 
 
 def test_version_prints_the_package_version_and_no_command_is_a_usage_error(capsys):

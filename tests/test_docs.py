@@ -2,7 +2,10 @@
 and passes pyflakes on its own. ``MEMBASE_API_KEY``/``MEMBASE_BASE_URL`` (and a pool's ``MEMBASE_KEY_<user>``) point
 at an ``InMemoryMembase`` served over loopback; an Agent built without a model gets :class:`StandInModel`; budgets
 are at least 30 s; a block's own ``time.sleep`` returns at once. A block that sets a process-wide provider runs in a
-subprocess; the test functions a block defines run too. Shell blocks are not run; the flags they use must exist.
+subprocess; the test functions a block defines run too. Every shell command in docs/ runs as written (a served
+example under uvicorn or gunicorn, the requests sent to it, the check), offline, or is listed in ``NOT_RUN`` with
+the reason it cannot; the README's shell commands are checked for their flags and run elsewhere (``tests/
+integration/test_examples.py`` runs the demo).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ from membase_strands import MembaseMemoryStore, __version__, check
 from membase_strands._telemetry import STANDARD
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
 from tests.support.loopback import LoopbackMembase
+from tests.support.served import ServedApp, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -38,6 +43,7 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 GENEROUS_BUDGET = 30.0
 QUICK_START = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 SERVED = (ROOT / "examples" / "server.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
+FORGET_SERVED = (ROOT / "examples" / "forget_server.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 # Blocks that change process-wide state run in a subprocess of their own.
 ISOLATE = ("set_tracer_provider", "set_meter_provider")
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -150,7 +156,8 @@ def execute(block: Block, run: Run) -> None:
 
     namespace: dict[str, Any] = run.namespace
     namespace.update({"__name__": "docs_block", "__builtins__": {**vars(builtins), "__import__": block_import}})
-    exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102 - the documentation's own code
+    # dont_inherit: compiled as the block is written, not under this module's `from __future__ import annotations`
+    exec(compile(block.code, block.name, "exec", dont_inherit=True), namespace)  # noqa: S102 - the docs' own code
     for name, value in list(namespace.items()):
         if name.startswith("test_") and callable(value):
             value()
@@ -200,17 +207,40 @@ def _served_app_did_what_it_says(run: Run) -> None:
         run.namespace["app"].state.pool.store_for("alice")
 
 
+def _forget_app_did_what_it_says(run: Run) -> None:
+    # A note saved, a forget asked in one request, approved in the next: gone; a stranger is refused.
+    from fastapi.testclient import TestClient
+
+    alice = {"X-User-Id": "alice"}
+    with TestClient(run.namespace["app"]) as client:
+        client.post("/chat", json={"text": "Please remember that the launch is in May."}, headers=alice)
+        asked = client.post("/chat", json={"text": "Please forget that the launch is in May."}, headers=alice).json()
+        [question] = asked["interrupts"]
+        answer = {"interrupt_id": question["id"], "response": True}
+        approved = client.post("/answer", json=answer, headers=alice).json()
+        stranger = client.post("/chat", json={"text": "Hello."}, headers={"X-User-Id": "mallory"})
+    assert asked["reply"] is None and question["name"] == "membase_forget"
+    assert approved["reply"].startswith("Forgotten") and run.membase.saved() == []
+    assert [note.content for note in run.membase.forgotten] == ["Please remember that the launch is in May."]
+    assert stranger.status_code == 403
+
+
 # --- Every Python block runs ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[block.name for block in PYTHON])
-def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_python_block_runs_offline_as_written(
+    block: Block, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     if any(marker in block.code for marker in ISOLATE):
         done = run_isolated(block)
         assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr}"
         return
     if "from fastapi" in block.code:  # CI's oldest and newest version pairs do not install the dev dependencies
         pytest.importorskip("fastapi")
+    if block.code == FORGET_SERVED:  # its scripted model, and sessions of the test's own
+        monkeypatch.setenv("MEMBASE_EXAMPLE_SCRIPTED", "1")
+        monkeypatch.setenv("MEMBASE_EXAMPLE_SESSIONS", str(tmp_path))
     with offline() as run:  # checked in there too: the served app's check drives what the block built
         execute(block, run)
         assert API_KEY not in capsys.readouterr().out
@@ -218,6 +248,8 @@ def test_each_python_block_runs_offline_as_written(block: Block, capsys: pytest.
             _quick_start_did_what_it_says(run)
         if block.code == SERVED:
             _served_app_did_what_it_says(run)
+        if block.code == FORGET_SERVED:
+            _forget_app_did_what_it_says(run)
 
 
 def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
@@ -242,10 +274,10 @@ def test_every_python_block_passes_pyflakes_on_its_own(tmp_path: Path) -> None:
 
 def test_the_readme_is_short_shows_the_check_early_and_its_quick_start_and_served_app_are_the_examples() -> None:
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 250 and any(line.startswith("membase-strands check") for line in lines[:80])
+    assert len(lines) <= 255 and any(line.startswith("membase-strands check") for line in lines[:80])
     assert QUICK_START in [block.code for block in PYTHON if block.page == "README.md"]
     assert len(QUICK_START.splitlines()) <= 40
-    assert SERVED in [block.code for block in PYTHON if block.page == "docs/servers.md"]
+    assert {SERVED, FORGET_SERVED} <= {block.code for block in PYTHON if block.page == "docs/servers.md"}
 
 
 def test_the_readme_gives_exactly_the_two_commands_that_run_everything_from_a_clone() -> None:
@@ -312,3 +344,84 @@ def test_the_membase_strands_flags_the_pages_use_exist_and_version_prints_the_ve
     known = _help("--help", capsys=capsys) + _help("check", "--help", capsys=capsys)
     assert used and {flag for flag in used if flag not in known} == set()
     assert _help("--version", capsys=capsys).strip() == f"membase-strands {__version__}"
+
+
+# --- Every shell command in docs/ runs as written, or says why it cannot --------------------------
+
+NOT_RUN = {  # the commands in docs/ the suite does not run, and why
+    "uv sync --python 3.12": "it makes the environment the suite runs in",
+    "uv run --python 3.12 pytest": "it is the suite",
+    "uv run --python 3.12 pytest tests/test_docs.py": "it is this file's tests",
+    "uv run ruff check . && uv run ruff format --check . && uv run mypy src": "CI's lint step runs it (.ci/run)",
+    "bash .ci/run": "it is CI: the suite twice, and the oldest and newest versions installed from PyPI",
+    "export HTTPS_PROXY=http://proxy.internal:3128": "the proxy is one only your network has",
+    "export SSL_CERT_FILE=/etc/ssl/certs/company-ca.pem": "the certificate authority's file is your company's",
+}
+SERVER = re.compile(r"\b(uvicorn|gunicorn) ")
+HOSTED_KEY = "mbk_..."  # a hosted user's key in the docs: the runs below give a key of the test's Membase instead
+# What the answer to a documented request says, by a phrase of the request.
+ANSWERS = {
+    '"What tea do I like?"': "I like green tea.",
+    '"Please remember': "Saved to Membase.",
+    '"response": true': "Forgotten, with the user's approval",
+}
+SHELL = [
+    (block, [line.split("  #")[0].strip() for line in block.code.splitlines() if line.strip()])
+    for block in BLOCKS
+    if block.language == "bash" and block.page != "README.md"
+]
+
+
+def test_every_shell_command_in_the_docs_is_run_below_or_says_why_not() -> None:
+    commands = [command for _, block_commands in SHELL for command in block_commands]
+    runnable = [c for c in commands if c not in NOT_RUN]
+    assert all(SERVER.search(c) or c.startswith(("curl ", "membase-strands ")) for c in runnable), runnable
+    assert set(NOT_RUN) <= set(commands)  # every reason is still about a command the docs show
+
+
+@pytest.mark.parametrize(
+    ("block", "commands"),
+    [(block, commands) for block, commands in SHELL if set(commands) - set(NOT_RUN)],
+    ids=[block.name for block, commands in SHELL if set(commands) - set(NOT_RUN)],
+)
+def test_each_shell_command_in_the_docs_runs_as_written(block: Block, commands: list[str], tmp_path: Path) -> None:
+    """Each runs in the clone with bash, offline: a server on a free port (``UVICORN_PORT``, ``GUNICORN_CMD_ARGS``)
+    until the next server or the block's end, each ``curl`` after it sent to that port, ``<its id>`` the interrupt id
+    the answer before gave; ``MEMBASE_BASE_URL`` and ``MEMBASE_API_KEY`` name a Membase of the test's (a hosted
+    user's ``mbk_...`` is a key of it), and ``mktemp`` makes its directories in the test's."""
+    pytest.importorskip("uvicorn", reason="the served examples need the dev dependencies (fastapi, uvicorn)")
+    if shutil.which("uv") is None or shutil.which("curl") is None:
+        pytest.skip("the documented commands need uv and curl on PATH")
+    bin_dir = str(Path(sys.executable).parent)  # where an activated environment has membase-strands
+    env = {"TMPDIR": str(tmp_path), "MEMBASE_API_KEY": API_KEY, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    answer: dict[str, Any] = {}
+    with LoopbackMembase() as membase, contextlib.ExitStack() as serving:
+        env["MEMBASE_BASE_URL"] = membase.url
+        for command in (c for c in commands if c not in NOT_RUN):
+            if SERVER.search(command):
+                serving.close()  # the server before, if any
+                port = free_port()
+                env.update(UVICORN_PORT=str(port), GUNICORN_CMD_ARGS=f"--bind 127.0.0.1:{port}")
+                workers = re.search(r"(?:-w|--workers) (\d+)", command)
+                app = serving.enter_context(
+                    ServedApp(["bash", "-c", command.replace(HOSTED_KEY, f"{API_KEY}_{port}")], env, port, ROOT)
+                )
+                app.wait_until_ready(int(workers[1]) if workers else 1)
+                continue
+            if command.startswith("curl "):
+                interrupt_id = (answer.get("interrupts") or [{"id": ""}])[0]["id"]
+                command = command.replace("http://127.0.0.1:8000", app.url).replace("<its id>", interrupt_id)
+            done = subprocess.run(
+                ["bash", "-c", command],
+                env={**os.environ, **env},
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+            if command.startswith("curl "):
+                answer = json.loads(done.stdout)
+                assert "detail" not in answer, (command, answer)  # FastAPI's error answers
+                assert all(said in json.dumps(answer) for asked, said in ANSWERS.items() if asked in command), answer
+        serving.close()

@@ -32,8 +32,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseRecallTimeout, MembaseWriteTimeout
 from membase_strands._failures import PIECE, BadResponseError
 from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, ToolCall, status
-from tests.conftest import span_switch
 from tests.support.leaks import span_texts
+from tests.support.spans import span_switch
 from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
 
 SERVER_TEXT = "SRV-DETAIL"  # every fault's server text carries it, to spot where server text must not go

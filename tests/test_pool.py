@@ -16,6 +16,7 @@ import functools
 import gc
 import importlib.util
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -183,6 +184,32 @@ def test_a_credential_that_is_no_key_is_refused_naming_the_user_and_never_a_key(
             with pytest.raises(ValueError, match="user_id"):
                 pool.store_for(user_id)  # type: ignore[arg-type]
         assert len(pool) == 2 and pool.store_for("alice") is alice
+
+
+def test_a_credential_that_cannot_be_used_is_refused_naming_the_user_and_never_quoting_a_key(fake, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory")
+    keys = {"ivy": "k", "jay": "mb_key_with\x01_a_control"}
+    with fake.pool(keys.__getitem__) as pool, MembaseStorePool(lambda user: a_file) as local_pool:
+        for user, said in (("ivy", "too short"), ("jay", "characters a key cannot have"), ("kim", "is a file")):
+            with pytest.raises(ValueError, match=f"credential for user '{user}' cannot be used: .*{said}") as caught:
+                (local_pool if user == "kim" else pool).store_for(user)
+            assert "'k'" not in str(caught.value) and "\x01" not in str(caught.value)
+    assert fake.requests == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the lock is taken with fcntl here")
+def test_a_local_directory_another_process_holds_is_a_runtime_error_naming_the_user(tmp_path):
+    """A user whose memory this process cannot open now (a web app answers 503, not 403: it is no credential
+    problem). The directory is held as another process holds it: an exclusive lock on its lock file."""
+    import fcntl
+
+    (tmp_path / "lee").mkdir()
+    with (tmp_path / "lee" / ".membase-strands.lock").open("a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with MembaseStorePool(lambda user: tmp_path / user) as pool:
+            with pytest.raises(RuntimeError, match=r"user 'lee' cannot be served in this process: .*another process"):
+                pool.store_for("lee")
 
 
 # --- The bound: the pool lets go of the least recently used, never closing it under its user --------------

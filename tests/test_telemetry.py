@@ -312,8 +312,8 @@ def test_counts_from_many_threads_and_event_loops_add_up_exactly(fake, make_stor
 
 
 def test_a_pool_counts_what_every_store_it_built_did(fake):
-    fake.account("key-bob").remember(FACT)
-    with fake.pool(lambda user: f"key-{user}", recall_timeout=30.0) as pool:
+    fake.account("mb_key_of_bob").remember(FACT)
+    with fake.pool(lambda user: f"mb_key_of_{user}", recall_timeout=30.0) as pool:
         for user, turns in (("alice", 1), ("bob", 2)):
             agent, _ = make_agent(pool.store_for(user), ["ok"] * turns)
             for _ in range(turns):

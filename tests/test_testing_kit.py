@@ -3,6 +3,7 @@ runs in ``test_docs.py`` with its test functions.)"""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -83,6 +84,37 @@ def test_a_note_is_forgotten_only_when_confirmed() -> None:
     assert [n.content for n in membase.forgotten] == ["The launch is in May."] and membase.notes == []
 
 
+def test_a_function_step_sees_the_tool_results_of_the_turn_and_can_use_the_id_search_just_returned() -> None:
+    membase = InMemoryMembase()
+    membase.remember("Dinner with Sam on Friday.")
+    note = membase.remember("The launch is in May.")
+    seen: list[str] = []
+    search = ToolCall("membase_search", {"query": "launch"})
+    forget = lambda sent: ToolCall("membase_forget", {"memory_id": re.findall(r"id: ([^)]+)", sent)[-1]})  # noqa: E731
+    script = [search, lambda sent: seen.append(sent) or forget(sent), "I forgot it."]
+    agent, model = _agent(membase.store(tools=("search", "forget")), script)
+
+    result = agent("Please forget when the launch is.")
+    while result.stop_reason == "interrupt":  # approved
+        result = agent([{"interruptResponse": {"interruptId": i.id, "response": True}} for i in result.interrupts])
+
+    [sent] = seen
+    assert sent == model.sent_text(1) and sent.startswith("Please forget when the launch is.")
+    assert sent.endswith(f"The launch is in May. (id: {note})")  # the search's result, the latest text last
+    assert [n.content for n in membase.forgotten] == ["The launch is in May."]
+    assert "Forgotten" in model.sent_text().splitlines()[-1]  # and the forget's result, in the next call
+
+
+def test_a_scripted_tool_call_has_an_id_no_other_call_has() -> None:
+    ids = set()
+    for _ in range(2):  # two models, as two requests of a served app build them
+        membase = InMemoryMembase()
+        agent, model = _agent(membase.store(), [ToolCall("membase_save", {"content": "I like tea."}), "ok"])
+        agent("Remember that I like tea.")
+        ids |= {result["toolUseId"] for result in model.tool_results()}
+    assert len(ids) == 2
+
+
 @pytest.mark.parametrize(("responder", "counter"), [(status(429), "errors.rate_limited"), (refuse_connection, None)])
 def test_faults_are_injected_per_route_until_healed(responder: Any, counter: str | None) -> None:
     membase = InMemoryMembase()
@@ -122,11 +154,11 @@ def test_the_store_helper_passes_options_and_the_client_is_the_real_sdk() -> Non
 
 def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_its_key() -> None:
     alice = InMemoryMembase()
-    bob = alice.account("bob-key")
+    bob = alice.account("mb_key_of_bob")
     bob.remember("Bob rides a green Brompton bicycle.")
-    assert alice.account("bob-key") is bob and (bob.base_url, bob.transport) == (alice.base_url, alice.transport)
+    assert alice.account("mb_key_of_bob") is bob and (bob.base_url, bob.transport) == (alice.base_url, alice.transport)
 
-    with alice.pool(lambda user: {"alice": API_KEY, "bob": "bob-key"}[user]) as pool:
+    with alice.pool(lambda user: {"alice": API_KEY, "bob": "mb_key_of_bob"}[user]) as pool:
         assert isinstance(pool, MembaseStorePool)
         for user in ("alice", "bob"):
             agent, model = _agent(pool.store_for(user), ["ok"])
@@ -173,3 +205,4 @@ def test_it_answers_as_hosted_membase_documents_it_for_a_keys_level_and_tick() -
         client.search("ledger")
     with pytest.raises(ValueError, match="level"):
         InMemoryMembase(level="admin")
+    assert [r.key for r in alice.requests] == [API_KEY, "mb_key_of_bob", API_KEY, API_KEY]  # the host's, each its key

@@ -352,7 +352,7 @@ def test_the_tools_are_the_ones_named_and_forget_only_when_named(fake, make_stor
 
 
 def test_each_store_builds_its_tools_once_and_they_answer_for_that_store(fake, make_store):
-    stores = {user: fake.account(f"{user}-key").store(recall_timeout=30.0) for user in ("alice", "bob")}
+    stores = {user: fake.account(f"mb_key_of_{user}").store(recall_timeout=30.0) for user in ("alice", "bob")}
     together = threading.Barrier(8, timeout=30.0)
     seen: list[list[Any]] = []
     threads = [
@@ -368,12 +368,12 @@ def test_each_store_builds_its_tools_once_and_they_answer_for_that_store(fake, m
     seen[0].clear()
     assert [t.tool_name for t in stores["alice"].get_tools()] == OUR_TOOLS
     for user, store in stores.items():
-        fake.account(f"{user}-key").remember(f"{user} keeps the ledger on Postgres.")
+        fake.account(f"mb_key_of_{user}").remember(f"{user} keeps the ledger on Postgres.")
         [(_, text)] = tool_texts(tool_turn(store, search()))
         assert f"{user} keeps the ledger" in text and ("bob" if user == "alice" else "alice") not in text
         assert store.counters()["tool_calls.membase_search"] == 1
         store.close()
-    assert {r.key for r in fake.requests} == {"alice-key", "bob-key"} and len(fake.requests) == 2
+    assert {r.key for r in fake.requests} == {"mb_key_of_alice", "mb_key_of_bob"} and len(fake.requests) == 2
 
 
 def test_a_stores_tools_keep_nothing_of_other_stores_alive_and_a_spec_of_their_own(fake):

@@ -191,7 +191,7 @@ def run(floors: tuple[float, ...]) -> tuple[list[Outcome], dict[str, list[float]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="membase-recall-quality-") as tmp:
         with StandInLLM() as llm, served_engine(Path(tmp) / "membase", llm) as url:
-            with membase.Membase(api_key="benchmark", base_url=url) as client:
+            with membase.Membase(api_key="mb_benchmark_key", base_url=url) as client:
                 for note in notes:
                     answer = client.memories.add(note.text, container=note.memory)
                     if not answer.get("memory_ids"):
@@ -200,7 +200,7 @@ def run(floors: tuple[float, ...]) -> tuple[list[Outcome], dict[str, list[float]
 
             outcomes = []
             for config in configurations(floors):
-                store = config.make_store(api_key="benchmark", base_url=url, **config.options)
+                store = config.make_store(api_key="mb_benchmark_key", base_url=url, **config.options)
                 turns = []
                 with store:
                     for question in questions:

@@ -343,6 +343,13 @@ def _checked_key(key: str | None) -> str:
     if not key.isascii() or not key.isprintable() or " " in key:
         # It could not go into an HTTP header, and the transport's error would quote it back.
         raise ValueError("api_key: the Membase API key has spaces or characters a key cannot have; check its value")
+    # Every developer key has "mbk_", its 8-character key id and "_" (13 characters) before its token (a consent
+    # token is an OAuth token): a shorter value is a placeholder or a typo, whose redaction would mask words.
+    if len(key) < 13:
+        raise ValueError(
+            "api_key: the value is too short to be a Membase API key (a developer key's mbk_<key id>_ alone is 13 "
+            "characters; `membase serve` without a token takes any value of 13 or more); check its value"
+        )
     return key
 
 

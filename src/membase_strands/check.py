@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -24,25 +25,21 @@ import membase
 from ._containers import match
 from ._failures import describe_failure
 from ._formatting import parse_search
-from ._gateway import MembaseGateway
+from ._gateway import DEFAULT_BASE_URL, MembaseGateway
 from ._local import unavailable
-from ._options import query_text
+from ._options import finite, query_text
 from ._text import clip
 from ._version import __version__
 
 PROBE_QUERY = "membase-strands setup check"
 PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
+DEFAULT_TIMEOUT = 20.0  # seconds per attempt, well under a minute: a host that never answers is named soon
 _LOCAL_LLM_HINT = (
     " (local Membase needs an LLM and an embeddings provider: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER, "
     "MEMBASE_EMBED_PROVIDER and MEMBASE_LLM_ENDPOINT for an OpenAI-compatible server)"
 )
 _PROBE_NOTE = "membase-strands setup check: the heron flies at dawn"
 _SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
-_KEY_REFUSED = (
-    "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its owner. "
-    "Check it in Connect > Developer keys and set MEMBASE_API_KEY."
-)
-_NO_KEY = "Membase received no usable key (401): set MEMBASE_API_KEY to a key from Connect > Developer keys."
 
 
 @dataclass
@@ -111,6 +108,7 @@ def run_check(
     need_save: bool = True,
     need_profile: bool = True,
     query: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> CheckReport:
     """Check a Membase key (or local directory) the way the store will use it.
 
@@ -118,28 +116,47 @@ def run_check(
         api_key: Defaults to ``MEMBASE_API_KEY``.
         base_url: Defaults to ``MEMBASE_BASE_URL``, else the hosted API.
         local: A local Membase directory instead of a key.
-        client: A ready client instead of the three above.
+        client: A ready client instead of the three above (its own timeout holds).
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
         need_profile: Whether reading the profile must be allowed for the check to pass.
         query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
+        timeout: Seconds one attempt of a request to Membase may take (the searches are tried up to 3 times).
 
     Returns:
         The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
     """
-    probe_query = query_text(query or "") or PROBE_QUERY
+    return _check(dict(locals()))  # run_check's keywords, as main() passes them
+
+
+def _check(options: dict[str, Any], announce: Callable[[str], None] | None = None) -> CheckReport:
+    """:func:`run_check`; ``announce`` is told what is asked, and how long it may take, before the first request."""
+    local, timeout = options["local"], options["timeout"]
+    probe_query = query_text(options["query"] or "") or PROBE_QUERY
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
         found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
         return CheckReport(f"local Membase in {os.fspath(local)}", found, probe_query=probe_query)
     try:
-        gateway = MembaseGateway(client=client, api_key=api_key, base_url=base_url, local=local, store_name="check")
+        if not finite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout=SECONDS must be a positive number, got {timeout!r}")
+        where = {option: options[option] for option in ("client", "api_key", "base_url", "local")}
+        gateway = MembaseGateway(**where, request_timeout=timeout, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
-        return CheckReport("(not configured)", [Step("configuration", False, str(error))])
+        detail = str(error)
+        if options["api_key"] is None and os.environ.get("MEMBASE_API_KEY"):  # say where the key came from
+            detail = re.sub(r"^api_key:", "MEMBASE_API_KEY:", detail)
+        return CheckReport("(not configured)", [Step("configuration", False, detail)])
     with contextlib.closing(gateway):
-        where = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
-        report = CheckReport(gateway.base_url if gateway.hosted else f"local Membase {where}", probe_query=probe_query)
-        needed = {"profile": need_profile, "save": need_save}
-        for step in _steps(gateway, report, container):
+        where_local = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
+        target = gateway.base_url if gateway.hosted else f"local Membase {where_local}"
+        report = CheckReport(target, probe_query=probe_query)
+        if announce is not None and gateway.hosted:
+            announce(
+                f"Asking Membase at {target}; a memory idle for a while can take up to a minute to wake up, and "
+                f"each request waits up to {timeout:g} s (--timeout SECONDS)..."
+            )
+        needed = {"profile": options["need_profile"], "save": options["need_save"]}
+        for step in _steps(gateway, report, options["container"], _advice(target, timeout, options, gateway.redact)):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
         report.probe_query = gateway.redact(report.probe_query)
     return report
@@ -157,9 +174,8 @@ def _engine_step() -> Step:
                 engine.memories.add(_PROBE_NOTE)
                 answer = parse_search(engine.search("heron dawn", limit=5), 5)
             except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-                return Step(
-                    "engine", False, f"a note could not be saved and searched: {_fix_for(error)}{_LOCAL_LLM_HINT}"
-                )
+                failed = describe_failure(error).sentence
+                return Step("engine", False, f"a note could not be saved and searched: {failed}{_LOCAL_LLM_HINT}")
     if answer.unsearched:
         failed = "search could not run: " + "; ".join(failed.reason for failed in answer.unsearched)
     elif not any(_PROBE_NOTE in passage.content for passage in answer.passages):
@@ -169,17 +185,54 @@ def _engine_step() -> Step:
     return Step("engine", False, f"a note was saved, but {failed}{_LOCAL_LLM_HINT}")
 
 
-def _steps(gateway: MembaseGateway, report: CheckReport, container: str | None) -> Iterator[Step]:
+def _advice(
+    target: str, timeout: float, options: dict[str, Any], redact: Callable[[str], str]
+) -> Callable[[BaseException], str]:
+    """What to do about a failure (redacted before anything is cut), naming each setting where it was given."""
+
+    def source(option: str, variable: str) -> str:  # its keyword, else the variable, else (neither) either
+        if options[option] is not None:
+            return f"{option}="
+        return variable if os.environ.get(variable) else f"{option}= or {variable}"
+
+    def advice(error: BaseException) -> str:
+        failure = describe_failure(error, redact=redact)
+        host, key = source("base_url", "MEMBASE_BASE_URL"), source("api_key", "MEMBASE_API_KEY")
+        return {
+            "timeout": f"{target} did not answer within {timeout:g} s. A memory idle for a while can take up to a "
+            f"minute to wake up: try again with timeout=90. If it never answers, check the host in {host} and the "
+            "network.",
+            "connection": f"{failure.sentence} Check the host in {host} and the network.",
+            "not_found": f"{failure.sentence} {target} may not be Membase's API ({DEFAULT_BASE_URL} is): check the "
+            f"host in {host}.",
+            "access": "Membase refused the key (403): it is unknown or expired, or was narrowed or revoked by its "
+            f"owner. Check it in Connect > Developer keys, and the key in {key}.",
+            "unauthenticated": f"Membase received no usable key (401): check the key in {key} (a key from Connect > "
+            "Developer keys).",
+        }.get(failure.kind, failure.sentence)
+
+    return advice
+
+
+def _steps(
+    gateway: MembaseGateway, report: CheckReport, container: str | None, advice: Callable[[BaseException], str]
+) -> Iterator[Step]:
     """The checks, in order, filling in what ``report`` found; a failure the next checks need ends them."""
     if not gateway.hosted:
         yield _engine_step()
-    started = time.perf_counter()
+    started, refused = time.perf_counter(), None
     try:
         containers = gateway.memories_in_reach()
     except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-        yield Step("reach", False, _fix_for(error, gateway.redact))
-        return
+        if describe_failure(error).kind not in ("access", "unauthenticated"):
+            yield Step("reach", False, advice(error))
+            return
+        refused = error  # Membase answered: the key is what failed
     yield Step("reach", True, f"Membase answered in {time.perf_counter() - started:.2f} s")
+    if gateway.hosted:
+        yield Step("key", refused is None, "Membase accepted it" if refused is None else advice(refused))
+    if refused is not None:
+        return
     report.memories = [c.name for c in containers]
     yield Step("memories in reach", True, ", ".join(report.memories) or "none yet")
     container_id = None
@@ -196,7 +249,7 @@ def _steps(gateway: MembaseGateway, report: CheckReport, container: str | None) 
         try:
             answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
-            yield Step("search", False, f"the {attempt} search failed: {_fix_for(error, gateway.redact)}")
+            yield Step("search", False, f"the {attempt} search failed: {advice(error)}")
             return
         timings.append(time.perf_counter() - started)
     report.first_search_seconds, report.second_search_seconds = timings
@@ -214,7 +267,7 @@ def _steps(gateway: MembaseGateway, report: CheckReport, container: str | None) 
     except membase.PermissionDeniedError:
         yield Step("profile", False, "the key may not read the profile (403): its owner did not allow it")
     except Exception as error:  # noqa: BLE001
-        yield Step("profile", False, _fix_for(error, gateway.redact))
+        yield Step("profile", False, advice(error))
     else:
         yield Step("profile", True, "the profile can be read")
     if not gateway.hosted:
@@ -228,17 +281,16 @@ def _steps(gateway: MembaseGateway, report: CheckReport, container: str | None) 
         if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
             yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
         else:
-            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {_fix_for(error, gateway.redact)}")
+            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {advice(error)}")
     else:
         yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
 
 
-def _fix_for(error: BaseException, redact: Callable[[str], str] = str) -> str:
-    """What went wrong, and what to do about it (``redact``-ed before anything is cut)."""
-    failure = describe_failure(error, redact=redact)
-    if failure.kind == "connection":
-        return f"{failure.sentence} Check MEMBASE_BASE_URL and the network."
-    return {"access": _KEY_REFUSED, "unauthenticated": _NO_KEY}.get(failure.kind, failure.sentence)
+def _as_flags(message: str) -> str:
+    """A message that names run_check()'s keywords (``api_key=``, ``local=DIR``) in the command's flags instead."""
+    message = re.sub(r"\blocal=DIR\b|^local(?=:)", lambda found: "--local" + found[0][5:].replace("=", " "), message)
+    flag = r"\b(api_key|base_url)\b=?|\b(timeout)(?==)"
+    return re.sub(flag, lambda found: f"--{found[1] or found[2]}".replace("_", "-"), message)
 
 
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
@@ -255,12 +307,16 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
     check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
     check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
+    timeout = "how long each request may take (default 20; a memory idle for a while can take a minute to wake up)"
+    check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help=timeout)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     options = vars(parser.parse_args(argv))
     if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr
         parser.print_help(sys.stderr)
         return 2
     as_json = options.pop("json")
-    report = run_check(**options)
+    report = _check({**options, "client": None}, lambda line: print(line, file=sys.stderr, flush=True))  # not stdout:
+    for step in report.steps:  # --json's output stays JSON; and each step in the command's own words
+        step.detail = _as_flags(step.detail)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
     return 0 if report.ok else 1

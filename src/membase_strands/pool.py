@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from typing import Any
 
+import membase
+
 from . import _runtime
 from ._closing import dropped_stores_closing
 from ._telemetry import Ledger
@@ -85,8 +87,10 @@ class MembaseStorePool:
 
         Raises:
             ValueError: ``user_id`` is blank, or the credential function failed or gave nothing usable (the
-                message names the user, never the credential).
-            RuntimeError: The pool was closed.
+                message names the user, never the credential): this user has no Membase here.
+            RuntimeError: The pool was closed, or the user's memory cannot be opened in this process now (their
+                local directory is held by another process, or local Membase cannot run here); the message names
+                the user.
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
@@ -184,15 +188,18 @@ class MembaseStorePool:
                 f"the credential for user {user_id!r} is a str naming a path; for local Membase, return a "
                 "pathlib.Path (a str is sent to the hosted API as a key)"
             )
-        if isinstance(credential, os.PathLike):
-            store = MembaseMemoryStore(local=credential, **self._store_options)
-        elif isinstance(credential, str) and credential.strip():
-            store = MembaseMemoryStore(api_key=credential, **self._store_options)
-        else:
+        if not isinstance(credential, os.PathLike) and not (isinstance(credential, str) and credential.strip()):
             raise ValueError(
                 f"no Membase credential for user {user_id!r}: the credential function returned "
                 f"{type(credential).__name__}, not an API key or a local directory"
             )
+        where = {"local": credential} if isinstance(credential, os.PathLike) else {"api_key": credential}
+        try:
+            store = MembaseMemoryStore(**where, **self._store_options)
+        except ValueError as error:  # the key or directory itself (the message never quotes a key)
+            raise ValueError(f"the Membase credential for user {user_id!r} cannot be used: {error}") from error
+        except (RuntimeError, membase.MembaseError) as error:  # another process holds the directory, or no engine
+            raise RuntimeError(f"user {user_id!r} cannot be served in this process: {error}") from error
         ledger = ledger_of(store)  # it counts a write still running after the store is gone
         with self._lock:
             self._ledgers.add(ledger)

@@ -13,14 +13,17 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
 from examples.standin_llm import StandInLLM
 from membase_strands import MembaseMemoryStore
 from membase_strands.check import main, run_check
 from tests.support.local_engine import engine_unavailable, offline_env
+from tests.support.served import WAIT, ServedApp
 from tests.support.store_helpers import LONG, run_in_child
 
 _REASON = engine_unavailable()
@@ -113,3 +116,29 @@ def test_check_local_saves_and_finds_a_note_with_a_working_engine(tmp_path: Path
     assert report.ok, report.to_text()
     assert "a note was saved and found again" in report.to_text()
     assert sorted(path.name for path in tmp_path.iterdir()) == [".membase-strands.lock"]  # nothing in its memory
+
+
+def test_two_uvicorn_workers_on_one_directory_answer_200_or_503_never_500(tmp_path: Path, llm: StandInLLM) -> None:
+    """``examples/server.py`` under ``uvicorn --workers 2`` with one user's local directory: the worker that opened it
+    first answers that user's turns; the other answers 503 with its reason (``store_for()`` raises RuntimeError),
+    never a bare 500."""
+    pytest.importorskip("uvicorn", reason="the served example needs the dev dependencies (fastapi, uvicorn)")
+    env = {**llm.engine_env(), "MEMBASE_LOCAL_alice": str(tmp_path / "alice"), "MEMBASE_EXAMPLE_SCRIPTED": "1"}
+
+    async def turns(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, headers={"X-User-Id": "alice"}, timeout=WAIT) as http:
+            said = [http.post("/chat", json={"text": f"Please remember note {n} about the ledger."}) for n in range(20)]
+            return list(await asyncio.gather(*said))
+
+    with ServedApp.uvicorn("server:app", env, "--workers", "2") as app:
+        app.wait_until_ready(processes=2)
+        answers = asyncio.run(turns(app.url))
+        stranger = httpx.post(f"{app.url}/chat", json={"text": "Hi."}, headers={"X-User-Id": "mallory"}, timeout=WAIT)
+    statuses = Counter(answer.status_code for answer in answers)
+    print(f"\n20 turns at once on two workers: {dict(statuses)}")
+    assert set(statuses) <= {200, 503} and statuses[200] > 0, [answer.text for answer in answers]
+    assert all(
+        a.json() == {"detail": "this user's memory cannot be served here now"} for a in answers if a.status_code == 503
+    )
+    assert stranger.status_code == 403
+    assert "Traceback" not in app.output, app.output

@@ -29,7 +29,7 @@ MISTRAL_API_KEY LITELLM_API_KEY""".split()
 MEMBASE_VARS = ("MEMBASE_API_KEY", "MEMBASE_BASE_URL", "MEMBASE_LOCAL", "MEMBASE_LOCAL_TOKEN")
 ENGINE_VARS = ("MEMBASE_LLM_PROVIDER", "MEMBASE_EMBED_PROVIDER", "MEMBASE_LLM_ENDPOINT")
 LOOPBACK = "127.0.0.1"
-HTTP_KEY = "local-test"
+HTTP_KEY = "local-test-membase-key"  # any value `membase serve` takes without a token
 # Budgets a slow, loaded machine cannot run out of, for the tests not about a budget: the engine's first call in a
 # process imports it, and a write makes the engine's LLM calls.
 GENEROUS_BUDGETS = {"recall_timeout": 30.0, "write_timeout": 30.0}

@@ -216,6 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
         self._serve(b"")
 
+    do_DELETE = do_GET  # forget  # noqa: N815 - the stdlib's name
+
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         length = int(self.headers.get("Content-Length") or 0)
         self._serve(self.rfile.read(length) if length else b"")

@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +21,17 @@ class ToolCall:
 
 
 Step = str | ToolCall | Callable[[str], "str | ToolCall"]
-"""One scripted turn: a final answer, a tool call, or a function of the text the model was sent."""
+"""One scripted turn: a final answer, a tool call, or a function of the text the model was sent (see
+:meth:`ScriptedModel.sent_text`: tool results included, the latest last)."""
 
 
 class ScriptedModel(Model):
     """Replays scripted turns (see :data:`Step`) and records each call's messages, deep-copied, in :attr:`calls`.
 
-    A callable step gets the text sent in that call, the memory block included, so a turn can depend on what was
-    recalled. Past the script's end it answers ``"ok"``. The README's "Testing your own agent" shows it at work.
+    A callable step gets the text sent in that call (:meth:`sent_text`): the memory block and the text of tool
+    results included, in the order sent, so a turn can depend on what was recalled or on the id ``membase_search``
+    just returned (the latest message's text comes last). Past the script's end it answers ``"ok"``. The README's
+    "Testing your own agent" shows it at work.
     """
 
     def __init__(self, script: list[Step] | None = None) -> None:
@@ -60,15 +64,18 @@ class ScriptedModel(Model):
             yield {"contentBlockDelta": {"delta": {"text": text}}}
             yield {"contentBlockStop": {}}
         if tool_call is not None:
-            tool_use = {"toolUseId": f"call-{len(self.calls)}", "name": tool_call.name}
+            # Unique, as a real model's are: an interrupt's id is made from it (its answer must not fit a later one).
+            tool_use = {"toolUseId": f"call-{uuid.uuid4().hex[:16]}", "name": tool_call.name}
             yield {"contentBlockStart": {"start": {"toolUse": tool_use}}}
             yield {"contentBlockDelta": {"delta": {"toolUse": {"input": json.dumps(tool_call.input)}}}}
             yield {"contentBlockStop": {}}
         yield {"messageStop": {"stopReason": "end_turn" if tool_call is None else "tool_use"}}
 
     def sent_text(self, call: int = -1) -> str:
-        """All text the model was sent in one call (``calls[call]``, the latest by default), joined."""
-        return "\n".join(block["text"] for block in self._blocks(call) if "text" in block)
+        """All text the model was sent in one call (``calls[call]``, the latest by default), in order, one block per
+        line: the messages' text (the memory block too) and the text of tool results."""
+        parts = [part for block in self._blocks(call) for part in block.get("toolResult", {}).get("content", [block])]
+        return "\n".join(part["text"] for part in parts if "text" in part)
 
     def memory_block(self, call: int = -1) -> str | None:
         """The manager's ``<memory>`` block in one call, or ``None`` when nothing was injected."""
