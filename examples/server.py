@@ -51,7 +51,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await app.state.pool.aclose()  # waits for writes still running, about 2 x write_timeout at most
+        await app.state.pool.aclose()  # waits for writes still running, up to close_timeout (20 s)
 
 
 app = FastAPI(lifespan=lifespan)

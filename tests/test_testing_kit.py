@@ -169,7 +169,7 @@ def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_
 
     assert (alice.saved(), bob.saved()) == (["Alice walks."], [])
     assert [r.path for r in alice.sent()] == ["/v1/search", "/v1/search", "/v1/memories"]  # its own key's only
-    assert [r.key for r in alice.requests] == [API_KEY, "bob-key", API_KEY, API_KEY]  # the host's, each with its key
+    assert [r.key for r in alice.requests] == [API_KEY, "mb_key_of_bob", API_KEY, API_KEY]  # the host's, each its key
 
 
 def test_it_answers_as_hosted_membase_documents_it_for_a_keys_level_and_tick() -> None:
@@ -205,4 +205,3 @@ def test_it_answers_as_hosted_membase_documents_it_for_a_keys_level_and_tick() -
         client.search("ledger")
     with pytest.raises(ValueError, match="level"):
         InMemoryMembase(level="admin")
-    assert [r.key for r in alice.requests] == [API_KEY, "mb_key_of_bob", API_KEY, API_KEY]  # the host's, each its key
