@@ -51,9 +51,7 @@ class Route:
     """How one store reaches Membase, read from the environment once, when the store is built."""
 
     base_url: str
-    transport: (
-        httpx.BaseTransport | None
-    )  # the caller's, instead of httpx's network (then no proxy from the environment)
+    transport: httpx.BaseTransport | None  # the caller's, instead of the network (then no proxy either)
     proxy: str | None
     verify: ssl.SSLContext | None  # httpx's TLS settings under SSL_CERT_FILE / SSL_CERT_DIR as they were
     seconds: float  # one attempt, headers and body
@@ -66,15 +64,11 @@ def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, 
         return Route(base_url, transport, None, None, seconds, max_bytes)
     verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
     proxy = environment_proxy(httpx.URL(base_url))
-    if proxy is not None:
-        try:
-            httpx.Proxy(proxy)
-        except ValueError:  # its message quotes the URL, password and all
-            scheme = httpx.URL(proxy).scheme
-            raise ValueError(
-                f"the proxy the environment names for {base_url} (HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) has the "
-                f"scheme {scheme!r}; httpx takes http, https, socks5 or socks5h"
-            ) from None
+    if proxy is not None and (scheme := httpx.URL(proxy).scheme) not in ("http", "https", "socks5", "socks5h"):
+        raise ValueError(  # not httpx's own error, which quotes the URL, password and all
+            f"the proxy the environment names for {base_url} (HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) has the "
+            f"scheme {scheme!r}; httpx takes http, https, socks5 or socks5h"
+        )
     return Route(base_url, None, proxy, verify, seconds, max_bytes)
 
 

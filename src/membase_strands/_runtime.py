@@ -1,17 +1,14 @@
 """What the library keeps per process: worker threads, locks, the exit wait, and the one reset of a forked child.
 
-- Blocking Membase calls that a caller waits for within a budget (recall, captured writes, the set-up check, closing)
-  run on daemon threads, because nobody joins them: ``asyncio.to_thread``'s threads are joined when a synchronous
-  ``agent("...")``'s loop ends, a ``ThreadPoolExecutor``'s at interpreter exit, so a call past its budget would hold
-  either. There is no cap to wait behind: each attempt ends at ``request_timeout`` in its socket (``_http``), and a
-  store leaves at most one recall and one profile read running late. An idle thread takes the next call and retires
-  after :data:`IDLE_SECONDS`.
-- Locks are each object's own, made by :func:`new_lock`; all of them are held across ``fork()``, so a child never
-  inherits one taken (the library never holds two at once, so taking them all cannot deadlock). They are reentrant:
-  a garbage collection can run a finalizer that takes a lock on the thread that holds it.
-- A forked child starts with no library threads. In one reset, it drops what this module keeps, then runs the
-  callbacks objects registered with :func:`forget_in_child`, which drop what they started in the parent (requests,
-  clients, engines): the parent finishes those itself.
+- A call its caller waits for within a budget (recall, a captured write, the set-up check, closing) runs on a daemon
+  thread, because nothing joins one: ``asyncio.run`` joins executor threads, and interpreter exit a
+  ``ThreadPoolExecutor``'s. Every call gets a thread at once (an idle one, or a new one); each attempt ends at
+  ``request_timeout`` in its socket (``_http``), and an idle thread retires after :data:`IDLE_SECONDS`.
+- Every lock is an object's own, made by :func:`new_lock`, and all are held across ``fork()``: a child never
+  inherits one taken. They are reentrant (a finalizer run by a garbage collection may take one on the thread that
+  holds it), and the library never holds two at once, so taking them all cannot deadlock.
+- A forked child starts with no library threads and, in one reset, runs what objects registered with
+  :func:`forget_in_child`: each drops what it started in the parent (requests, clients, engines).
 - At interpreter exit, objects registered with :func:`finish_at_exit` get a last wait (write records).
 """
 
@@ -54,8 +51,7 @@ def new_lock() -> threading.RLock:
 
 
 class _Workers:
-    """The daemon threads: a call goes to an idle thread, else to a new one; a thread idle for ``IDLE_SECONDS``
-    retires."""
+    """The daemon threads: a call goes to an idle thread, else to a new one; one idle for ``IDLE_SECONDS`` retires."""
 
     def __init__(self) -> None:
         self.lock = new_lock()
