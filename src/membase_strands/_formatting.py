@@ -135,28 +135,21 @@ def arrange(
 
 
 class _Reading:
-    """A passage as read: its first ``cap`` characters (all for ``None``); the Memories that returned its text."""
+    """A passage as read: its first ``cap`` characters (all for ``None``), cleaned and whitespace-normalised only as
+    far as asked; the Memories that returned its text."""
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
         self.passage, self.score, self.memories = passage, passage.score, {passage.memory: None}
-        self.end = len(passage.content) if cap is None else min(len(passage.content), cap)
-        self.long = self.end < len(passage.content)
-        self._read, self._normal, self._gap = 0, "", False  # _gap: what was read ends with whitespace
-
-    @functools.cached_property
-    def head(self) -> str:  # copied only when needed: a copy of a long text costs
-        return self.passage.content[: self.end]
+        self.head = passage.content[:cap]  # the text itself when it is shorter: no copy
+        self.long = len(self.head) < len(passage.content)
+        self._read, self._cleaned, self._normal = 0, "", ""
 
     def start(self, size: int) -> str:
         """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter)."""
-        while len(self._normal) < size and self._read < self.end:
-            end = min(self.end, max(size, 2 * self._read))
-            piece, self._read = clean_text(self.passage.content[self._read : end]), end
-            plain = piece.isprintable() and "  " not in piece  # spaced singly, no tab or newline: normal already
-            if words := piece.strip(" ") if plain else " ".join(piece.split()):
-                joint = " " if self._normal and (self._gap or piece[0].isspace()) else ""
-                self._normal += joint + words
-            self._gap = piece[-1].isspace() if piece else self._gap
+        while len(self._normal) < size and self._read < len(self.head):
+            end = max(size, 2 * self._read)  # reading twice as far each time: each character is cleaned once
+            self._cleaned += clean_text(self.head[self._read : end])
+            self._read, self._normal = end, " ".join(self._cleaned.split())
         return self._normal[:size]
 
 
@@ -173,13 +166,13 @@ def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]
     for (_, start), group in alike.items():
         if len(group) == 1 or len(start) < size:  # alone, or all read to their end: one text
             yield group
-            continue
-        copies: dict[str, list[_Reading]] = defaultdict(list)  # the same as sent: no need to read on
-        for reading in group:
-            copies[reading.head].append(reading)
-        firsts = [first for first, *_ in copies.values()]
-        for same in _same_texts(firsts, 2 * size) if len(firsts) > 1 else [firsts]:
-            yield [copy for first in same for copy in copies[first.head]]
+        else:
+            copies: dict[str, list[_Reading]] = defaultdict(list)  # the same as sent: no need to read on
+            for reading in group:
+                copies[reading.head].append(reading)
+            firsts = [first for first, *_ in copies.values()]
+            for same in _same_texts(firsts, 2 * size) if len(firsts) > 1 else [firsts]:
+                yield [copy for first in same for copy in copies[first.head]]
 
 
 def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], str] = str) -> list[Passage]:

@@ -33,6 +33,8 @@ from ._options import passages_wanted, query_text
 from ._text import clip
 
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
+_TIMED_OUT = "Membase did not answer in time"
+_BROKE_OFF = "The connection to Membase broke off after the note was sent"
 _MAYBE_SAVED = (
     "so the note may or may not have been saved; try again in a minute, after checking with membase_search that it "
     "is not already there."
@@ -143,27 +145,20 @@ class ToolContext:
             answer = self.gateway.save(content, target, static=standing_fact)
         except ValueError as error:
             return _reply(f"Nothing was saved: {error}.", ok=False)
-        except membase.BadRequestError as error:
-            with contextlib.suppress(Exception):  # only a better sentence is at stake
-                if target is None and not standing_fact and len(in_reach := self.gateway.memories_in_reach()) > 1:
-                    return _reply(
-                        f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
-                        "user which one, then call membase_save again with container set to its name.",
-                        ok=False,
-                    )
-            return self._failed("membase_save", error, container_named=target is not None)
-        except membase.APIConnectionError as error:  # a timeout too
-            failed = self._failed("membase_save", error)
-            if not posted or not may_have_arrived(error):
-                return failed
-            lead = (
-                "Membase did not answer in time"
-                if isinstance(error, membase.APITimeoutError)
-                else ("The connection to Membase broke off after the note was sent")
-            )
-            return _reply(f"{lead}, {_MAYBE_SAVED}", ok=False)
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
-            return self._failed("membase_save", error, container_named=target is not None)
+            if isinstance(error, membase.BadRequestError) and target is None and not standing_fact:
+                with contextlib.suppress(Exception):  # only a better sentence is at stake
+                    if len(in_reach := self.gateway.memories_in_reach()) > 1:
+                        return _reply(
+                            f"Nothing was saved: several Memories are in reach ({names_in_reach(in_reach)}). Ask the "
+                            "user which one, then call membase_save again with container set to its name.",
+                            ok=False,
+                        )
+            failed = self._failed("membase_save", error, container_named=target is not None)
+            if posted and isinstance(error, membase.APIConnectionError) and may_have_arrived(error):
+                timed_out = isinstance(error, membase.APITimeoutError)  # else the connection broke off after sending
+                return _reply(f"{_TIMED_OUT if timed_out else _BROKE_OFF}, {_MAYBE_SAVED}", ok=False)
+            return failed
         if standing_fact:
             return _reply("Saved as a standing fact in the user's Membase profile.")
         queued = isinstance(answer, dict) and answer.get("status") == "queued"  # hosted: accepted, learned later
@@ -230,7 +225,7 @@ class ToolContext:
             if known := passage_id(passage.metadata):
                 self.shown.pop(known, None)
                 self.shown[known] = (passage.memory, clip(passage.text, 2000))
-        for oldest in list(self.shown)[: max(0, len(self.shown) - _SHOWN_IDS)]:
+        for oldest in list(self.shown)[:-_SHOWN_IDS]:
             self.shown.pop(oldest, None)
 
     def _memory_of(self, passage_id: str) -> str:
