@@ -49,10 +49,8 @@ def names_in_reach(containers: list[Container]) -> str:
 
 def match(wanted: str, containers: list[Container]) -> Container:
     """The Memory ``wanted`` names: an exact id, else a name in any case; ``ValueError`` when none or several do."""
-    for container in containers:
-        if container.id == wanted:
-            return container
-    hits = [c for c in containers if c.name.strip().casefold() == wanted.strip().casefold()]
+    exact = [c for c in containers if c.id == wanted]
+    hits = exact or [c for c in containers if c.name.strip().casefold() == wanted.strip().casefold()]
     if len(hits) == 1:
         return hits[0]
     if hits:
@@ -65,8 +63,7 @@ def match(wanted: str, containers: list[Container]) -> Container:
 
 
 class ContainerResolver:
-    """Name-to-id resolutions for one client, cached; safe to share between threads (each step is one dict
-    operation)."""
+    """Memory names to ids, cached; safe to share between threads (each step is one dict operation)."""
 
     def __init__(self) -> None:
         self._ids: dict[str, str] = {}
@@ -75,15 +72,10 @@ class ContainerResolver:
         """The id of the Memory ``wanted`` names: cached, or (first, or ``again``) from ``containers.list()``."""
         if again:
             self._ids.pop(wanted, None)
-        cached = self._ids.get(wanted)
-        if cached is None:
-            cached = match(wanted, parse_containers(client.containers.list())).id
-            self.remember(wanted, cached)
-        return cached
-
-    def remember(self, wanted: str, container_id: str) -> None:
-        """Cache an id found by another route (the store's set-up check)."""
-        self._ids[wanted] = container_id
+        container_id = self._ids.get(wanted)
+        if container_id is None:
+            container_id = self._ids[wanted] = match(wanted, parse_containers(client.containers.list())).id
+        return container_id
 
     def call(self, client: membase.Membase, wanted: str | None, request: Callable[[str | None], T]) -> T:
         """``request`` with the id of ``wanted`` (or ``None``); a cached id Membase refuses (403, 404) is resolved

@@ -10,7 +10,7 @@ import functools
 import json
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import membase
 
@@ -47,8 +47,7 @@ def refusal_of(error: membase.PermissionDeniedError) -> str:
     return LEVEL if "capability profile" in text else REACH if "may not use that container" in text else REVOKED
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(NamedTuple):
     """What went wrong with one Membase call: a ``kind`` for logs and counters, a ``sentence`` the model can relay."""
 
     kind: str

@@ -54,13 +54,11 @@ def _or_none(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or allowed(value)
 
 
-_PASSAGES = f"a whole number from 1 to {MAX_SEARCH_RESULTS}"
 _SECONDS = "a positive number of seconds"
 # What each option must be, and the words its error says it in: "<option> must be <words>, got <value>".
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (_text, "a non-blank string"),
     "container": (_or_none(_text), "a Memory name or id"),
-    "max_search_results": (_or_none(lambda value: whole(value, 1)), _PASSAGES),
     "max_recall_chars": (
         _or_none(lambda value: whole(value, MIN_RECALL_CHARS)),
         f"a whole number of at least {MIN_RECALL_CHARS}, or None",
@@ -88,7 +86,7 @@ def check(arguments: dict[str, Any]) -> None:
 def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
     """How many passages to ask for (``None``: ``default``), past Membase's maximum the maximum, not an error."""
     if value is not None and not whole(value, 1):
-        raise ValueError(f"{option} must be {_PASSAGES}, got {value!r}")
+        raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
     return default if value is None else min(value, MAX_SEARCH_RESULTS)
 
 
