@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import traceback
 from collections.abc import Callable
@@ -91,6 +92,19 @@ def _pieces(secret: str) -> tuple[frozenset[str], tuple[str, ...]]:
     forms = (secret, repr(secret)[1:-1])
     pieces = frozenset(form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1))
     return pieces, tuple({form[start : start + 4] for form in forms for start in range(0, len(form) - 3, 4)})
+
+
+def masking(key: str) -> tuple[str, Callable[[str], str], Callable[[BaseException], BaseException]]:
+    """What logs, spans and ``repr`` show of ``key`` (``mbk_<key id>…`` for a developer key, as the Membase app shows
+    it; a digest for any other; ``""`` for none), and :func:`redact` and :func:`without_secret` of what must never be
+    shown (a developer key's token, any other key whole): functions of it alone, so the ledger can hold them."""
+    kind, _, rest = key.partition("_")
+    key_id, _, token = rest.partition("_")
+    if kind == "mbk" and key_id and token:
+        hint, secret = f"mbk_{key_id}…", token
+    else:
+        hint, secret = ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key
+    return hint, functools.partial(redact, secret=secret), functools.partial(without_secret, secret=secret)
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:

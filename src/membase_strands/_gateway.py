@@ -11,14 +11,12 @@ It also keeps what Membase refused (docs/access.md), and masks what it hands on:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,8 +24,8 @@ import httpx
 import membase
 
 from . import _http, _local, _runtime
-from ._containers import Container, ContainerResolver, names_in_reach, parse_containers
-from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, redact, refusal_of, without_secret
+from ._containers import Container, match, names_in_reach, parse_containers
+from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, masking, refusal_of
 from ._formatting import SearchAnswer, facts, memory_label, parse_search
 from ._telemetry import Ledger
 from ._text import sendable
@@ -102,15 +100,12 @@ class MembaseGateway:
                 self.base_url = url
         self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        # Functions of the token alone (its hint may be logged): the ledger holds them, and must not hold the gateway.
-        self.key_hint, masked = key_hint(self._secret)
-        self.redact: Callable[[str], str] = partial(redact, secret=masked)
-        self.without_secret: Callable[[BaseException], BaseException] = partial(without_secret, secret=masked)
+        self.key_hint, self.redact, self.without_secret = masking(self._secret)
         self.ledger = Ledger(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
         # verb -> (when it is tried again, sentence, refusal), kept until the verb succeeds; one dict step each: no lock
         self._off: dict[str, tuple[float, str, str]] = {}
-        self._resolver = ContainerResolver()
+        self._container_ids: dict[str, str] = {}  # Memory name -> id; one dict step each: no lock
         self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
         self._lock, self._given_used_before_fork = _runtime.new_lock(), False
         _runtime.forget_in_child(self._forget_parent_clients)
@@ -224,7 +219,7 @@ class MembaseGateway:
 
     def container_id(self, name: str, *, retry: bool = True) -> str:
         """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
-        return self._call("list_containers", lambda client: self._resolver.resolve(client, name), retry=retry)
+        return self._call("list_containers", lambda client: self._looked_up(client, name), retry=retry)
 
     def check_setup(self, container: str | None) -> None:
         """The store's set-up check, in one attempt: the pinned Memory's id; or, with none pinned, one Memory at most
@@ -253,8 +248,32 @@ class MembaseGateway:
         self._off[verb] = entry
         return news
 
+    def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str:
+        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
+        if again:
+            self._container_ids.pop(name, None)
+        container_id = self._container_ids.get(name)
+        if container_id is None:
+            container_id = self._container_ids[name] = match(name, parse_containers(client.containers.list())).id
+        return container_id
+
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
-        return lambda client: self._resolver.call(client, wanted, partial(send, client))  # see ContainerResolver.call
+        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (403, 404: the
+        Memory was renamed or made anew) is looked up once more and, if the name now names another, sent again."""
+
+        def call(client: membase.Membase) -> T:
+            if wanted is None:
+                return send(client, None)
+            was_cached = wanted in self._container_ids
+            container_id = self._looked_up(client, wanted)
+            try:
+                return send(client, container_id)
+            except (membase.PermissionDeniedError, membase.NotFoundError):
+                if not was_cached or self._looked_up(client, wanted, again=True) == container_id:
+                    raise
+            return send(client, self._looked_up(client, wanted))
+
+        return call
 
     def _call(self, verb: str, call: Callable[[membase.Membase], T], *, retry: bool, container: str | None = None) -> T:
         """``call`` (Membase's ``verb``) with the client that retries (or not), unless the verb is off: a 403 becomes a
@@ -292,16 +311,6 @@ class MembaseGateway:
         pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
         self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
         return refused
-
-
-def key_hint(key: str) -> tuple[str, str]:
-    """What logs, spans and ``repr`` show of ``key``, and what must never be shown: ``mbk_<key id>…`` (as the Membase
-    app shows it) and the token of a developer key; a digest and the whole key for any other; ``("", "")`` for none."""
-    kind, _, rest = key.partition("_")
-    key_id, _, token = rest.partition("_")
-    if kind == "mbk" and key_id and token:
-        return f"mbk_{key_id}…", token
-    return ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key
 
 
 def too_large(texts: Iterable[str]) -> bool:
