@@ -1,5 +1,6 @@
 """The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`, which holds the SDK
-clients and says what their answers mean. Every call blocks; the store decides where it runs and how long it waits.
+clients, looks Memory names up as ids and says what the answers mean. Every call blocks; the store decides where it
+runs and how long it waits.
 
 From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
 does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must

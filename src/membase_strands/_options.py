@@ -64,15 +64,12 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         f"a whole number of at least {MIN_RECALL_CHARS}, or None",
     ),
     "min_score": (_or_none(finite), "a finite number (a score Membase gives passages) or None"),
-    "recall_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "write_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "request_timeout": (_seconds, _SECONDS),
     "max_response_bytes": (lambda value: whole(value, 1024), "a whole number of bytes, at least 1024"),
-    "access_cooldown": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "close_timeout": (_seconds, _SECONDS),
-    "capture": (lambda value: isinstance(value, bool), "True or False"),
-    "recall_profile": (lambda value: isinstance(value, bool), "True or False"),
-    "profile_ttl": (_seconds, _SECONDS),
+    **dict.fromkeys(
+        ("recall_timeout", "write_timeout", "access_cooldown"), (_or_none(_seconds), f"{_SECONDS} or None")
+    ),
+    **dict.fromkeys(("request_timeout", "close_timeout", "profile_ttl"), (_seconds, _SECONDS)),
+    **dict.fromkeys(("capture", "recall_profile"), (lambda value: isinstance(value, bool), "True or False")),
 }
 
 
