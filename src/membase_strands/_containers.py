@@ -1,8 +1,7 @@
-"""Memory names to container ids, once, with one second chance; and the store's set-up check of them.
+"""The Memories in a key's reach: read from ``containers.list()``, matched by name, and checked when an agent is built.
 
-Membase calls a Memory a container; users know it by name, the API wants the id. A name matches any case (an
-exact id also matches) against ``containers.list()``, and the id is cached. If Membase later refuses a cached id
-(the Memory was renamed or made anew), the name is resolved once more before the refusal is believed.
+Membase calls a Memory a container; users know it by name, the API wants the id. A name matches in any case (an exact
+id also matches); the gateway caches the id, and looks the name up once more before it believes a refusal of it.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import membase
 
@@ -19,8 +18,6 @@ from . import _runtime
 from ._failures import BadResponseError
 from ._telemetry import Ledger
 from ._text import clip
-
-T = TypeVar("T")
 
 
 class Container(NamedTuple):
@@ -49,10 +46,8 @@ def names_in_reach(containers: list[Container]) -> str:
 
 def match(wanted: str, containers: list[Container]) -> Container:
     """The Memory ``wanted`` names: an exact id, else a name in any case; ``ValueError`` when none or several do."""
-    for container in containers:
-        if container.id == wanted:
-            return container
-    hits = [c for c in containers if c.name.strip().casefold() == wanted.strip().casefold()]
+    exact = [c for c in containers if c.id == wanted]
+    hits = exact or [c for c in containers if c.name.strip().casefold() == wanted.strip().casefold()]
     if len(hits) == 1:
         return hits[0]
     if hits:
@@ -62,42 +57,6 @@ def match(wanted: str, containers: list[Container]) -> Container:
         f"container '{clip(wanted, 80)}': no Memory of that name is in this key's reach; "
         f"Memories in reach: {names_in_reach(containers)}"
     )
-
-
-class ContainerResolver:
-    """Name-to-id resolutions for one client, cached; safe to share between threads (each step is one dict
-    operation)."""
-
-    def __init__(self) -> None:
-        self._ids: dict[str, str] = {}
-
-    def resolve(self, client: membase.Membase, wanted: str, *, again: bool = False) -> str:
-        """The id of the Memory ``wanted`` names: cached, or (first, or ``again``) from ``containers.list()``."""
-        if again:
-            self._ids.pop(wanted, None)
-        cached = self._ids.get(wanted)
-        if cached is None:
-            cached = match(wanted, parse_containers(client.containers.list())).id
-            self.remember(wanted, cached)
-        return cached
-
-    def remember(self, wanted: str, container_id: str) -> None:
-        """Cache an id found by another route (the store's set-up check)."""
-        self._ids[wanted] = container_id
-
-    def call(self, client: membase.Membase, wanted: str | None, request: Callable[[str | None], T]) -> T:
-        """``request`` with the id of ``wanted`` (or ``None``); a cached id Membase refuses (403, 404) is resolved
-        once more and, if the name now names another Memory, the request is sent again."""
-        if wanted is None:
-            return request(None)
-        was_cached = wanted in self._ids
-        container_id = self.resolve(client, wanted)
-        try:
-            return request(container_id)
-        except (membase.PermissionDeniedError, membase.NotFoundError):
-            if not was_cached or self.resolve(client, wanted, again=True) == container_id:
-                raise
-        return request(self.resolve(client, wanted))
 
 
 class SetupCheck:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import membase
 
@@ -47,8 +48,7 @@ def refusal_of(error: membase.PermissionDeniedError) -> str:
     return LEVEL if "capability profile" in text else REACH if "may not use that container" in text else REVOKED
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(NamedTuple):
     """What went wrong with one Membase call: a ``kind`` for logs and counters, a ``sentence`` the model can relay."""
 
     kind: str
@@ -92,6 +92,19 @@ def _pieces(secret: str) -> tuple[frozenset[str], tuple[str, ...]]:
     forms = (secret, repr(secret)[1:-1])
     pieces = frozenset(form[start : start + PIECE] for form in forms for start in range(len(form) - PIECE + 1))
     return pieces, tuple({form[start : start + 4] for form in forms for start in range(0, len(form) - 3, 4)})
+
+
+def masking(key: str) -> tuple[str, Callable[[str], str], Callable[[BaseException], BaseException]]:
+    """What logs, spans and ``repr`` show of ``key`` (``mbk_<key id>…`` for a developer key, as the Membase app shows
+    it; a digest for any other; ``""`` for none), and :func:`redact` and :func:`without_secret` of what must never be
+    shown (a developer key's token, any other key whole): functions of it alone, so the ledger can hold them."""
+    kind, _, rest = key.partition("_")
+    key_id, _, token = rest.partition("_")
+    if kind == "mbk" and key_id and token:
+        hint, secret = f"mbk_{key_id}…", token
+    else:
+        hint, secret = ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key
+    return hint, functools.partial(redact, secret=secret), functools.partial(without_secret, secret=secret)
 
 
 def without_secret(error: BaseException, secret: str) -> BaseException:

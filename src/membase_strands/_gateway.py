@@ -1,27 +1,23 @@
 """The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`, which holds the SDK
-clients and says what their answers mean. Every call blocks; the store decides where it runs and how long it waits.
+clients, looks Memory names up as ids and says what the answers mean. Every call blocks; the store decides where it
+runs and how long it waits.
 
 From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
 does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must
 hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
-A forked child builds its own at its first call; a client passed in (``client=``) cannot be rebuilt, so one used
-before the fork is refused in the child.
+A forked child builds its own; a client passed in (``client=``) and used before the fork is refused in the child.
 
-It also keeps what Membase refused (docs/access.md): a verb above the key's level is off for ``access_cooldown``
-seconds (said once, then no request is sent for it), and automatic recall pauses as long after a 403. What it hands
-on from Membase is masked: the key never leaves it, only its hint (:func:`key_hint`).
+It also keeps what Membase refused (docs/access.md), and masks what it hands on: the key never leaves it, only its hint.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,13 +25,11 @@ import httpx
 import membase
 
 from . import _http, _local, _runtime
-from ._containers import Container, ContainerResolver, match, names_in_reach, parse_containers
-from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, redact, refusal_of, without_secret
+from ._containers import Container, match, names_in_reach, parse_containers
+from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, masking, refusal_of
 from ._formatting import SearchAnswer, facts, memory_label, parse_search
 from ._telemetry import Ledger
 from ._text import sendable
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -81,8 +75,7 @@ class MembaseGateway:
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
-        self._store_name, self._given = store_name, client
-        self._secret, self.base_url = "", ""
+        self._given, self._secret, self.base_url = client, "", ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -92,7 +85,7 @@ class MembaseGateway:
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
             self._secret, self.base_url = client.api_key or "", str(client.base_url)
         elif local is not None:
-            if api_key is not None or base_url is not None or transport is not None:
+            if any(option is not None for option in (api_key, base_url, transport)):
                 raise ValueError(
                     "local: local Membase runs on this machine and takes no api_key, base_url or transport"
                 )
@@ -105,20 +98,15 @@ class MembaseGateway:
                 self._secret = _checked_key(key)
                 url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
-                self.base_url = self._route.base_url
+                self.base_url = url
         self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        # Redaction masks a developer key's token only: its hint is meant to be logged. A function of the token alone:
-        # the ledger holds it, and must not hold the gateway.
-        self.key_hint, masked = key_hint(self._secret)
-        self.redact: Callable[[str], str] = partial(redact, secret=masked)
-        self.without_secret: Callable[[BaseException], BaseException] = partial(without_secret, secret=masked)
+        self.key_hint, self.redact, self.without_secret = masking(self._secret)
         self.ledger = Ledger(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
-        # verb -> (when it is tried again, sentence, refusal); kept past that time until the verb succeeds. Each step
-        # is one dict operation: no lock.
+        # verb -> (when it is tried again, sentence, refusal), kept until the verb succeeds; one dict step each: no lock
         self._off: dict[str, tuple[float, str, str]] = {}
-        self._resolver = ContainerResolver()
+        self._container_ids: dict[str, str] = {}  # Memory name -> id; one dict step each: no lock
         self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
         self._lock, self._given_used_before_fork = _runtime.new_lock(), False
         _runtime.forget_in_child(self._forget_parent_clients)
@@ -143,7 +131,7 @@ class MembaseGateway:
         assert self._given is not None
         if self._given_used_before_fork:
             raise RuntimeError(
-                f"store '{self._store_name}': its Membase client (client=) was used before this process was "
+                f"store '{self.ledger.store_name}': its Membase client (client=) was used before this process was "
                 "forked, and sharing its connections would mix up the two processes' answers; build the client "
                 "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
             )
@@ -167,8 +155,7 @@ class MembaseGateway:
             try:
                 _local.close_engine(self.local)
             except Exception as error:
-                reason = type(error).__name__
-                logger.warning("store=<%s>, reason=<%s> | could not close its local engine", self._store_name, reason)
+                self.ledger.log(logging.WARNING, "could not close its local engine", reason=type(error).__name__)
 
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
@@ -181,9 +168,8 @@ class MembaseGateway:
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (``static``: a standing fact) in one attempt, since a POST that timed out may be stored. A 2xx
-        whose body cannot be read means Membase took the note: it counts as saved (``None``). ``ValueError``: the
-        note is larger than Membase takes (nothing is copied or sent)."""
+        """Save one note (``static``: a standing fact) in one attempt: a POST that timed out may be stored. A 2xx whose
+        body cannot be read counts as saved (``None``). ``ValueError``: larger than Membase takes (nothing is sent)."""
         if too_large([content]):
             raise ValueError(f"the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); nothing was sent")
 
@@ -232,17 +218,16 @@ class MembaseGateway:
         listed = parse_containers(self._call("list_containers", lambda client: client.containers.list(), retry=False))
         return [Container(container.id, self.redact(container.name)) for container in listed]
 
-    def container_id(self, name: str) -> str:
+    def container_id(self, name: str, *, retry: bool = True) -> str:
         """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
-        return self._call("list_containers", lambda client: self._resolver.resolve(client, name), retry=True)
+        return self._call("list_containers", lambda client: self._looked_up(client, name), retry=retry)
 
     def check_setup(self, container: str | None) -> None:
-        """The store's set-up check: the pinned Memory's id, remembered; or, with none pinned, one Memory at most
+        """The store's set-up check, in one attempt: the pinned Memory's id; or, with none pinned, one Memory at most
         (capture must know where to write). ``ValueError`` when not."""
-        containers = self.memories_in_reach()
         if container is not None:
-            self._resolver.remember(container, match(container, containers).id)
-        elif len(containers) > 1:
+            self.container_id(container, retry=False)
+        elif len(containers := self.memories_in_reach()) > 1:
             raise ValueError(
                 f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming "
                 "the one to write to"
@@ -254,19 +239,42 @@ class MembaseGateway:
         return Refused(sentence, refusal) if time.monotonic() < until else None
 
     def pause_recall(self, refused: Refused) -> None:
-        """Pause automatic recall for ``access_cooldown`` after it met ``refused`` (a revoked key is not asked on
-        every turn)."""
-        self._switch_off(RECALL, refused.message, refused.refusal)
+        """Pause automatic recall for ``access_cooldown`` after it met ``refused``."""
+        self._switch_off(RECALL, refused)
 
-    def _switch_off(self, verb: str, sentence: str, refusal: str) -> bool:
+    def _switch_off(self, verb: str, refused: Refused) -> bool:
         """Switch ``verb`` off for ``access_cooldown``; whether it is news: not refused since it last succeeded."""
-        entry = (time.monotonic() + (self._cooldown or 0.0), sentence, refusal)
+        entry = (time.monotonic() + (self._cooldown or 0.0), refused.message, refused.refusal)
         news = self._off.setdefault(verb, entry) is entry  # one step: two refusals at once are news once
         self._off[verb] = entry
         return news
 
+    def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str:
+        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
+        if again:
+            self._container_ids.pop(name, None)
+        container_id = self._container_ids.get(name)
+        if container_id is None:
+            container_id = self._container_ids[name] = match(name, parse_containers(client.containers.list())).id
+        return container_id
+
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
-        return lambda client: self._resolver.call(client, wanted, partial(send, client))  # see ContainerResolver.call
+        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (403, 404: the
+        Memory was renamed or made anew) is looked up once more and, if the name now names another, sent again."""
+
+        def call(client: membase.Membase) -> T:
+            if wanted is None:
+                return send(client, None)
+            was_cached = wanted in self._container_ids
+            container_id = self._looked_up(client, wanted)
+            try:
+                return send(client, container_id)
+            except (membase.PermissionDeniedError, membase.NotFoundError):
+                if not was_cached or self._looked_up(client, wanted, again=True) == container_id:
+                    raise
+            return send(client, self._looked_up(client, wanted))
+
+        return call
 
     def _call(self, verb: str, call: Callable[[membase.Membase], T], *, retry: bool, container: str | None = None) -> T:
         """``call`` (Membase's ``verb``) with the client that retries (or not), unless the verb is off: a 403 becomes a
@@ -296,26 +304,14 @@ class MembaseGateway:
             named = f"the Memory '{memory_label(container)}'" if container else "a Memory the request named"
             outside = f"Membase refused {named}: it is outside this Membase key's reach, or no longer exists"
             return Refused(self.redact(f"{outside}; the other Memories in reach still work."), REACH)
-        if refusal != LEVEL:
+        if refusal != LEVEL or verb not in _LEVELS:  # reading is every key's level: narrowed, if refused
             return Refused(ACCESS_SENTENCE, refusal)
-        may_not, meanwhile = _LEVELS.get(verb, ("may not do that: it is above the key's access level", ""))
-        sentence = f"This Membase key {may_not}. {_OWNER}"
-        if verb in _LEVELS:
-            news = self._switch_off(verb, sentence, LEVEL)
-            pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
-            self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
-        return Refused(sentence, LEVEL)
-
-
-def key_hint(key: str) -> tuple[str, str]:
-    """What logs, spans and ``repr`` show of ``key``, and what must never be shown: for a developer key
-    (``mbk_<key id>_<token>``) ``mbk_<key id>…``, the part the Membase app shows, and its token; for a key of any other
-    shape, a digest that reveals none of it, and the whole key. ``("", "")`` for no key (local Membase)."""
-    kind, _, rest = key.partition("_")
-    key_id, _, token = rest.partition("_")
-    if kind == "mbk" and key_id and token:
-        return f"mbk_{key_id}…", token
-    return ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key
+        may_not, meanwhile = _LEVELS[verb]
+        refused = Refused(f"This Membase key {may_not}. {_OWNER}", LEVEL)
+        news = self._switch_off(verb, refused)
+        pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
+        self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
+        return refused
 
 
 def too_large(texts: Iterable[str]) -> bool:

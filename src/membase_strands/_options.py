@@ -54,27 +54,22 @@ def _or_none(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: value is None or allowed(value)
 
 
-_PASSAGES = f"a whole number from 1 to {MAX_SEARCH_RESULTS}"
 _SECONDS = "a positive number of seconds"
 # What each option must be, and the words its error says it in: "<option> must be <words>, got <value>".
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "name": (_text, "a non-blank string"),
     "container": (_or_none(_text), "a Memory name or id"),
-    "max_search_results": (_or_none(lambda value: whole(value, 1)), _PASSAGES),
     "max_recall_chars": (
         _or_none(lambda value: whole(value, MIN_RECALL_CHARS)),
         f"a whole number of at least {MIN_RECALL_CHARS}, or None",
     ),
     "min_score": (_or_none(finite), "a finite number (a score Membase gives passages) or None"),
-    "recall_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "write_timeout": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "request_timeout": (_seconds, _SECONDS),
     "max_response_bytes": (lambda value: whole(value, 1024), "a whole number of bytes, at least 1024"),
-    "access_cooldown": (_or_none(_seconds), f"{_SECONDS} or None"),
-    "close_timeout": (_seconds, _SECONDS),
-    "capture": (lambda value: isinstance(value, bool), "True or False"),
-    "recall_profile": (lambda value: isinstance(value, bool), "True or False"),
-    "profile_ttl": (_seconds, _SECONDS),
+    **dict.fromkeys(
+        ("recall_timeout", "write_timeout", "access_cooldown"), (_or_none(_seconds), f"{_SECONDS} or None")
+    ),
+    **dict.fromkeys(("request_timeout", "close_timeout", "profile_ttl"), (_seconds, _SECONDS)),
+    **dict.fromkeys(("capture", "recall_profile"), (lambda value: isinstance(value, bool), "True or False")),
 }
 
 
@@ -88,7 +83,7 @@ def check(arguments: dict[str, Any]) -> None:
 def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
     """How many passages to ask for (``None``: ``default``), past Membase's maximum the maximum, not an error."""
     if value is not None and not whole(value, 1):
-        raise ValueError(f"{option} must be {_PASSAGES}, got {value!r}")
+        raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
     return default if value is None else min(value, MAX_SEARCH_RESULTS)
 
 

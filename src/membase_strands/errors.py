@@ -28,6 +28,3 @@ class MembaseRecallTimeout(TimeoutError):
 class MembaseWriteTimeout(TimeoutError):
     """A captured write ran out of its time budget. The manager keeps the batch for a retry; the request goes on
     in the background, and if it succeeds the retry sends nothing new."""
-
-
-__all__ = ["MembaseAccessError", "MembaseRecallTimeout", "MembaseWriteTimeout"]
