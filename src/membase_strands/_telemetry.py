@@ -52,12 +52,15 @@ class Ledger:
         self.store_name, self.key_hint, self.redact = store_name, key_hint, redact
         self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under its lock
         self.lock = _runtime.new_lock()
+        self.totals: Ledger | None = None  # a pool's, which counts what each store it built counts
 
     def count(self, *names: str, amount: int = 1) -> None:
-        """Count ``amount`` more of each of ``names``."""
+        """Count ``amount`` more of each of ``names``, in :attr:`totals` too."""
         with self.lock:
             for name in names:
                 self.counts[name] += amount
+        if self.totals is not None:
+            self.totals.count(*names, amount=amount)
 
     def failed(self, error: BaseException, *names: str) -> None:
         """Count a failure: ``names``, and ``errors.<kind>`` of ``error``, which the current span records too."""
