@@ -86,7 +86,7 @@ class MembaseMemoryStore:
             description: What the manager tells the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
-            min_score: Leave out passages scored below this (``membase-strands check`` shows scores).
+            min_score: Leave out passages scored below this (an entry's ``metadata["score"]`` shows its score).
             recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: one
                 request's ``request_timeout``).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
