@@ -93,13 +93,9 @@ class InMemoryMembase:
         """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
         with self._lock:
             if key not in self._accounts:
-                other = InMemoryMembase(key=key)
-                other.base_url = self.base_url
-                other.transport = self.transport
-                other.requests = self.requests
-                other._accounts = self._accounts
-                other._lock = self._lock
-                self._accounts[key] = other
+                other = self._accounts[key] = InMemoryMembase(key=key)
+                for shared in ("base_url", "transport", "requests", "_accounts", "_lock"):
+                    setattr(other, shared, getattr(self, shared))
             return self._accounts[key]
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
