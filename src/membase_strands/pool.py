@@ -92,19 +92,16 @@ class MembaseStorePool:
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
-        store = self._keep(user_id, None)
-        if store is not None:
+        if (store := self._keep(user_id, None)) is not None:
             return store
         candidate = self._build(user_id)  # outside the lock: the app's credential function may be slow
         try:
             # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
             store = self._keep(user_id, candidate)
-        except RuntimeError:
-            candidate.close()  # never handed out, so nothing runs on it and this does not wait
-            raise
+        finally:
+            if store is not candidate:
+                candidate.close()  # never handed out, so nothing runs on it and this does not wait
         assert store is not None  # the candidate, or theirs
-        if store is not candidate:
-            candidate.close()
         return store
 
     def counters(self) -> dict[str, int]:
@@ -112,11 +109,10 @@ class MembaseStorePool:
         return self._totals.snapshot()
 
     def close(self) -> None:
-        """Close every store the pool built that is still alive, side by side; safe to call twice.
+        """Close every store the pool built that is still alive; safe to call twice.
 
         Each closes as :meth:`MembaseMemoryStore.close` does (up to ``close_timeout`` for its writes), side by side,
-        so this returns within about ``close_timeout`` however many stores there are. From async code, use
-        :meth:`aclose` (or ``async with``).
+        so this returns within about ``close_timeout``. From async code, use :meth:`aclose` (or ``async with``).
         """
         closing = [_runtime.submit(store.close, name=f"membase-close[{store.name}]") for store in self._close_pool()]
         wait([*closing, *dropped_stores_closing()])
