@@ -25,6 +25,7 @@ import membase_strands
 from membase_strands import check
 from membase_strands.testing import API_KEY, InMemoryMembase, status
 from tests.support.loopback import LoopbackMembase, stall
+from tests.support.store_helpers import sdk_client
 
 CLI_KEY = "mb_cli_key_Zq8_n3ver_printed"
 WAITING = "a memory idle for a while can take up to a minute to wake up, and each request waits up to 3 s"
@@ -86,7 +87,7 @@ def test_everything_working_is_ok_searches_twice_and_saves_nothing(server):
 
 
 def test_a_ready_client_is_checked_as_it_is_and_left_open(fake: InMemoryMembase):
-    client = fake.client()
+    client = sdk_client(fake)
 
     report = check.run_check(client=client)
 

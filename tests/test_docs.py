@@ -45,7 +45,7 @@ QUICK_START = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8").
 SERVED = (ROOT / "examples" / "server.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 FORGET_SERVED = (ROOT / "examples" / "forget_server.py").read_text(encoding="utf-8").split('"""', 2)[2].lstrip("\n")
 # Blocks that change process-wide state run in a subprocess of their own.
-ISOLATE = ("set_tracer_provider", "set_meter_provider")
+ISOLATE = ("set_tracer_provider",)
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 

@@ -34,7 +34,7 @@ from membase_strands._failures import PIECE, BadResponseError
 from membase_strands.testing import API_KEY, InMemoryMembase, Recorded, ToolCall, status
 from tests.support.leaks import span_texts
 from tests.support.spans import span_switch
-from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, wait_until
+from tests.support.store_helpers import FACT, QUESTION, make_agent, membase_threads, result_text, sdk_client, wait_until
 
 SERVER_TEXT = "SRV-DETAIL"  # every fault's server text carries it, to spot where server text must not go
 # The recall or write budget of a path under the hang (the one place a budget is the point): long enough for a loaded
@@ -547,7 +547,7 @@ def test_a_store_given_a_client_recalls_through_that_client_as_it_is_retries_inc
         fake = InMemoryMembase()
         fake.remember(FACT)
         fake.on(*SEARCH, status(503), status(503))
-        client = fake.client() if retries is None else fake.client(max_retries=retries)
+        client = sdk_client(fake) if retries is None else sdk_client(fake, max_retries=retries)
         store = MembaseMemoryStore(client=client, recall_timeout=GENEROUS)
         agent, model = make_agent(store, ["done"])
         with recorded([]):

@@ -34,6 +34,7 @@ from tests.support.store_helpers import (
     lines,
     logged,
     make_agent,
+    sdk_client,
     signalling,
     turn_and_flush,
     unreferenced,
@@ -107,7 +108,7 @@ async def test_every_way_of_closing_refuses_later_calls_and_leaves_the_host_and_
     assert len(fake.requests) == sent
     assert any("is closed" in r.getMessage() for r in caplog.records if r.name.startswith("strands.memory"))
 
-    client = fake.client()
+    client = sdk_client(fake)
     with MembaseMemoryStore(client=client):
         pass
     async with MembaseMemoryStore(client=client):

@@ -25,7 +25,7 @@ from membase_strands.testing import InMemoryMembase, ToolCall, status
 from tests.support.agents import ALL_TOOLS, resume
 from tests.support.leaks import error_texts, span_texts
 from tests.support.loopback import LoopbackMembase, RawAction
-from tests.support.store_helpers import LONG, MEMORIES, QUESTION, make_agent
+from tests.support.store_helpers import LONG, MEMORIES, QUESTION, make_agent, sdk_client
 
 KEY = "mb_" + hashlib.sha256(b"echoed by Membase").hexdigest()[:32]
 PIECES = {KEY[i : i + 8] for i in range(len(KEY) - 7)}
@@ -56,10 +56,9 @@ def _confirmation(request: httpx.Request, how: str) -> httpx.Response:
 
 
 def test_a_key_membase_echoes_in_what_it_sends_leaves_no_8_characters_of_itself_anywhere(
-    caplog: pytest.LogCaptureFixture, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+    caplog: pytest.LogCaptureFixture, spans: InMemorySpanExporter
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "gen_ai_unredacted_attributes=membase.*")
     fake = echoing()
     seen: list[str] = []
     shown_id = r"\(id: ([^)]+)\)"
@@ -89,7 +88,7 @@ def test_a_key_membase_echoes_in_what_it_sends_leaves_no_8_characters_of_itself_
     seen += [json.dumps(call, default=str) for call in model.calls]  # all the model was sent
     for raised in _failures(fake, store):
         seen += error_texts(raised)
-    report = run_check(client=fake.client(max_retries=0))
+    report = run_check(client=sdk_client(fake, max_retries=0))
     seen += [report.to_text(), json.dumps(report.to_dict())]
     store.close()
 

@@ -41,6 +41,7 @@ from tests.support.store_helpers import (
     lines,
     logged,
     make_agent,
+    sdk_client,
     signalling,
     turn_and_flush,
     unreferenced,
@@ -148,7 +149,7 @@ def test_the_pool_refuses_a_bad_or_misspelt_store_option_when_it_is_built(fake):
         ({"recall_timeout": 0}, "recall_timeout"),
         ({"recal_timeout": 8.0}, "recal_timeout"),
         ({"api_key": "mb_shared_key"}, "api_key"),
-        ({"client": fake.client()}, "client"),
+        ({"client": sdk_client(fake)}, "client"),
         ({"local": "/tmp/shared"}, "local"),
         *(({"max_stores": bad}, "max_stores") for bad in (0, -1, True, 1.5, "2", None)),
     ]:

@@ -21,7 +21,7 @@ import pytest
 from strands import Agent
 from strands.memory import MemoryManager
 
-from membase_strands import MembaseMemoryStore, MembaseRecallTimeout, check
+from membase_strands import MembaseMemoryStore, MembaseRecallTimeout
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, hang, refuse_connection, status
 from tests.support.agents import entries, logged, recall_turn
 from tests.support.loopback import LoopbackMembase, ok_json, stall
@@ -543,33 +543,3 @@ def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):
     fake.standing = ["The user is vegan."]
     assert wait_until(lambda: "vegan" in asyncio.run(store.search(QUESTION))[0].content, timeout=LONG)
     assert 2 <= profile_reads(fake) <= searches(fake)
-
-
-# --- The set-up check shows the scores to choose min_score from -----------------------------------------
-
-
-def test_the_check_reports_the_score_range_of_its_probe_searches(fake):
-    empty = check.run_check(client=fake.client())  # an empty memory: nothing matched, so no score to show
-    assert empty.score_range is None and 'scores for "membase-strands setup check": none' in empty.to_text()
-    assert "--query" in empty.to_text()
-    answer_with(fake, INTERLEAVED)
-
-    report = check.run_check(client=fake.client())
-
-    assert report.ok and report.scores == [0.033, 0.030, 0.017, 0.016] and report.score_range == (0.016, 0.033)
-    assert 'passage scores for "membase-strands setup check": 0.016 to 0.033 (4 passages)' in report.to_text()
-    assert "min_score" in report.to_text() and report.to_dict()["score_range"] == (0.016, 0.033)
-    assert {request.body["limit"] for request in fake.sent("POST", "/v1/search")} == {check.PROBE_LIMIT}
-
-
-def test_the_check_cli_asks_the_query_given_and_prints_its_scores(loopback, monkeypatch, capsys):
-    monkeypatch.delenv("MEMBASE_LOCAL", raising=False)
-    monkeypatch.setenv("MEMBASE_API_KEY", API_KEY)
-    monkeypatch.setenv("MEMBASE_BASE_URL", loopback.url)
-    assert check.main(["check", "--query", "billing ledger Postgres", "--json"]) == 0
-
-    out = capsys.readouterr().out
-    data = json.loads(out)
-    assert [r.body["q"] for r in loopback.fake.sent("POST", "/v1/search")] == ["billing ledger Postgres"] * 2
-    assert data["probe_query"] == "billing ledger Postgres" and data["score_range"] == [2.0, 2.0]
-    assert API_KEY not in out

@@ -16,7 +16,7 @@ from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands._local import LOCK_NAME
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, status
 from tests.support.agents import entries, tool_turn
-from tests.support.store_helpers import FACT, QUESTION, make_agent
+from tests.support.store_helpers import FACT, QUESTION, make_agent, sdk_client
 
 DEFAULT_HOST = "https://api.app.membase.com"
 LONE = "\ud800"
@@ -214,17 +214,17 @@ def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake, tmp_p
                 MembaseMemoryStore(api_key=API_KEY, transport=fake.transport, **extra, **{option: value})
             assert API_KEY not in str(raised.value), (option, value)
     for options in (
-        {"client": fake.client(), "api_key": API_KEY},
-        {"client": fake.client(), "transport": fake.transport},
+        {"client": sdk_client(fake), "api_key": API_KEY},
+        {"client": sdk_client(fake), "transport": fake.transport},
     ):
         with pytest.raises(ValueError, match="client") as raised:
             MembaseMemoryStore(**options)
         assert API_KEY not in str(raised.value)
     for extraction in (True, {}):
         with pytest.raises(ValueError, match="extraction needs capture=True"):
-            MembaseMemoryStore(client=fake.client(), extraction=extraction)
+            MembaseMemoryStore(client=sdk_client(fake), extraction=extraction)
     with pytest.raises(TypeError):
-        MembaseMemoryStore(fake.client())  # type: ignore[misc]  # options are keyword only
+        MembaseMemoryStore(sdk_client(fake))  # type: ignore[misc]  # options are keyword only
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(ValueError, match="local"):
         MembaseMemoryStore(local=tmp_path / "a-file")
@@ -234,12 +234,12 @@ def test_good_options_are_accepted_and_building_a_store_makes_no_request(fake):
     for option, values in GOOD_OPTIONS.items():
         for value in values:
             MembaseMemoryStore(api_key=API_KEY, transport=fake.transport, **{option: value}).close()
-    MembaseMemoryStore(client=fake.client(), container="Main", capture=True, extraction=True)
-    store = MembaseMemoryStore(client=fake.client())
+    MembaseMemoryStore(client=sdk_client(fake), container="Main", capture=True, extraction=True)
+    store = MembaseMemoryStore(client=sdk_client(fake))
     assert (store.name, store.max_search_results, store.writable, store.extraction) == ("membase", 5, False, None)
     assert isinstance(store.description, str) and store.description.strip()
     # One rule for every number of passages: above Membase's maximum it asks for 50.
-    assert MembaseMemoryStore(client=fake.client(), max_search_results=10**9).max_search_results == 50
+    assert MembaseMemoryStore(client=sdk_client(fake), max_search_results=10**9).max_search_results == 50
     assert fake.sent() == []
 
 
@@ -320,7 +320,7 @@ async def test_a_note_is_sent_whole_as_given_and_a_lone_surrogate_is_replaced(fa
 
 
 def test_close_leaves_a_client_that_was_passed_in_and_other_stores_on_the_host_open(fake):
-    client = fake.client()
+    client = sdk_client(fake)
     MembaseMemoryStore(client=client).close()
     client.search("ledger")  # the client still sends
     fake.remember(FACT)

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import membase as sdk
 import pytest
-from membase import Membase
 from strands import Agent
 
 from membase_strands import MembaseMemoryStore, MembaseStorePool
@@ -24,7 +23,7 @@ from membase_strands.testing import (
     refuse_connection,
     status,
 )
-from tests.support.store_helpers import FACT, make_agent
+from tests.support.store_helpers import FACT, make_agent, sdk_client
 
 
 def _agent(store: MembaseMemoryStore, script: list[Any]) -> tuple[Agent, ScriptedModel]:
@@ -36,7 +35,7 @@ def test_search_finds_notes_by_shared_words_across_several_memories() -> None:
     work = membase.add_memory("Work")
     membase.remember(FACT, "Work")
     membase.remember("Dinner with Sam on Friday.", "Main")
-    client = membase.client()
+    client = sdk_client(membase)
 
     [found] = client.search("ledger postgres")["results"]
 
@@ -76,7 +75,7 @@ def test_saved_lists_notes_saved_through_the_api_and_standing_facts_go_to_the_pr
 def test_a_note_is_forgotten_only_when_confirmed() -> None:
     membase = InMemoryMembase()
     note = membase.remember("The launch is in May.")
-    client = membase.client()
+    client = sdk_client(membase)
 
     assert client.memories.forget(note, confirm=False)["status"] == "confirmation_required"
     assert membase.forgotten == []
@@ -127,7 +126,7 @@ def test_faults_are_injected_per_route_until_healed(responder: Any, counter: str
     assert model.memory_block() is None
     assert store.counters()[counter or "errors.connection"] == 1
     membase.heal()
-    assert membase.client().search("anything")["results"] == []
+    assert sdk_client(membase).search("anything")["results"] == []
 
 
 def test_a_hang_holds_the_request_until_released() -> None:
@@ -145,11 +144,11 @@ def test_a_hang_holds_the_request_until_released() -> None:
     assert model.memory_block() is None
 
 
-def test_the_store_helper_passes_options_and_the_client_is_the_real_sdk() -> None:
+def test_the_store_helper_passes_options() -> None:
     membase = InMemoryMembase()
     store = membase.store(container="Main", max_search_results=3)
 
-    assert isinstance(membase.client(), Membase) and store.max_search_results == 3 and "container='Main'" in repr(store)
+    assert store.max_search_results == 3 and "container='Main'" in repr(store)
 
 
 def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_its_key() -> None:
@@ -175,7 +174,7 @@ def test_each_key_has_a_memory_of_its_own_on_one_host_and_every_request_records_
 def test_it_answers_as_hosted_membase_documents_it_for_a_keys_level_and_tick() -> None:
     membase = InMemoryMembase(level="read", profile=False, hosted=True)
     note = membase.remember(FACT)
-    client = membase.client(max_retries=0)
+    client = sdk_client(membase, max_retries=0)
     for refused, verb in [
         (lambda: client.memories.add("x"), "add_memory"),
         (lambda: client.memories.forget(note), "forget_memory"),

@@ -363,8 +363,8 @@ def _findings(by_key: dict[str, Outcome]) -> list[str]:
         "orders and folds (and its recall budget, the notices and the manager cut) only what it was sent.",
         "- This engine's scores are reciprocal-rank fusion within each Memory (about 0.016 to 0.033): a Memory's "
         "best passage scores high whether or not it is relevant, so here a floor trades facts for characters "
-        "rather than removing only noise. Hosted Membase may score differently: choose `min_score` from what "
-        '`membase-strands check --query "..."` shows for your own Memories.',
+        "rather than removing only noise. Hosted Membase may score differently: choose `min_score` from the scores in "
+        "the metadata of what `store.search()` returns for your own Memories.",
     ]
     for outcome in by_key.values():
         if "min_score" not in outcome.config.options:

@@ -1,29 +1,25 @@
-"""What a store did, recorded once: counted (its ``counters()``, and OpenTelemetry metrics over them), set on the
-current span, and logged where the words matter (:class:`Ledger`).
+"""What a store did, recorded once: counted (its ``counters()``), set on the current span, and logged where the words
+matter (:class:`Ledger`).
 
 Spans go through ``opentelemetry-api``'s global tracer provider only, as children of the current span (under
 Strands 1.46+, the manager's ``memory.*`` spans); a recall or write that ends after its caller stopped waiting gets
-a root span linked to its own. No span attribute carries the key (only its hint) or an error's text (only its kind),
-nor the user's words unless named in the ``gen_ai_unredacted_attributes=`` token of ``OTEL_SEMCONV_STABILITY_OPT_IN``
-as Strands reads it (``;``-separated, a trailing ``*`` a glob); unlike Strands, without the token no text is recorded.
+a root span linked to its own. No span attribute carries the key (only its hint), an error's text (only its kind)
+or the user's words.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import logging
-import os
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
 from . import _runtime
@@ -37,11 +33,6 @@ TOOL = "membase.tool"
 RECALL_LATE = "membase.recall.late"
 WRITE_LATE = "membase.write.late"
 
-# Attributes that carry the user's words: recorded only when opted in (see the module docstring).
-QUERY_TEXT = "membase.query"
-PASSAGES_TEXT = "membase.passages.text"
-NOTE_TEXT = "membase.note.text"
-
 # Always in a snapshot; ``errors.<kind>`` (describe_failure's kinds) and ``tool_calls.<tool>`` once they happen.
 STANDARD = tuple(
     """recalls recall_hits recall_empty recall_timeouts recall_skipped recall_cancelled recall_late_completions
@@ -51,8 +42,6 @@ STANDARD = tuple(
 
 # A proxy until a tracer provider is set, then the real thing: a provider set after import still counts.
 _tracer = trace.get_tracer(__name__)
-_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # live stores' ledgers, for the metrics
-_ledgers_lock = _runtime.new_lock()
 
 
 class Ledger:
@@ -63,14 +52,15 @@ class Ledger:
         self.store_name, self.key_hint, self.redact = store_name, key_hint, redact
         self.counts = Counter(dict.fromkeys(STANDARD, 0))  # read under its lock
         self.lock = _runtime.new_lock()
-        with _ledgers_lock:
-            _ledgers.add(self)
+        self.totals: Ledger | None = None  # a pool's, which counts what each store it built counts
 
     def count(self, *names: str, amount: int = 1) -> None:
-        """Count ``amount`` more of each of ``names``."""
+        """Count ``amount`` more of each of ``names``, in :attr:`totals` too."""
         with self.lock:
             for name in names:
                 self.counts[name] += amount
+        if self.totals is not None:
+            self.totals.count(*names, amount=amount)
 
     def failed(self, error: BaseException, *names: str) -> None:
         """Count a failure: ``names``, and ``errors.<kind>`` of ``error``, which the current span records too."""
@@ -137,19 +127,6 @@ class Operation:
                 if value is not None:
                     self.span.set_attribute(f"membase.{name}", self.redact(value) if isinstance(value, str) else value)
 
-    def text(self, attribute: str, value: str | Sequence[str]) -> None:
-        """Record the user's words under ``attribute``, only if they opted in to it."""
-        if self.span.is_recording() and _opted_in(attribute):
-            masked = self.redact(value) if isinstance(value, str) else [self.redact(text) for text in value]
-            self.span.set_attribute(attribute, masked)
-
-
-def _opted_in(attribute: str) -> bool:
-    tokens = [token.strip() for token in os.getenv("OTEL_SEMCONV_STABILITY_OPT_IN", "").split(",")]
-    value = next((token.partition("=")[2] for token in tokens if token.startswith("gen_ai_unredacted_attributes=")), "")
-    names = [name.strip() for name in value.split(";") if name.strip()]
-    return attribute in names or any(name.endswith("*") and attribute.startswith(name[:-1]) for name in names)
-
 
 # The operation running in this context: where there is none, one that records nothing.
 _current: contextvars.ContextVar[Operation] = contextvars.ContextVar("membase_operation")
@@ -190,25 +167,3 @@ def link_here() -> SpanContext | None:
     """The span context of the current operation, to link a late outcome to it later; ``None`` if not traced."""
     span = _current.get(_NOWHERE).span
     return span.get_span_context() if span.is_recording() else None
-
-
-def _observe(name: str, by: str | None, options: metrics.CallbackOptions) -> list[metrics.Observation]:
-    """Each live store's counter ``name`` or, ``by`` an attribute, its counters ``name.<value>``."""
-    with _ledgers_lock:
-        ledgers = list(_ledgers)
-    return [
-        metrics.Observation(value, {"membase.store": ledger.store_name, **({by: key.partition(".")[2]} if by else {})})
-        for ledger in ledgers
-        for key, value in ledger.snapshot().items()
-        if (key.startswith(f"{name}.") if by else key == name)
-    ]
-
-
-_meter = metrics.get_meter(__name__)  # a proxy until a meter provider is set; then the instruments become real
-for _name, _by, _description in [
-    *((name, None, "") for name in STANDARD),
-    ("errors", "membase.error.kind", "Membase failures, by kind."),
-    ("tool_calls", "membase.tool", "Calls of the store's tools, by tool."),
-]:
-    _callback = functools.partial(_observe, _name, _by)
-    _meter.create_observable_counter(f"membase.store.{_name}", [_callback], "1", _description)

@@ -27,12 +27,11 @@ from ._failures import describe_failure
 from ._formatting import parse_search
 from ._gateway import DEFAULT_BASE_URL, MembaseGateway
 from ._local import unavailable
-from ._options import finite, query_text
-from ._text import clip
+from ._options import finite
 from ._version import __version__
 
 PROBE_QUERY = "membase-strands setup check"
-PROBE_LIMIT = 10  # passages per probe search: enough to show the spread of scores, still a small answer
+PROBE_LIMIT = 5  # passages per probe search, as many as recall asks for by default
 DEFAULT_TIMEOUT = 20.0  # seconds per attempt, well under a minute: a host that never answers is named soon
 _LOCAL_LLM_HINT = (
     " (local Membase needs an LLM and an embeddings provider: set OPENAI_API_KEY, or MEMBASE_LLM_PROVIDER, "
@@ -62,13 +61,6 @@ class CheckReport:
     first_search_seconds: float | None = None  # a cold memory wakes up here
     second_search_seconds: float | None = None  # the memory is awake
     suggested_recall_timeout: float | None = None  # room for five warm searches (2-30 s, whole seconds)
-    probe_query: str = PROBE_QUERY
-    scores: list[float] = field(default_factory=list)  # highest first, to choose min_score from
-
-    @property
-    def score_range(self) -> tuple[float, float] | None:
-        """The lowest and highest score the probe searches saw, or ``None`` when no passage carried one."""
-        return (min(self.scores), max(self.scores)) if self.scores else None
 
     @property
     def ok(self) -> bool:
@@ -77,7 +69,7 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data, for ``--json``."""
-        return {**asdict(self), "score_range": self.score_range, "ok": self.ok}
+        return {**asdict(self), "ok": self.ok}
 
     def to_text(self) -> str:
         """The report for people."""
@@ -87,13 +79,6 @@ class CheckReport:
             lines.append(f"  [{mark:>4}] {step.name}: {step.detail}")
         if self.suggested_recall_timeout is not None:
             lines.append(f"  suggested recall_timeout: {self.suggested_recall_timeout:g} s")
-        scores = f'  passage scores for "{clip(self.probe_query, 60)}": '
-        if self.score_range is not None:
-            (low, high), count = self.score_range, len(self.scores)
-            passages = f"{count} passage{'s' if count != 1 else ''}"
-            lines.append(f"{scores}{low:.4g} to {high:.4g} ({passages}); min_score leaves out passages scored below it")
-        elif any(step.name == "search" and step.ok for step in self.steps):
-            lines.append(f"{scores}none (no scored passage matched; try --query with a question of your own)")
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
 
@@ -107,7 +92,6 @@ def run_check(
     container: str | None = None,
     need_save: bool = True,
     need_profile: bool = True,
-    query: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> CheckReport:
     """Check a Membase key (or local directory) the way the store will use it.
@@ -120,7 +104,6 @@ def run_check(
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
         need_profile: Whether reading the profile must be allowed for the check to pass.
-        query: What the probe searches ask; a question of your own shows real scores, to choose ``min_score`` from.
         timeout: Seconds one attempt of a request to Membase may take (the searches are tried up to 3 times).
 
     Returns:
@@ -132,10 +115,9 @@ def run_check(
 def _check(options: dict[str, Any], announce: Callable[[str], None] | None = None) -> CheckReport:
     """:func:`run_check`; ``announce`` is told what is asked, and how long it may take, before the first request."""
     local, timeout = options["local"], options["timeout"]
-    probe_query = query_text(options["query"] or "") or PROBE_QUERY
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
         found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
-        return CheckReport(f"local Membase in {os.fspath(local)}", found, probe_query=probe_query)
+        return CheckReport(f"local Membase in {os.fspath(local)}", found)
     try:
         if not finite(timeout) or timeout <= 0:
             raise ValueError(f"timeout=SECONDS must be a positive number, got {timeout!r}")
@@ -149,7 +131,7 @@ def _check(options: dict[str, Any], announce: Callable[[str], None] | None = Non
     with contextlib.closing(gateway):
         where_local = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
         target = gateway.base_url if gateway.hosted else f"local Membase {where_local}"
-        report = CheckReport(target, probe_query=probe_query)
+        report = CheckReport(target)
         if announce is not None and gateway.hosted:
             announce(
                 f"Asking Membase at {target}; a memory idle for a while can take up to a minute to wake up, and "
@@ -158,7 +140,6 @@ def _check(options: dict[str, Any], announce: Callable[[str], None] | None = Non
         needed = {"profile": options["need_profile"], "save": options["need_save"]}
         for step in _steps(gateway, report, options["container"], _advice(target, timeout, options, gateway.redact)):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
-        report.probe_query = gateway.redact(report.probe_query)
     return report
 
 
@@ -247,14 +228,12 @@ def _steps(
     for attempt in ("first", "second"):
         started = time.perf_counter()
         try:
-            answer = gateway.search(report.probe_query, PROBE_LIMIT, container_id, retry=True)
+            answer = gateway.search(PROBE_QUERY, PROBE_LIMIT, container_id, retry=True)
         except Exception as error:  # noqa: BLE001
             yield Step("search", False, f"the {attempt} search failed: {advice(error)}")
             return
         timings.append(time.perf_counter() - started)
     report.first_search_seconds, report.second_search_seconds = timings
-    # The same query twice: the second (warm) answer's scores stand for both.
-    report.scores = sorted((p.score for p in answer.passages if p.score is not None), reverse=True)
     report.suggested_recall_timeout = float(min(30, max(2, math.ceil(timings[1] * 5))))
     if answer.unsearched:
         unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
@@ -306,7 +285,6 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     check.add_argument("--container", help="the Memory the store will be pinned to")
     check.add_argument("--read-only", dest="need_save", action="store_false", help="the key need not save")
     check.add_argument("--no-profile", dest="need_profile", action="store_false", help="the profile is not needed")
-    check.add_argument("--query", help="what the probe searches ask (a question of yours shows real scores)")
     timeout = "how long each request may take (default 20; a memory idle for a while can take a minute to wake up)"
     check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help=timeout)
     check.add_argument("--json", action="store_true", help="print the report as JSON")

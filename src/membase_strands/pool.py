@@ -11,9 +11,8 @@ import asyncio
 import inspect
 import logging
 import os
-import threading
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from typing import Any
@@ -69,12 +68,11 @@ class MembaseStorePool:
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
-        self._ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()  # of the stores it built, while they count
-        self._retired: Counter[str] = Counter()  # the counts of those that are gone
+        self._totals = Ledger("pool")  # counts what every store it built counts, as it counts it
         self._closed, self._lock = False, _runtime.new_lock()
 
     def __len__(self) -> int:
-        with self._lock:  # the stores kept for reuse, at most max_stores
+        with self._lock:
             return len(self._stores)
 
     def __repr__(self) -> str:
@@ -94,35 +92,27 @@ class MembaseStorePool:
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
-        store = self._keep(user_id, None)
-        if store is not None:
+        if (store := self._keep(user_id, None)) is not None:
             return store
         candidate = self._build(user_id)  # outside the lock: the app's credential function may be slow
         try:
             # Another thread may have built this user's store meanwhile: theirs wins, so there is only one.
             store = self._keep(user_id, candidate)
-        except RuntimeError:
-            candidate.close()  # never handed out, so nothing runs on it and this does not wait
-            raise
+        finally:
+            if store is not candidate:
+                candidate.close()  # never handed out, so nothing runs on it and this does not wait
         assert store is not None  # the candidate, or theirs
-        if store is not candidate:
-            candidate.close()
         return store
 
     def counters(self) -> dict[str, int]:
         """The sum of the counters of every store the pool built (see :meth:`MembaseMemoryStore.counters`)."""
-        with self._lock:
-            total, ledgers = Counter(self._retired), list(self._ledgers)
-        for ledger in ledgers:
-            total.update(ledger.snapshot())
-        return dict(total)
+        return self._totals.snapshot()
 
     def close(self) -> None:
-        """Close every store the pool built that is still alive, side by side; safe to call twice.
+        """Close every store the pool built that is still alive; safe to call twice.
 
         Each closes as :meth:`MembaseMemoryStore.close` does (up to ``close_timeout`` for its writes), side by side,
-        so this returns within about ``close_timeout`` however many stores there are. From async code, use
-        :meth:`aclose` (or ``async with``).
+        so this returns within about ``close_timeout``. From async code, use :meth:`aclose` (or ``async with``).
         """
         closing = [_runtime.submit(store.close, name=f"membase-close[{store.name}]") for store in self._close_pool()]
         wait([*closing, *dropped_stores_closing()])
@@ -149,7 +139,7 @@ class MembaseStorePool:
         await self.aclose()
 
     def _close_pool(self) -> list[MembaseMemoryStore]:
-        """Refuse new stores; the stores handed out that are still alive, now the caller's to close."""
+        """Refuse new stores; the stores handed out that are still alive, for the caller to close."""
         with self._lock:
             self._closed = True
             alive = list(self._alive.values())  # before letting go of the kept ones, which may be their only holder
@@ -157,12 +147,8 @@ class MembaseStorePool:
             return alive
 
     def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
-        """The user's store still alive, else ``built``, kept as the most recently used (``None``: neither).
-
-        Past the bound the least recently used is let go of (not closed: an agent may be mid-turn on it), and dropped
-        only once the lock is released: a store collected under it would start its closing thread there (see
-        ``_runtime.submit``). One store is kept per call, so at most one is let go of.
-        """
+        """The user's store still alive, else ``built``, now the most recently used (``None``: neither). Past the
+        bound the least recently used is let go of outside the lock: collected, a store may start a closing thread."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
@@ -200,16 +186,8 @@ class MembaseStorePool:
             raise ValueError(f"the Membase credential for user {user_id!r} cannot be used: {error}") from error
         except (RuntimeError, membase.MembaseError) as error:  # another process holds the directory, or no engine
             raise RuntimeError(f"user {user_id!r} cannot be served in this process: {error}") from error
-        ledger = ledger_of(store)  # it counts a write still running after the store is gone
-        with self._lock:
-            self._ledgers.add(ledger)
-        weakref.finalize(ledger, _retire, self._retired, self._lock, ledger.counts)
+        ledger_of(store).totals = self._totals  # a write still running after the store is gone counts there too
         return store
-
-
-def _retire(retired: Counter[str], lock: threading.RLock, counts: Counter[str]) -> None:
-    with lock:
-        retired.update(counts)
 
 
 def _warn_failed(outcomes: Iterable[object]) -> None:

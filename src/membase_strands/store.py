@@ -86,7 +86,7 @@ class MembaseMemoryStore:
             description: What the manager tells the model about this store.
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
-            min_score: Leave out passages scored below this (``membase-strands check`` shows scores).
+            min_score: Leave out passages scored below this (an entry's ``metadata["score"]`` shows its score).
             recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: one
                 request's ``request_timeout``).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
@@ -194,19 +194,16 @@ class MembaseMemoryStore:
             ValueError: ``options["max_search_results"]`` is not a whole number of at least 1.
             asyncio.CancelledError: The task was cancelled; the request goes on, and recalls skip while it runs.
         """
-        with _telemetry.operation(_telemetry.RECALL, self._ledger) as operation:
+        with _telemetry.operation(_telemetry.RECALL, self._ledger):
             self._check_open()
             if not isinstance(query, str) or not query.strip():
                 _telemetry.mark("skipped", reason="blank query")
                 return []
             query = _options.query_text(query)  # what is sent, from here down to the request
-            operation.text(_telemetry.QUERY_TEXT, query)
             wanted = options.get("max_search_results") if options else None
             limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
             self._ledger.count("recalls")
-            entries = await self._await_or_report("recall", self._recall.run(query, limit))
-            operation.text(_telemetry.PASSAGES_TEXT, [entry.content for entry in entries])
-            return entries
+            return await self._await_or_report("recall", self._recall.run(query, limit))
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
@@ -322,7 +319,6 @@ class MembaseMemoryStore:
             if not parts:
                 operation.outcome("empty", decision="nothing to send")
                 return None
-            operation.text(_telemetry.NOTE_TEXT, [part.text for part in parts])
             result = await self._await_or_report("write", self._writes.write(parts, send))
             operation.outcome("saved")
             return result

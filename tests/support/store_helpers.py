@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import membase
 import pytest
 from strands import Agent
 from strands.memory import MemoryManager
@@ -40,6 +41,12 @@ MEMORIES = ("POST", "/v1/memories")
 
 LONG = 30.0
 """A budget (seconds) a slow, loaded machine cannot run out of, for what a test does not time out on purpose."""
+
+
+def sdk_client(fake: InMemoryMembase, **options: Any) -> membase.Membase:
+    """A real ``membase.Membase`` client for ``fake``'s account, over its transport."""
+    http = httpx.Client(base_url=fake.base_url, transport=fake.transport)
+    return membase.Membase(api_key=fake.key, base_url=fake.base_url, http_client=http, **options)
 
 
 def routed(fake: InMemoryMembase) -> Responder:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import membase
 
 from ..pool import MembaseStorePool
 from ..store import MembaseMemoryStore
@@ -93,13 +92,9 @@ class InMemoryMembase:
         """The account of ``key`` on this host (made on first use, with one Memory, "Main")."""
         with self._lock:
             if key not in self._accounts:
-                other = InMemoryMembase(key=key)
-                other.base_url = self.base_url
-                other.transport = self.transport
-                other.requests = self.requests
-                other._accounts = self._accounts
-                other._lock = self._lock
-                self._accounts[key] = other
+                other = self._accounts[key] = InMemoryMembase(key=key)
+                for shared in ("base_url", "transport", "requests", "_accounts", "_lock"):
+                    setattr(other, shared, getattr(self, shared))
             return self._accounts[key]
 
     def add_memory(self, name: str, memory_id: str | None = None) -> str:
@@ -128,11 +123,6 @@ class InMemoryMembase:
     def pool(self, credential_for: Callable[[str], str], **options: Any) -> MembaseStorePool:
         """A :class:`~membase_strands.MembaseStorePool` whose users' keys (``credential_for``) reach this host."""
         return MembaseStorePool(credential_for, base_url=self.base_url, transport=self.transport, **options)
-
-    def client(self, **kwargs: Any) -> membase.Membase:
-        """A real ``membase.Membase`` client for this account, whose transport is this fake."""
-        http = httpx.Client(base_url=self.base_url, transport=self.transport)
-        return membase.Membase(api_key=self.key, base_url=self.base_url, http_client=http, **kwargs)
 
     def on(self, method: str, path: str, *responders: Responder) -> None:
         """Answer the next requests of this key to ``method path`` with ``responders``, one each, in order (a path

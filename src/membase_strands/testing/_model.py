@@ -28,10 +28,8 @@ Step = str | ToolCall | Callable[[str], "str | ToolCall"]
 class ScriptedModel(Model):
     """Replays scripted turns (see :data:`Step`) and records each call's messages, deep-copied, in :attr:`calls`.
 
-    A callable step gets the text sent in that call (:meth:`sent_text`): the memory block and the text of tool
-    results included, in the order sent, so a turn can depend on what was recalled or on the id ``membase_search``
-    just returned (the latest message's text comes last). Past the script's end it answers ``"ok"``. The README's
-    "Testing your own agent" shows it at work.
+    A function step can depend on what was recalled, or on the id ``membase_search`` just returned. Past the
+    script's end it answers ``"ok"``. The README's "Testing your own agent" shows it at work.
     """
 
     def __init__(self, script: list[Step] | None = None) -> None:
