@@ -214,19 +214,21 @@ class MembaseTransport(httpx.BaseTransport):
             raise BadResponseError(why, status=status)
         stated = headers.get("content-length", "")
         length = int(stated) if stated.isdigit() else None
-        body, overdue = bytearray(), False
+        body: list[bytes] = []  # joined once at the end: a body read in one piece is not copied at all
+        size, overdue = 0, False
         for chunk in chunks if (length or 0) <= limit else ():
             if overdue:  # only more data tells that a late body was not whole
                 raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
-            body += chunk
-            if len(body) > limit:
+            body.append(chunk)
+            size += len(chunk)
+            if size > limit:
                 break
-            overdue = time.monotonic() > deadline and (length is None or len(body) < length)
-        if len(body) > limit or (length or 0) > limit:
+            overdue = time.monotonic() > deadline and (length is None or size < length)
+        if size > limit or (length or 0) > limit:
             raise BadResponseError(
                 f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status
             )
-        return bytes(body)
+        return body[0] if len(body) == 1 else b"".join(body)
 
 
 def _is_read(request: httpx.Request) -> bool:
