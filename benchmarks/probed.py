@@ -22,9 +22,9 @@ from common import (
     spread,
 )
 
-ADDED_RATIO_TARGET = 2.0  # the time box and the library's own work cost at most the plain hand-off again
+ADDED_OF_RAW_TARGET = 0.4  # over loopback, the library adds at most this share of the raw SDK call's own time
 TURNS_RATIO_TARGET = 2.0
-PEAK_THREADS_TARGET = 40
+PEAK_THREADS_TARGET = 120  # a thread per call in flight (there is no cap): about one per user at once, and a few more
 PATTERN_LATENCY_MS = 20.0
 BURST_BUDGET_S = 3.0
 OTHER_WORST_TARGET_S = 0.5
@@ -75,13 +75,14 @@ def recall_overhead(plan: Plan) -> Section:
             adds = added[transport][label] = [store - raw for raw, store in zip(raw_us, store_us, strict=True)]
             row = (fmt(median(raw_us)), fmt(median(store_us)), f"**{fmt(median(adds))}**", spread(adds), slow)
             section.row(f"{label}, {transport}", *row)
-    for transport in ("loopback", "MockTransport"):
-        now, reference = median(added[transport][NOW]), median(added[transport][REFERENCE])
-        section.target(
-            f"over {transport}, the library adds at most {ADDED_RATIO_TARGET:g} x what the reference adds",
-            now <= ADDED_RATIO_TARGET * reference,
-            f"{ratio(now, reference)}: {fmt(now)} µs against {fmt(reference)} µs (medians of {plan.rounds} round(s))",
-        )
+    raw = median(of(runs[NOW], "raw_us"))
+    now, reference = median(added["loopback"][NOW]), median(added["loopback"][REFERENCE])
+    section.target(
+        f"over loopback, the library adds at most {ADDED_OF_RAW_TARGET:g} x the raw SDK call's own time",
+        now <= ADDED_OF_RAW_TARGET * raw,
+        f"x{now / raw:.2f}: {fmt(now)} µs on a {fmt(raw)} µs call (the reference adds {fmt(reference)} µs, "
+        f"x{reference / raw:.2f}; medians of {plan.rounds} round(s))",
+    )
     missing = sum(2 * r["calls"] - r["hits"] - r["mock_hits"] for results in runs.values() for r in results)
     section.target("every recall measured returned memory", missing == 0, f"{missing} returned none")
     return section
