@@ -35,7 +35,6 @@ class Recall:
     def __init__(
         self,
         gateway: MembaseGateway,
-        ledger: _telemetry.Ledger,
         *,
         container: str | None,
         budget: float | None,
@@ -44,7 +43,7 @@ class Recall:
         max_chars: int | None,
         profile_ttl: float | None,
     ) -> None:
-        self._gateway, self._ledger, self._container = gateway, ledger, container
+        self._gateway, self._ledger, self._container = gateway, gateway.ledger, container
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
         self._late: dict[Future[Any], float] = {}  # late request -> when it started

@@ -135,7 +135,6 @@ class MembaseMemoryStore:
             self._ledger.log(logging.WARNING, _RETRYING_CLIENT.format(client.max_retries))
         self._recall = Recall(
             gateway,
-            self._ledger,
             container=self._container,
             budget=self._recall_timeout,
             hold_limit=request_timeout,
@@ -349,14 +348,15 @@ class MembaseMemoryStore:
         self._ledger.failed(failed, f"{action}_errors")
         if not isinstance(failed, Refused):
             raise clean
-        pause = ""
-        if action == "recall" and self._access_cooldown is not None:
-            self._gateway.pause_recall(failed)
-            pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-        if action == "recall" or failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
-            # The manager logs a failed recall as a warning: the store's own line would be a second one.
-            level = logging.INFO if action == "recall" else logging.WARNING
-            self._ledger.log(level, f"{action} refused by Membase{pause}", error=failed)
+        if action == "recall":
+            paused = ""
+            if self._access_cooldown is not None:
+                self._gateway.pause_recall(failed)
+                paused = f"; automatic recall paused for {self._access_cooldown:g} s"
+            # INFO: the manager logs a failed recall as a warning, and once is enough.
+            self._ledger.log(logging.INFO, f"recall refused by Membase{paused}", error=failed)
+        elif failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
+            self._ledger.log(logging.WARNING, "write refused by Membase", error=failed)
         refused = MembaseAccessError(failed.message, failed.refusal)
         refused.__cause__ = clean
         raise refused
