@@ -13,9 +13,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from strands.memory import MemoryEntry
 
@@ -24,8 +23,6 @@ from ._formatting import arrange, memory_entries, profile_entry, standing_facts
 from ._gateway import RECALL, MembaseGateway
 from ._runtime import wait_for_future
 from .errors import MembaseRecallTimeout
-
-T = TypeVar("T")
 
 
 class Recall:
@@ -50,6 +47,7 @@ class Recall:
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._lock = _runtime.new_lock()
+        self._thread_name = f"membase-recall[{self._ledger.store_name}]"
         _runtime.forget_in_child(self._forget_parent_requests)
 
     def _forget_parent_requests(self) -> None:
@@ -65,7 +63,9 @@ class Recall:
             self._ledger.log(logging.DEBUG, "recall skipped", reason=skip)
             return []
         started, retry = time.monotonic(), self._budget is None
-        searching = self._submit(lambda: self._gateway.search(query, limit, self._container, retry=retry))
+        searching = _runtime.submit(
+            lambda: self._gateway.search(query, limit, self._container, retry=retry), name=self._thread_name
+        )
         profile = self._read_profile()
         try:
             answer = await wait_for_future(searching, self._budget)
@@ -113,9 +113,6 @@ class Recall:
         )
         return entries
 
-    def _submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
-        return _runtime.submit(fn, name=f"membase-recall[{self._ledger.store_name}]", future=future)
-
     def _skip(self) -> str | None:
         now = time.monotonic()
         if self._gateway.off(RECALL):  # paused after a 403
@@ -137,7 +134,7 @@ class Recall:
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading
             reading = self._profile_reading = Future[None]()
-        return self._submit(read, reading)  # outside the lock (see _runtime.submit)
+        return _runtime.submit(read, name=self._thread_name, future=reading)  # outside the lock (see _runtime.submit)
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""

@@ -153,11 +153,10 @@ class WriteRecord:
                 self._keep(_Request(list(parts), send))
                 raise
         deduplicated = len(parts) - len(todo)
-        decision = "send" if not deduplicated else "partial" if todo else "already saved"
         if deduplicated:
-            message = "not sending again what this store saved (or may have saved) already"
             self._ledger.count("writes_deduplicated", amount=deduplicated)
-            self._ledger.log(logging.DEBUG, message)
+            self._ledger.log(logging.DEBUG, "not sending again what this store saved (or may have saved) already")
+        decision = "send" if not deduplicated else "partial" if todo else "already saved"
         _telemetry.mark(None, sent=len(todo), deduplicated=deduplicated, decision=decision)
         if request is None:
             return None
