@@ -43,7 +43,7 @@ class Recall:
         self._gateway, self._ledger, self._container = gateway, gateway.ledger, container
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
-        self._late: dict[Future[Any], float] = {}  # late request -> when it started
+        self._late: tuple[Future[Any], float] | None = None  # the latest late request, and when it started
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._lock = _runtime.new_lock()
@@ -51,7 +51,7 @@ class Recall:
         _runtime.forget_in_child(self._forget_parent_requests)
 
     def _forget_parent_requests(self) -> None:
-        self._late, self._profile_reading = {}, None  # a forked child: their threads are the parent's
+        self._late, self._profile_reading = None, None  # a forked child: their threads are the parent's
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -114,12 +114,12 @@ class Recall:
         return entries
 
     def _skip(self) -> str | None:
-        now = time.monotonic()
         if self._gateway.off(RECALL):  # paused after a 403
             return "key refused (403)"
-        with self._lock:
-            waking = any(started > now - self._hold_limit for started in self._late.values())
-        return "memory waking" if waking else None
+        late = self._late
+        if late is not None and not late[0].done() and late[1] > time.monotonic() - self._hold_limit:
+            return "memory waking"
+        return None
 
     def _read_profile(self) -> Future[None] | None:
         """The read of the standing facts to wait for, started if none is fresh or running; ``None``: use the cache."""
@@ -139,12 +139,9 @@ class Recall:
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
         linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
-        with self._lock:
-            self._late[future] = started
+        self._late = (future, started)
 
         def release(_: Future[Any]) -> None:
-            with self._lock:
-                self._late.pop(future, None)  # gone in a forked child
             error, elapsed = future.exception(), round(time.monotonic() - started, 1)
             outcome = "late recall finished" if error is None else "late recall failed"
             self._ledger.late(

@@ -183,8 +183,8 @@ class WriteRecord:
         self._resends = "before it closes"
         self._wait_running(deadline)
         self._resends = "at interpreter exit"  # what fails for sure from now on
-        if self._send_kept():
-            self._wait_running(deadline)
+        self._send_kept()
+        self._wait_running(deadline)
         if left := len(self.running()):
             message = (
                 f"writes still running when closing stopped waiting after {self.close_bound:g} s: not confirmed "
@@ -307,9 +307,9 @@ class WriteRecord:
             self._ledger.count("writes_lost", amount=len(lost.parts))
             self._ledger.log(logging.WARNING, message)
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> int:
+    def _send_kept(self, without: Collection[Hashable] = ()) -> None:
         """Send each kept batch once more in the background, but the parts sent, being sent, or in an earlier kept
-        batch; how many requests."""
+        batch."""
         with self._lock:
             kept, self._kept = self._kept, []
             taken, requests = {*without, *self._sending()}, []  # and the sent ones
@@ -321,7 +321,6 @@ class WriteRecord:
         for request in requests:
             self._ledger.count("writes_sent_again", amount=len(request.parts))
             self._start(request)
-        return len(requests)
 
     def _evict(self) -> None:
         """Forget sent parts past their time, then the oldest past the size and byte bounds, but not the newest late
