@@ -209,33 +209,33 @@ class WriteRecord:
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
     async def _wait(self, request: _Request, deadline: float | None, *, own: bool) -> None:
-        """Wait for ``request`` until ``deadline``; if its ``own`` caller gives up, its outcome is reported late."""
+        """Wait for ``request`` until ``deadline``; if its ``own`` caller gives up, its thread reports the outcome."""
         try:
             await wait_for_future(request.settled, None if deadline is None else deadline - time.monotonic())
         except asyncio.TimeoutError:
+            if own and not self._let_go(request, "timeout"):
+                return  # it ended as the budget ran out: its caller takes the outcome
             what = "it goes on in the background" if own else "an earlier write of the same content is still running"
             message = f"Membase write ran out of time; {what}"
             self._ledger.count("write_timeouts")
             _telemetry.mark("timeout")
             self._ledger.log(logging.INFO, message)
-            if own:
-                self._let_go(request, "timeout")
             raise MembaseWriteTimeout(message) from None
         except asyncio.CancelledError:
             message = "the caller stopped waiting for a Membase write; it goes on in the background"
             self._ledger.count("write_cancellations")
             _telemetry.mark("cancelled")
             self._ledger.log(logging.INFO, message)
-            if own:
-                self._let_go(request, "cancelled")
+            if own and not self._let_go(request, "cancelled") and request.outcome.exception() is not None:
+                self._report(request, "cancelled")  # it failed just before: nobody else reports it
             raise
 
-    def _let_go(self, request: _Request, why: str) -> None:
-        """Leave the report of ``request``'s outcome to its thread, or make it here if it has ended."""
+    def _let_go(self, request: _Request, why: str) -> bool:
+        """Leave the report of ``request``'s outcome to its thread; False if it has ended already."""
         with self._lock:
-            ended, request.abandoned = request.ended, why
-        if ended:
-            self._report(request, why)
+            if not request.ended:
+                request.abandoned = why
+            return not request.ended
 
     def _sending(self) -> dict[Hashable, _Request]:
         """The running requests, by the keys of their parts (lock held)."""
