@@ -96,7 +96,6 @@ class _Request:
         self.parts, self.send, self.abandoned = parts, send, abandoned
         self.outcome: Future[Any] = Future()
         self.settled: Future[None] = Future()
-        self.ended = False  # its outcome is on record: set under the record's lock, reading who reports it
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
@@ -232,14 +231,15 @@ class WriteRecord:
 
     def _let_go(self, request: _Request, why: str) -> bool:
         """Leave the report of ``request``'s outcome to its thread; False if it has ended already."""
-        with self._lock:
-            if not request.ended:
+        with self._lock:  # its thread reads ``abandoned`` under it, once the outcome is set
+            running = not request.outcome.done()
+            if running:
                 request.abandoned = why
-            return not request.ended
+            return running
 
     def _sending(self) -> dict[Hashable, _Request]:
-        """The running requests, by the keys of their parts (lock held)."""
-        return {part.key: request for request in self._unsettled if not request.ended for part in request.parts}
+        """The requests not settled yet, by the keys of their parts (lock held)."""
+        return {part.key: request for request in self._unsettled for part in request.parts}
 
     def _start(self, request: _Request) -> None:
         """Send ``request`` on a library thread; if none can start, its outcome is that failure, at once."""
@@ -252,7 +252,7 @@ class WriteRecord:
         error = request.outcome.exception()
         try:
             with self._lock:
-                request.ended, why = True, request.abandoned  # from now on, who reports it is settled
+                why = request.abandoned  # from now on, who reports it is settled
                 if error is None or may_have_arrived(error):
                     now = time.monotonic()
                     for part in request.parts:
