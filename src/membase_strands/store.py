@@ -90,7 +90,7 @@ class MembaseMemoryStore:
             recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: as long
                 as the SDK waits, retries too).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
-            request_timeout: Seconds one attempt of a request may take, headers and body (the tools try up to 3).
+            request_timeout: Seconds one attempt of a request may take, headers and body (the tools try up to 3 times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and a verb Membase
                 refused as above the key's level (saving, forgetting, the profile) is off; ``None``: never.
