@@ -455,6 +455,7 @@ def check_write(o: Outcome) -> None:
         assert unknown.levelno == logging.WARNING and "never saved twice" in unknown.getMessage()
     elif o.fault.id.startswith("reset_"):  # the request went out, then the connection broke: its fate is unknown
         assert (counts["writes_saved"], counts["write_errors"], counts["writes_unknown"]) == (0, 1, 1), counts
+        assert counts["errors.connection"] == 1, counts  # one failure, counted once by kind
         assert len([r for r in o.records if "fate is unknown" in r.getMessage()]) == 1
     else:
         errors = 2 if o.pinned and o.path != "add" else 1  # pinned, the agent's set-up check failed too

@@ -11,14 +11,14 @@ import contextlib
 import time
 import weakref
 from concurrent.futures import Future, wait
-from typing import Any
 
 from . import _runtime
 from ._gateway import MembaseGateway
 from ._runtime import wait_for_future
 from ._writes import WriteRecord
 
-_dropped_closing: set[Future[Any]] = set()
+# The closings of stores collected unclosed, held weakly: each is held by its thread until it ends.
+_dropped_closing: weakref.WeakSet[Future[None]] = weakref.WeakSet()
 _dropped_lock = _runtime.new_lock()
 
 
@@ -79,15 +79,9 @@ class Closing:
             closing = self._finish_in_background()
             with _dropped_lock:
                 _dropped_closing.add(closing)
-            closing.add_done_callback(_forget_dropped)
 
 
-def dropped_stores_closing() -> list[Future[Any]]:
+def dropped_stores_closing() -> list[Future[None]]:
     """The closings still running of stores collected unclosed (a pool's close waits for them too)."""
     with _dropped_lock:
         return list(_dropped_closing)
-
-
-def _forget_dropped(closing: Future[Any]) -> None:
-    with _dropped_lock:
-        _dropped_closing.discard(closing)

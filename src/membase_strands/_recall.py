@@ -13,9 +13,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from strands.memory import MemoryEntry
 
@@ -25,8 +24,6 @@ from ._gateway import RECALL, MembaseGateway
 from ._runtime import wait_for_future
 from .errors import MembaseRecallTimeout
 
-T = TypeVar("T")
-
 
 class Recall:
     """One store's automatic recall: the budget, the in-flight guard, the 403 pause and the profile's cache.
@@ -35,7 +32,6 @@ class Recall:
     def __init__(
         self,
         gateway: MembaseGateway,
-        ledger: _telemetry.Ledger,
         *,
         container: str | None,
         budget: float | None,
@@ -44,17 +40,18 @@ class Recall:
         max_chars: int | None,
         profile_ttl: float | None,
     ) -> None:
-        self._gateway, self._ledger, self._container = gateway, ledger, container
+        self._gateway, self._ledger, self._container = gateway, gateway.ledger, container
         self._budget, self._hold_limit = budget, hold_limit
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
-        self._late: dict[Future[Any], float] = {}  # late request -> when it started
+        self._late: tuple[Future[Any], float] | None = None  # the latest late request, and when it started
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
         self._profile_reading: Future[None] | None = None
         self._lock = _runtime.new_lock()
+        self._thread_name = f"membase-recall[{self._ledger.store_name}]"
         _runtime.forget_in_child(self._forget_parent_requests)
 
     def _forget_parent_requests(self) -> None:
-        self._late, self._profile_reading = {}, None  # a forked child: their threads are the parent's
+        self._late, self._profile_reading = None, None  # a forked child: their threads are the parent's
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
@@ -66,7 +63,9 @@ class Recall:
             self._ledger.log(logging.DEBUG, "recall skipped", reason=skip)
             return []
         started, retry = time.monotonic(), self._budget is None
-        searching = self._submit(lambda: self._gateway.search(query, limit, self._container, retry=retry))
+        searching = _runtime.submit(
+            lambda: self._gateway.search(query, limit, self._container, retry=retry), name=self._thread_name
+        )
         profile = self._read_profile()
         try:
             answer = await wait_for_future(searching, self._budget)
@@ -114,16 +113,13 @@ class Recall:
         )
         return entries
 
-    def _submit(self, fn: Callable[[], T], future: Future[T] | None = None) -> Future[T]:
-        return _runtime.submit(fn, name=f"membase-recall[{self._ledger.store_name}]", future=future)
-
     def _skip(self) -> str | None:
-        now = time.monotonic()
         if self._gateway.off(RECALL):  # paused after a 403
             return "key refused (403)"
-        with self._lock:
-            waking = any(started > now - self._hold_limit for started in self._late.values())
-        return "memory waking" if waking else None
+        late = self._late
+        if late is not None and not late[0].done() and late[1] > time.monotonic() - self._hold_limit:
+            return "memory waking"
+        return None
 
     def _read_profile(self) -> Future[None] | None:
         """The read of the standing facts to wait for, started if none is fresh or running; ``None``: use the cache."""
@@ -138,17 +134,14 @@ class Recall:
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading
             reading = self._profile_reading = Future[None]()
-        return self._submit(read, reading)  # outside the lock (see _runtime.submit)
+        return _runtime.submit(read, name=self._thread_name, future=reading)  # outside the lock (see _runtime.submit)
 
     def _hold_guard(self, future: Future[Any], started: float) -> None:
         """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
         linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
-        with self._lock:
-            self._late[future] = started
+        self._late = (future, started)
 
         def release(_: Future[Any]) -> None:
-            with self._lock:
-                self._late.pop(future, None)  # gone in a forked child
             error, elapsed = future.exception(), round(time.monotonic() - started, 1)
             outcome = "late recall finished" if error is None else "late recall failed"
             self._ledger.late(

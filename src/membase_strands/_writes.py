@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import logging
 import sys
 import time
@@ -84,30 +83,29 @@ def message_parts(messages: list[Message], sequence_numbers: list[int] | None, r
     return parts
 
 
+def _size(parts: list[Part]) -> int:
+    return sum(part.anchor_bytes or len(part.text) for part in parts)
+
+
 class _Request:
     """A request the record started: ``outcome`` is its thread's, ``settled`` is set once that is on record and
-    reported."""
+    reported. ``abandoned``: why no caller waits for its outcome any more (a key of ``_WHY``), so its thread reports
+    it; ``None`` while a caller waits."""
 
-    def __init__(self, parts: list[Part], send: Send, *, again: bool = False) -> None:
-        self.parts, self.send = parts, send
-        self.size = sum(part.anchor_bytes or len(part.text) for part in parts)
+    def __init__(self, parts: list[Part], send: Send, abandoned: str | None = None) -> None:
+        self.parts, self.send, self.abandoned = parts, send, abandoned
         self.outcome: Future[Any] = Future()
         self.settled: Future[None] = Future()
-        self.ended = False  # its outcome is on record (set under the record's lock with the sent parts)
-        # Why no caller waits for its outcome any more (a key of _WHY), which its thread then reports; None: a caller
-        # waits; "sent again": a kept batch, sent a last time.
-        self.abandoned: str | None = "sent again" if again else None
         self.linked = _telemetry.link_here()  # the span of the write that started it, for a late outcome's span
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Sent:
     """What the record keeps of a part saved, or sent with an unknown fate: not the request or its answer."""
 
     anchor: object
     anchor_bytes: int
     at: float
-    late: int  # which late outcome, while its caller was told it failed and no retry has come yet (else 0)
 
 
 class WriteRecord:
@@ -118,7 +116,7 @@ class WriteRecord:
         self._ledger, self._budget, self.close_bound = ledger, budget, close_bound
         self._lock = _runtime.new_lock()
         self._sent: dict[Hashable, _Sent] = {}  # parts saved or of unknown fate, oldest first
-        self._late_outcomes = itertools.count(1)
+        self._awaited: set[Hashable] = set()  # the newest late save's parts, whose manager retry may be on its way
         self._unsettled: set[_Request] = set()  # started, and not settled yet
         self._kept: list[_Request] = []  # failed for sure with nobody left to wait for them: sent again once
         self._resends = "with its next write or when it closes"  # when the store sends a kept batch again
@@ -132,14 +130,16 @@ class WriteRecord:
         """Send the parts not sent yet as one request, within the budget; what ``send`` returned, or ``None`` when
         every part was saved (or sent with an unknown fate) already. Raises ``MembaseWriteTimeout`` when the budget
         runs out (the request goes on in the background), or what ``send`` raised."""
-        self._send_kept(without={part.key for part in parts})  # a kept part written again is sent by this write
+        keys = {part.key for part in parts}
+        self._send_kept(without=keys)  # a kept part written again is sent by this write
         deadline = None if self._budget is None else time.monotonic() + self._budget
         while True:
             with self._lock:
                 self._evict()
                 sending = self._sending()
-                earlier = next((sending[part.key] for part in parts if part.key in sending), None)
+                earlier = next((sending[key] for key in keys if key in sending), None)
                 if earlier is None:
+                    self._awaited -= keys  # the retry has come
                     todo = [part for part in parts if part.key not in self._sent]
                     request = _Request(todo, send) if todo else None
                     if request is not None:
@@ -151,23 +151,20 @@ class WriteRecord:
             except asyncio.CancelledError:  # what is not sent by then is sent with the next write
                 self._keep(_Request(list(parts), send))
                 raise
-        sent = len(parts) - len(todo)
-        decision = "send" if not sent else "partial" if todo else "already saved"
-        if sent:
-            message = "not sending again what this store saved (or may have saved) already"
-            self._ledger.count("writes_deduplicated", amount=sent)
-            self._ledger.log(logging.DEBUG, message)
-        _telemetry.mark(None, sent=len(todo), deduplicated=sent, decision=decision)
-        result = None
-        if request is not None:
-            self._start(request)
-            await self._wait(request, deadline, own=True)
-            result = request.outcome.result()  # raises what send raised
-        with self._lock:
-            for part in parts:  # a retry got its answer for them: none is expected any more
-                if part.key in self._sent:
-                    self._sent[part.key].late = 0
-        return result
+        deduplicated = len(parts) - len(todo)
+        if deduplicated:
+            self._ledger.count("writes_deduplicated", amount=deduplicated)
+            self._ledger.log(logging.DEBUG, "not sending again what this store saved (or may have saved) already")
+        decision = "send" if not deduplicated else "partial" if todo else "already saved"
+        _telemetry.mark(None, sent=len(todo), deduplicated=deduplicated, decision=decision)
+        if request is None:
+            return None
+        self._start(request)
+        await self._wait(request, deadline, own=True)
+        if (error := request.outcome.exception()) is not None and may_have_arrived(error):
+            self._ledger.count("writes_unknown")  # the error raised below is counted as such
+            self._ledger.log(logging.WARNING, f"a captured write's fate is unknown: {_UNKNOWN}", error=error)
+        return request.outcome.result()  # raises what send raised
 
     def running(self) -> list[Future[None]]:
         """The writes not settled yet (each settles once its outcome is on record and reported)."""
@@ -182,13 +179,11 @@ class WriteRecord:
     def drain(self, deadline: float) -> None:
         """Close the record: wait for the running writes, then send the kept batches once and wait for those, until
         the monotonic time ``deadline``; then say how many were still running."""
-        with self._lock:
-            self._resends = "before it closes"
+        self._resends = "before it closes"
         self._wait_running(deadline)
-        with self._lock:
-            self._resends = "at interpreter exit"  # what fails for sure from now on
-        if self._send_kept():
-            self._wait_running(deadline)
+        self._resends = "at interpreter exit"  # what fails for sure from now on
+        self._send_kept()
+        self._wait_running(deadline)
         if left := len(self.running()):
             message = (
                 f"writes still running when closing stopped waiting after {self.close_bound:g} s: not confirmed "
@@ -208,8 +203,7 @@ class WriteRecord:
         announced: set[Future[None]] = set()
         while (running := self.running()) and (left := deadline - time.monotonic()) > 0:
             if new := [future for future in running if future not in announced]:
-                message = "waiting for writes still running"
-                self._ledger.log(logging.INFO, message, writes=len(new))
+                self._ledger.log(logging.INFO, "waiting for writes still running", writes=len(new))
                 announced.update(new)
             wait(running, timeout=left, return_when=FIRST_COMPLETED)
 
@@ -219,7 +213,7 @@ class WriteRecord:
             await wait_for_future(request.settled, None if deadline is None else deadline - time.monotonic())
         except asyncio.TimeoutError:
             if own and not self._let_go(request, "timeout"):
-                return  # it ended as the budget ran out: the outcome is recorded, and it is this caller's to report
+                return  # it ended as the budget ran out: its caller takes the outcome
             what = "it goes on in the background" if own else "an earlier write of the same content is still running"
             message = f"Membase write ran out of time; {what}"
             self._ledger.count("write_timeouts")
@@ -236,15 +230,16 @@ class WriteRecord:
             raise
 
     def _let_go(self, request: _Request, why: str) -> bool:
-        """Leave the reporting of ``request``'s outcome to its thread; False if it has ended already."""
-        with self._lock:
-            if not request.ended:
+        """Leave the report of ``request``'s outcome to its thread; False if it has ended already."""
+        with self._lock:  # its thread reads ``abandoned`` under it, once the outcome is set
+            running = not request.outcome.done()
+            if running:
                 request.abandoned = why
-            return not request.ended
+            return running
 
     def _sending(self) -> dict[Hashable, _Request]:
-        """The running requests, by the keys of their parts (lock held)."""
-        return {p.key: r for r in self._unsettled if not r.ended for p in r.parts}
+        """The requests not settled yet, by the keys of their parts (lock held)."""
+        return {part.key: request for request in self._unsettled for part in request.parts}
 
     def _start(self, request: _Request) -> None:
         """Send ``request`` on a library thread; if none can start, its outcome is that failure, at once."""
@@ -255,21 +250,18 @@ class WriteRecord:
     def _ended(self, request: _Request) -> None:
         """Put ``request``'s outcome on record, report it if nobody waits for it, then settle it."""
         error = request.outcome.exception()
-        unknown = error is not None and may_have_arrived(error)
         try:
             with self._lock:
-                request.ended, why = True, request.abandoned  # from now on, who reports it is settled
-                if error is None or unknown:
-                    late = 0 if why is None else next(self._late_outcomes)
+                why = request.abandoned  # from now on, who reports it is settled
+                if error is None or may_have_arrived(error):
+                    now = time.monotonic()
                     for part in request.parts:
-                        self._sent[part.key] = _Sent(part.anchor, part.anchor_bytes, time.monotonic(), late)
+                        self._sent[part.key] = _Sent(part.anchor, part.anchor_bytes, now)
+                    if why is not None:
+                        self._awaited = {part.key for part in request.parts}
                     self._evict()
             if error is None:
                 self._ledger.count("writes_saved", amount=len(request.parts))
-            elif unknown and why is None:  # its caller raises the error; the record says once what it means
-                message = f"a captured write's fate is unknown: {_UNKNOWN}"
-                self._ledger.failed(error, "writes_unknown")
-                self._ledger.log(logging.WARNING, message, error=error)
             if why is not None:
                 self._report(request, why)
         finally:
@@ -285,7 +277,7 @@ class WriteRecord:
             message, counted = f"{what} finished; it is saved", ()
         elif may_have_arrived(error):
             message, counted = f"{what} ended without an answer: {_UNKNOWN}", ("writes_unknown",)
-        elif why == "sent again" or _runtime.exiting() or request.size > RECORD_BYTES:
+        elif why == "sent again" or _runtime.exiting() or _size(request.parts) > RECORD_BYTES:
             self._ledger.count("writes_lost", amount=len(request.parts))
             message = f"{what} failed; it is not saved, and nothing will send it again"
         else:
@@ -306,46 +298,38 @@ class WriteRecord:
     def _keep(self, request: _Request) -> None:
         """Keep a batch nobody will retry, to send it again; the oldest kept ones make room."""
         with self._lock:
-            self._kept.append(request)  # alone, it is within the bound
+            self._kept.append(request)
             dropped = []
-            while sum(each.size for each in self._kept) > RECORD_BYTES:
+            while sum(_size(each.parts) for each in self._kept) > RECORD_BYTES:
                 dropped.append(self._kept.pop(0))
         for lost in dropped:
             message = f"a failed write kept for sending again was dropped to stay within {RECORD_BYTES} bytes"
             self._ledger.count("writes_lost", amount=len(lost.parts))
             self._ledger.log(logging.WARNING, message)
 
-    def _send_kept(self, without: Collection[Hashable] = ()) -> int:
+    def _send_kept(self, without: Collection[Hashable] = ()) -> None:
         """Send each kept batch once more in the background, but the parts sent, being sent, or in an earlier kept
-        batch; how many requests."""
+        batch."""
         with self._lock:
             kept, self._kept = self._kept, []
             taken, requests = {*without, *self._sending()}, []  # and the sent ones
             for old in kept:
                 if parts := [part for part in old.parts if part.key not in taken and part.key not in self._sent]:
-                    requests.append(_Request(parts, old.send, again=True))
+                    requests.append(_Request(parts, old.send, "sent again"))
                     taken.update(part.key for part in parts)
             self._unsettled.update(requests)
         for request in requests:
             self._ledger.count("writes_sent_again", amount=len(request.parts))
             self._start(request)
-        return len(requests)
 
     def _evict(self) -> None:
-        """Forget sent parts past their time, then the oldest past the size and byte bounds (lock held). Late outcomes
-        go last and the newest never: the manager's retry of a batch whose write ran out of time is the one to stop."""
+        """Forget sent parts past their time, then the oldest past the size and byte bounds, but not the newest late
+        save's: the manager's retry of a batch whose write ran out of time is the one to stop (lock held)."""
         cutoff = time.monotonic() - RECORD_SECONDS
-        for key in [key for key, sent in self._sent.items() if sent.at < cutoff]:
-            del self._sent[key]
         excess = len(self._sent) - RECORD_SIZE
         excess_bytes = sum(sent.anchor_bytes for sent in self._sent.values()) - RECORD_BYTES
-        if excess <= 0 and excess_bytes <= 0:
-            return
-        newest_late = max(sent.late for sent in self._sent.values()) or None
-        for key, sent in sorted(self._sent.items(), key=lambda item: item[1].late > 0):  # stable: oldest first
-            if excess <= 0 and excess_bytes <= 0:
-                break
-            if sent.late != newest_late:
+        for key, sent in list(self._sent.items()):
+            if sent.at < cutoff or ((excess > 0 or excess_bytes > 0) and key not in self._awaited):
                 del self._sent[key]
                 excess -= 1
                 excess_bytes -= sent.anchor_bytes

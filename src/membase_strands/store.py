@@ -87,16 +87,14 @@ class MembaseMemoryStore:
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
             min_score: Leave out passages scored below this (an entry's ``metadata["score"]`` shows its score).
-            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: one
-                request's ``request_timeout``).
+            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: as long
+                as the SDK waits, retries too).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
-            request_timeout: Seconds one attempt of a Membase request may take, headers and body (the tools try
-                up to three times).
+            request_timeout: Seconds one attempt of a request may take, headers and body (the tools try up to 3 times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
             access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and a verb Membase
                 refused as above the key's level (saving, forgetting, the profile) is off; ``None``: never.
-            close_timeout: Seconds closing waits for captured writes still running (fit it to a server's grace
-                period: gunicorn gives 30 s); what is still running then is logged by count.
+            close_timeout: Seconds closing waits for captured writes still running (gunicorn's grace period: 30 s).
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
             capture_roles: Whose words a captured conversation keeps: ``"user"``, ``"assistant"`` or both.
@@ -135,7 +133,6 @@ class MembaseMemoryStore:
             self._ledger.log(logging.WARNING, _RETRYING_CLIENT.format(client.max_retries))
         self._recall = Recall(
             gateway,
-            self._ledger,
             container=self._container,
             budget=self._recall_timeout,
             hold_limit=request_timeout,
@@ -156,8 +153,7 @@ class MembaseMemoryStore:
         )
         self._tools: list[AgentTool] | None = None
         self._tools_lock = _runtime.new_lock()
-        container = self._container  # not self: the check's thread must not keep the store alive
-        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger)
+        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger)  # not self: see add()
         self._closing = Closing(self, self._writes, gateway, self.name)
 
     def __repr__(self) -> str:
@@ -230,7 +226,7 @@ class MembaseMemoryStore:
             raise MembaseAccessError(refused.message, refused.refusal)
         target = None if static else self._container
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
-        gateway = self._gateway  # not self: a batch kept for sending again must not keep the store alive
+        gateway = self._gateway  # not self: a thread or a kept batch must not keep the store alive
         return await self._write([part], lambda parts: gateway.save(parts[0].text, target, static=static, title=title))
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
@@ -345,14 +341,15 @@ class MembaseMemoryStore:
         self._ledger.failed(failed, f"{action}_errors")
         if not isinstance(failed, Refused):
             raise clean
-        pause = ""
-        if action == "recall" and self._access_cooldown is not None:
-            self._gateway.pause_recall(failed)
-            pause = f"; automatic recall paused for {self._access_cooldown:g} s"
-        if action == "recall" or failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
-            # The manager logs a failed recall as a warning: the store's own line would be a second one.
-            level = logging.INFO if action == "recall" else logging.WARNING
-            self._ledger.log(level, f"{action} refused by Membase{pause}", error=failed)
+        if action == "recall":
+            paused = ""
+            if self._access_cooldown is not None:
+                self._gateway.pause_recall(failed)
+                paused = f"; automatic recall paused for {self._access_cooldown:g} s"
+            # INFO: the manager logs a failed recall as a warning, and once is enough.
+            self._ledger.log(logging.INFO, f"recall refused by Membase{paused}", error=failed)
+        elif failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
+            self._ledger.log(logging.WARNING, "write refused by Membase", error=failed)
         refused = MembaseAccessError(failed.message, failed.refusal)
         refused.__cause__ = clean
         raise refused
