@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attempts
 import in_process
 import probed
 from common import FULL, QUICK, ROOT, Plan, Section, machine, mark
@@ -26,7 +27,7 @@ from common import FULL, QUICK, ROOT, Plan, Section, machine, mark
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 KEPT = ("<!-- recall-quality: start", "<!-- recall-quality: end -->")
 """RESULTS.md's recall-quality part, written by ``python -m benchmarks.recall_quality --write``, is kept."""
-SECTIONS: tuple[Callable[[Plan], Section], ...] = probed.SECTIONS + in_process.SECTIONS
+SECTIONS: tuple[Callable[[Plan], Section], ...] = probed.SECTIONS + in_process.SECTIONS + attempts.SECTIONS
 
 
 def main(argv: list[str] | None = None) -> int:
