@@ -312,8 +312,8 @@ def test_a_burst_of_a_hundred_recalls_on_one_store_all_return_memory(monkeypatch
         assert len(server.fake.sent("POST", "/v1/search")) == burst  # each sent once: none dropped, none doubled
         counters = store.counters()
         assert (counters["recalls"], counters["recall_hits"], counters["recall_errors"]) == (burst, burst, 0)
-        # Kept-alive connections, none closed under the burst.
-        assert server.open_connections == server.connections <= burst
+        # Kept-alive connections for the next turns, up to 32 of them (the rest closed once their answer was read).
+        assert 0 < server.open_connections <= 32 and server.connections <= burst
 
 
 # --- A stalled Membase, a refused key ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import functools
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strands.memory import MemoryEntry
@@ -22,6 +22,7 @@ from ._options import finite
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
+_PLAIN = (str, int, float, type(None))  # the hit's fields a passage keeps
 PROFILE_LABEL = "Membase profile"
 _PROFILE_CUT_MARKER = "[... cut: the profile is longer than the recall budget]"
 _SILENCE = "Nothing from it is included, so its silence is not evidence that it holds nothing relevant."
@@ -42,6 +43,21 @@ class Passage:
     content: str
     metadata: dict[str, Any] = field(default_factory=dict)
     also_in: tuple[str, ...] = ()
+
+    def texts(self) -> list[str]:
+        """Everything of the passage the model or a span may see that came from Membase."""
+        return [self.content, self.memory, *self.also_in, *(v for v in self.metadata.values() if isinstance(v, str))]
+
+    def masked(self, redact: Callable[[str], str]) -> dict[str, Any]:
+        """The passage's fields, each text passed through ``redact``."""
+        metadata = {key: redact(value) if isinstance(value, str) else value for key, value in self.metadata.items()}
+        also_in = tuple(redact(memory) for memory in self.also_in)
+        return {
+            "memory": redact(self.memory),
+            "content": redact(self.content),
+            "metadata": metadata,
+            "also_in": also_in,
+        }
 
     @property
     def label(self) -> str:
@@ -152,6 +168,12 @@ class _Reading:
             self._read, self._normal = end, " ".join(self._cleaned.split())
         return self._normal[:size]
 
+    def cleaned(self) -> str:
+        """The whole head, cleaned (once)."""
+        if self._read < len(self.head):
+            self._cleaned, self._read = self._cleaned + clean_text(self.head[self._read :]), len(self.head)
+        return self._cleaned
+
 
 def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
     return [reading for reading in (_Reading(passage, cap) for passage in passages) if reading.start(_FOLD_START)]
@@ -180,25 +202,26 @@ def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], s
     left = sys.maxsize if budget is None else budget
     for reading in readings:
         room = left - sum(len(name) + 3 for name in reading.memories)  # the label: "[name] " for each
-        text = clean_text(reading.head) if not reading.long and room >= 0 else None
+        text = reading.cleaned() if not reading.long and room >= 0 else None
         if text is not None and len(text) <= room:
-            kept.append(_shown(reading, redact(text), redact))
+            kept.append(_shown(reading, text))
             left = room - len(text)
         elif not kept:  # the best passage alone is longer than the budget: it is shown cut, alone
-            text = redact(text or clean_text(reading.head))[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
-            return [_shown(reading, text, redact, cut=True)]
-    return kept
+            text = redact(text or reading.cleaned())[: max(0, room - len(CUT_MARKER))].rstrip() + CUT_MARKER
+            kept = [_shown(reading, text, cut=True)]  # masked before the cut: no part of the key is left
+            break
+    shown = "\x00".join(text for passage in kept for text in passage.texts())
+    if redact(shown) is shown:  # nothing to mask: one look at all of it, the common case
+        return kept
+    return [replace(passage, **passage.masked(redact)) for passage in kept]
 
 
-def _shown(reading: _Reading, text: str, redact: Callable[[str], str], **extra: Any) -> Passage:
-    """A passage as the model is shown it: ``text``, its labels masked, and only the plain values of its hit's fields
-    (text masked): a field that holds a list or an object is left out."""
-    memory, *others = (redact(name) for name in reading.memories)
-    plain = {
-        key: value for key, value in reading.passage.metadata.items() if isinstance(value, str | int | float | None)
-    }
-    metadata = {key: redact(value) if isinstance(value, str) else value for key, value in plain.items()}
-    return Passage(memory, text, {**metadata, **extra}, tuple(others))
+def _shown(reading: _Reading, text: str, **extra: Any) -> Passage:
+    """A passage as the model is shown it: ``text``, the Memories that returned it, and only the plain values of its
+    hit's fields (a field that holds a list or an object is left out)."""
+    memory, *others = reading.memories
+    plain = {key: value for key, value in reading.passage.metadata.items() if isinstance(value, _PLAIN)}
+    return Passage(memory, text, {**plain, **extra}, tuple(others))
 
 
 def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:

@@ -39,11 +39,20 @@ from . import _runtime
 from ._failures import BadResponseError
 
 _KEEP_ALIVE = 4.0  # seconds an idle connection is kept: less than common servers keep theirs (uvicorn, Node: 5 s)
+_KEPT = 32  # idle connections kept for reads, at most
 _WRITE_CHUNK = 64 * 1024  # a body is written in pieces, each within the time left
-_CONNECTED = "connection.connect_tcp.started"  # httpcore's trace of a connection made for the request
-_SENT = "http11.send_request_headers.started"
-_ANSWERED = "http11.receive_response_headers.complete"
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("membase_attempt_deadline", default=None)
+
+
+@dataclass
+class _Attempt:
+    """One send of a request: its deadline; whether a connection was made for it, and whether its answer began."""
+
+    deadline: float
+    connected: bool = False
+    answered: bool = False
+
+
+_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("membase_attempt", default=None)
 
 
 @dataclass(frozen=True)
@@ -159,52 +168,92 @@ def may_have_arrived(error: BaseException) -> bool:
 
 
 class MembaseTransport(httpx.BaseTransport):
-    """Sends an attempt within its deadline and its size bound, once more if the resend rule allows."""
+    """Sends an attempt within its deadline and its size bound, once more if the resend rule allows. Reads reuse
+    kept-alive connections, the last freed first (a read never waits for one: it makes a new one)."""
 
     def __init__(self, route: Route) -> None:
         self._route = route
-        self._kept_alive = None if route.transport is not None else _pool(route, keep_alive=True)
+        self._idle: list[httpcore.HTTPConnection] = []
+        self._idle_lock = _runtime.new_lock()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         deadline = time.monotonic() + self._route.seconds
-        token = _deadline.set(deadline)
-        try:
-            for last in (False, True):
-                steps: list[str] = []
-                request.extensions["trace"] = functools.partial(_note, steps)  # httpx's public extension
-                try:
-                    status, headers, content = self._exchange(request, deadline, fresh=last)
-                    return httpx.Response(status, headers=headers, content=content, request=request)
-                except (httpx.ConnectError, httpx.ConnectTimeout):
-                    if last or time.monotonic() >= deadline:
-                        raise
-                except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                    reused = _SENT in steps and _CONNECTED not in steps
-                    if last or not _is_read(request) or not reused or _ANSWERED in steps:
-                        raise
-            raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
-        finally:
-            _deadline.reset(token)
+        for last in (False, True):
+            attempt = _Attempt(deadline)
+            token = _attempt.set(attempt)
+            try:
+                status, headers, content = self._exchange(request, attempt, fresh=last)
+                return httpx.Response(status, headers=headers, content=content, request=request)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                if last or time.monotonic() >= deadline:
+                    raise
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                if last or not _is_read(request) or attempt.connected or attempt.answered:
+                    raise
+            finally:
+                _attempt.reset(token)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    def _exchange(self, request: httpx.Request, deadline: float, *, fresh: bool) -> tuple[int, httpx.Headers, bytes]:
+    def _exchange(self, request: httpx.Request, attempt: _Attempt, *, fresh: bool) -> tuple[int, httpx.Headers, bytes]:
         """One send of ``request`` and its answer, read whole within the bounds: a read goes on a kept-alive
         connection unless ``fresh``, a write always on a connection of its own."""
         if self._route.transport is not None:
+            attempt.connected = True  # for all this library knows
             with contextlib.closing(self._route.transport.handle_request(request)) as response:
                 chunks = response.iter_bytes()  # identity-encoded: the raw body, or a mock's, already read
                 status, headers = response.status_code, response.headers
-                return status, headers, self._body(status, headers, chunks, deadline)
-        own = None if _is_read(request) and not fresh else _pool(self._route, keep_alive=False)
-        pool = own or self._kept_alive
-        assert pool is not None
+                return status, headers, self._body(status, headers, chunks, attempt.deadline)
         url = request.url
         target = httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path)
         sending = httpcore.Request(request.method, target, headers=request.headers.raw, content=request.stream)
-        sending.extensions = request.extensions  # the timeouts, and the trace
-        with _as_httpx(request), own or contextlib.nullcontext():
-            with contextlib.closing(pool.handle_request(sending)) as answer:
-                headers = httpx.Headers(answer.headers)
-                return answer.status, headers, self._body(answer.status, headers, answer.iter_stream(), deadline)
+        sending.extensions = request.extensions  # its timeouts
+        reused = self._take() if _is_read(request) and not fresh else None
+        connection = reused or self._connection(sending.url.origin)
+        with _as_httpx(request):
+            try:
+                with contextlib.closing(connection.handle_request(sending)) as answer:
+                    attempt.answered = True
+                    headers = httpx.Headers(answer.headers)
+                    body = self._body(answer.status, headers, answer.iter_stream(), attempt.deadline)
+            except BaseException:
+                connection.close()
+                raise
+        if _is_read(request) and isinstance(connection, httpcore.HTTPConnection):
+            self._give_back(connection)
+        else:
+            connection.close()
+        return answer.status, headers, body
+
+    def _connection(self, origin: httpcore.Origin) -> httpcore.HTTPConnection | httpcore.ConnectionPool:
+        """A new connection to Membase; through a proxy, a pool of one (httpcore's pool knows proxies), not kept."""
+        if self._route.proxy is None:
+            return httpcore.HTTPConnection(
+                origin, ssl_context=self._route.verify, keepalive_expiry=_KEEP_ALIVE, network_backend=_BoundedBackend()
+            )
+        given = httpx.Proxy(self._route.proxy)
+        return httpcore.ConnectionPool(
+            ssl_context=self._route.verify,
+            proxy=httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context),
+            max_keepalive_connections=0,
+            network_backend=_BoundedBackend(),
+        )
+
+    def _take(self) -> httpcore.HTTPConnection | None:
+        """The kept-alive connection freed last that can still be used; the ones that cannot are closed."""
+        while True:
+            with self._idle_lock:
+                connection = self._idle.pop() if self._idle else None
+            if connection is None or (connection.is_available() and not connection.has_expired()):
+                return connection
+            connection.close()
+
+    def _give_back(self, connection: httpcore.HTTPConnection) -> None:
+        with self._idle_lock:
+            kept = connection.is_idle() and len(self._idle) < _KEPT
+            if kept:
+                self._idle.append(connection)
+        if not kept:
+            connection.close()
 
     def _body(self, status: int, headers: httpx.Headers, chunks: Iterator[bytes], deadline: float) -> bytes:
         """The whole body, read within the deadline and the size bound."""
@@ -233,26 +282,6 @@ class MembaseTransport(httpx.BaseTransport):
 
 def _is_read(request: httpx.Request) -> bool:
     return request.method == "GET" or (request.method == "POST" and request.url.path.endswith("/v1/search"))
-
-
-def _note(steps: list[str], step: str, info: dict[str, Any]) -> None:
-    steps.append(step)
-
-
-def _pool(route: Route, *, keep_alive: bool) -> httpcore.ConnectionPool:
-    """httpcore's connection pool over the network backend that bounds each attempt."""
-    proxy = None
-    if route.proxy is not None:
-        given = httpx.Proxy(route.proxy)
-        proxy = httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context)
-    return httpcore.ConnectionPool(
-        ssl_context=route.verify,
-        proxy=proxy,
-        max_connections=None,  # a hung request never keeps another from a connection
-        max_keepalive_connections=None if keep_alive else 0,
-        keepalive_expiry=_KEEP_ALIVE,
-        network_backend=_BoundedBackend(),
-    )
 
 
 @contextlib.contextmanager
@@ -296,6 +325,8 @@ class _BoundedBackend(httpcore.NetworkBackend):
 
     def _connect(self, address: str, port: int, timeout: float | None, *options: Any) -> httpcore.NetworkStream:
         left = _left(timeout, httpcore.ConnectTimeout)
+        if (attempt := _attempt.get()) is not None:
+            attempt.connected = True  # a request on this connection never went out on a kept-alive one
         return _BoundedStream(self._backend.connect_tcp(address, port, left, *options))
 
 
@@ -325,10 +356,10 @@ class _BoundedStream(httpcore.NetworkStream):
 
 def _left(timeout: float | None, expired: type[httpcore.TimeoutException]) -> float | None:
     """``timeout`` capped at what is left of the current attempt; ``expired`` raised when nothing is."""
-    deadline = _deadline.get()
-    if deadline is None:
+    attempt = _attempt.get()
+    if attempt is None:
         return timeout
-    left = deadline - time.monotonic()
+    left = attempt.deadline - time.monotonic()
     if left <= 0:
         raise expired("the attempt's deadline has passed")
     return left if timeout is None else min(timeout, left)

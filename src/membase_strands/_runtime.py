@@ -111,15 +111,21 @@ async def wait_for_future(future: Future[T], timeout: float | None) -> T:
     """Await a thread's future for at most ``timeout`` seconds, else raise ``asyncio.TimeoutError``; the call is
     never cancelled. The waiting task is held by the call until it ends, so a task nobody else holds still wakes."""
     if not future.done():
-        loop, ended = asyncio.get_running_loop(), asyncio.Event()  # the event is this loop's: made for this wait
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()  # this loop's: made for this wait
 
         def wake(_: Future[T]) -> None:
             with contextlib.suppress(RuntimeError):  # that loop has closed
-                loop.call_soon_threadsafe(ended.set)
+                loop.call_soon_threadsafe(_settle, ended)
 
         future.add_done_callback(wake)
-        await asyncio.wait_for(ended.wait(), timeout)
+        await asyncio.wait_for(ended, timeout)
     return future.result()
+
+
+def _settle(ended: asyncio.Future[None]) -> None:
+    if not ended.done():  # not when its wait ran out, or was cancelled
+        ended.set_result(None)
 
 
 def forget_in_child(callback: Callable[[], None]) -> None:
