@@ -4,10 +4,10 @@
   ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) and the TLS settings (``SSL_CERT_FILE``, ``SSL_CERT_DIR``). Stores with
   the same route share one client, which keeps no cookies (a cookie one user's answer sets must never ride on
   another's) and follows no redirect.
-- One attempt lasts at most ``request_timeout``, headers and body. Below httpcore's connection pool (its public
-  network backend interface) every connect, read and write waits at most the time left to its attempt, so a stalled
-  connect or a server that drips its answer a byte at a time ends at the deadline, on the caller's own thread. The
-  answer is read up to ``max_response_bytes``; compressed answers are not asked for, so that is the bound in memory.
+- One attempt lasts at most ``request_timeout``, headers and body. Below httpcore's connections (its public network
+  backend interface) every connect, read and write waits at most the time left to its attempt, so a stalled connect
+  or a server that drips its answer a byte at a time ends at the deadline, on the caller's own thread. The answer is
+  read up to ``max_response_bytes``; compressed answers are not asked for, so that is the bound in memory.
 - The resend rule, the only place the library sends a request again on its own (once, on a new connection, within the
   same deadline): a request whose connection could not be made never reached Membase; a read (which changes nothing)
   may also go again when a kept-alive connection turns out closed before any answer. A write never goes out on a
