@@ -128,8 +128,10 @@ class Recall:
             facts = standing_facts(self._gateway.profile(None, retry=False))
             self._profile = (time.monotonic(), facts)
 
+        if self._profile_ttl is None:
+            return None
         with self._lock:
-            if self._profile_ttl is None or time.monotonic() - self._profile[0] < self._profile_ttl:
+            if time.monotonic() - self._profile[0] < self._profile_ttl:
                 return None
             if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
                 return self._profile_reading

@@ -141,8 +141,12 @@ def operation(name: str, ledger: Ledger, links: list[Link] | None = None, **attr
     says the outcome, never the error's text."""
     span = _tracer.start_span(name, None if links is None else otel_context.Context(), links=links)
     traced = span.is_recording()  # if not (no tracer provider, or sampled out), nothing to record or make current
-    ending = trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
-    with ending if traced else nullcontext():
+    ending = (
+        trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
+        if traced
+        else None
+    )
+    with ending or nullcontext():
         made = Operation(span, ledger.redact)
         made.outcome(None, store=ledger.store_name, key=ledger.key_hint or None, **attributes)
         token = _current.set(made)
