@@ -688,3 +688,26 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
     # The retry did not wait for a write that never started: it sent the old words with the new, at once.
     assert posted(fake) == [f"{GREEN_TEA}\n{LISBON}"]
     assert counts(store, "writes_saved", "write_timeouts") == (2, 0)
+
+
+@pytest.mark.parametrize("gateway_status", [502, 504])
+def test_a_note_stored_behind_a_gateway_that_gave_up_on_it_is_never_sent_again(fake, make_store, gateway_status):
+    """A proxy or load balancer in front of Membase answers 502 or 504 when Membase was slow to answer: the note may be
+    stored. The manager's retry (the next turn's flush) sends nothing again, and membase_save says the note may or may
+    not have been saved."""
+
+    def stored_then_gateway_gave_up(request: httpx.Request) -> httpx.Response:
+        fake.answer(request)  # Membase stored it...
+        return httpx.Response(gateway_status, text="<html>Gateway Timeout</html>")  # ...its gateway gave up
+
+    fake.on(*MEMORIES, stored_then_gateway_gave_up)
+    agent, _ = make_agent(capturing(make_store), ["Noted.", "Noted again."])
+    agent(GREEN_TEA)  # the flush fails: the manager keeps the batch
+    agent(LISBON)  # the retry sends only the new words
+    fake.on(*MEMORIES, stored_then_gateway_gave_up)
+    tool_agent, model = make_agent(make_store(container="Main"), [ToolCall("membase_save", {"content": FACT}), "ok"])
+    tool_agent("Please remember it.")
+
+    assert Counter(fake.saved()) == Counter([GREEN_TEA, LISBON, FACT])
+    assert [text.count(GREEN_TEA) for text in posted(fake)] == [1, 0, 0]
+    assert "may or may not have been saved" in model.tool_result_text()

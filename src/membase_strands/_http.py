@@ -28,7 +28,7 @@ import ssl
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpcore
@@ -61,7 +61,7 @@ class Route:
 
     base_url: str
     transport: httpx.BaseTransport | None  # the caller's, instead of the network (then no proxy either)
-    proxy: str | None
+    proxy: str | None = field(repr=False)  # it may hold a password
     verify: ssl.SSLContext | None  # httpx's TLS settings under SSL_CERT_FILE / SSL_CERT_DIR as they were
     seconds: float  # one attempt, headers and body
     max_bytes: int
@@ -133,17 +133,21 @@ _clients_lock = _runtime.new_lock()
 
 
 def client_for(route: Route) -> httpx.Client:
-    """This process's shared client for ``route``."""
+    """This process's shared client for ``route``; for a caller's transport, a client of its own (the transport is the
+    caller's to keep alive, not this process's)."""
     with _clients_lock:
         client = _clients.get(route)
-        if client is None:
-            client = _clients[route] = httpx.Client(
-                base_url=route.base_url,
-                transport=MembaseTransport(route),
-                timeout=route.seconds,  # each connect, read and write; the network backend bounds the attempt
-                headers={"Accept-Encoding": "identity"},
-                cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
-            )
+    if client is None:
+        client = httpx.Client(
+            base_url=route.base_url,
+            transport=MembaseTransport(route),
+            timeout=route.seconds,  # each connect, read and write; the network backend bounds the attempt
+            headers={"Accept-Encoding": "identity"},
+            cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
+        )
+        if route.transport is None:
+            with _clients_lock:
+                client = _clients.setdefault(route, client)
     return client
 
 
@@ -156,10 +160,13 @@ _runtime.forget_in_child(_forget_clients)
 
 def may_have_arrived(error: BaseException) -> bool:
     """Whether the request that failed with ``error`` (or an error chained to it) may have been read by Membase:
-    ``False`` when its connection could not be made, or Membase answered; ``True`` when it broke off after sending."""
+    ``False`` when its connection could not be made, or Membase answered; ``True`` when it broke off after it was
+    sent, or a gateway in front of Membase answered that Membase did not answer it in time (502, 504)."""
     seen: BaseException | None = error
     while seen is not None:
-        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout, membase.APIStatusError)):
+        if isinstance(seen, membase.APIStatusError):
+            return seen.status in (502, 504)
+        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout)):
             return False
         if isinstance(seen, httpx.TransportError):
             return True

@@ -6,7 +6,8 @@
   ``request_timeout`` in its socket (``_http``), and an idle thread retires after :data:`IDLE_SECONDS`.
 - Every lock is an object's own, made by :func:`new_lock`, and all are held across ``fork()``: a child never
   inherits one taken. They are reentrant (a finalizer run by a garbage collection may take one on the thread that
-  holds it), and the library never holds two at once, so taking them all cannot deadlock.
+  holds it). A fork that finds one of them taken gives back what it took and tries again, so a thread that holds one
+  while it waits for another (a finalizer, a lock made inside a locked section) never deadlocks with it.
 - A forked child starts with no library threads and, in one reset, runs what objects registered with
   :func:`forget_in_child`: each drops what it started in the parent (requests, clients, engines).
 - At interpreter exit, objects registered with :func:`finish_at_exit` get a last wait (write records).
@@ -23,6 +24,7 @@ import inspect
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,7 +45,7 @@ _exiting = False
 
 
 def new_lock() -> threading.RLock:
-    """A lock of the caller's own, held across ``fork()`` like every lock made here. Never hold two at once."""
+    """A lock of the caller's own, held across ``fork()`` like every lock made here."""
     lock = threading.RLock()
     with _registry:
         _locks.add(lock)
@@ -163,14 +165,20 @@ _collecting = False  # whether garbage collection was on before the fork
 
 
 def _take_locks() -> None:
-    # No collection meanwhile: a finalizer run by it could want a lock this thread already holds.
     global _collecting
-    _collecting = gc.isenabled()
-    gc.disable()
-    _registry.acquire()
-    _held[:] = _locks
-    for lock in _held:
-        lock.acquire()
+    while True:
+        _registry.acquire()
+        _collecting = gc.isenabled()
+        gc.disable()  # a finalizer run by a collection could want a lock another thread holds
+        _held[:] = []
+        for lock in list(_locks):
+            if not lock.acquire(timeout=0.01):
+                break
+            _held.append(lock)
+        else:
+            return
+        _release_locks()  # its holder may be waiting for one taken here: let it finish, then try again
+        time.sleep(0.001)
 
 
 def _release_locks() -> None:

@@ -155,9 +155,13 @@ class ToolContext:
                             ok=False,
                         )
             failed = self._failed("membase_save", error, container_named=target is not None)
-            if posted and isinstance(error, membase.APIConnectionError) and may_have_arrived(error):
-                timed_out = isinstance(error, membase.APITimeoutError)  # else the connection broke off after sending
-                return _reply(f"{_TIMED_OUT if timed_out else _BROKE_OFF}, {_MAYBE_SAVED}", ok=False)
+            if posted and may_have_arrived(error):
+                lead = _BROKE_OFF
+                if isinstance(error, membase.APITimeoutError):
+                    lead = _TIMED_OUT
+                elif isinstance(error, membase.APIStatusError):  # a gateway in front of Membase gave up waiting
+                    lead = f"A gateway in front of Membase answered {error.status} after the note was sent"
+                return _reply(f"{lead}, {_MAYBE_SAVED}", ok=False)
             return failed
         if standing_fact:
             return _reply("Saved as a standing fact in the user's Membase profile.")
