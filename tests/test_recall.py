@@ -8,6 +8,7 @@ in the counters, never in the store's state.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -34,6 +35,7 @@ from tests.support.store_helpers import (
     make_agent,
     membase_threads,
     routed,
+    signalling,
     sized,
     until,
     wait_until,
@@ -533,6 +535,24 @@ def test_a_profile_that_fails_or_is_late_costs_no_passage_and_a_failed_one_is_re
 
     assert profile_reads(fake) == (1 if failure == "hang" else 2)
     assert entries(model.memory_block())[0].startswith(f"{PROFILE}\n- The user")
+
+
+def test_a_profile_read_that_hangs_holds_only_the_recall_that_started_it(fake, make_store, gates):
+    """Recalls while an earlier recall's profile read still hangs use what they have, without waiting for it: the
+    second turn is served while the read is held (its budget is long, so a wait would hold the turn)."""
+    fake.remember(FACT)
+    fake.standing = ["The user is vegetarian."]
+    held, asked = gates.new(), threading.Event()
+    fake.on("GET", "/v1/profile", signalling(asked, hang(held, then=fake.answer)))
+    store = make_store(recall_profile=True, recall_timeout=LONG)
+    first = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, store.search(QUESTION))  # starts the read
+    assert asked.wait(LONG)
+
+    assert [entry.content for entry in asyncio.run(store.search(QUESTION))] == [f"[Main] {FACT}"]
+    assert not held.is_set() and not first.done()  # served while the read is still held
+    held.set()
+    assert first.result(timeout=LONG)[0].content.startswith(PROFILE)
+    assert profile_reads(fake) == 1
 
 
 def test_the_profile_is_read_again_once_its_ttl_has_passed(fake, make_store):

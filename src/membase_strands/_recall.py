@@ -122,7 +122,9 @@ class Recall:
         return None
 
     def _read_profile(self) -> Future[None] | None:
-        """The read of the standing facts to wait for, started if none is fresh or running; ``None``: use the cache."""
+        """The read of the standing facts this recall starts and waits for, when none is fresh or running; ``None``:
+        use the cache (one that an earlier recall started and is still running is not waited for again: a profile
+        that hangs costs one recall its wait, not every one)."""
 
         def read() -> None:
             facts = standing_facts(self._gateway.profile(None, retry=False))
@@ -133,8 +135,8 @@ class Recall:
         with self._lock:
             if time.monotonic() - self._profile[0] < self._profile_ttl:
                 return None
-            if self._profile_reading is not None and not self._profile_reading.done():  # one running is shared
-                return self._profile_reading
+            if self._profile_reading is not None and not self._profile_reading.done():
+                return None
             reading = self._profile_reading = Future[None]()
         return _runtime.submit(read, name=self._thread_name, future=reading)  # outside the lock (see _runtime.submit)
 
