@@ -13,9 +13,13 @@ import logging
 import re
 import time
 import tracemalloc
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from strands import Agent
+from strands.memory import MemoryManager
+from strands.session import FileSessionManager
 
 from membase_strands import MembaseAccessError, MembaseMemoryStore
 from membase_strands.testing import InMemoryMembase, ScriptedModel, ToolCall, rate_limited, status
@@ -236,6 +240,30 @@ def test_the_person_approves_the_passage_search_showed_and_membases_how_when_mem
         "how": how,
     }
     assert str(resume(agent, result, True)).strip() == "Forgotten."
+    assert [n.content for n in fake.forgotten] == ["The launch is in May."]
+
+
+def test_a_forget_approved_in_a_later_request_on_another_store_forgets_what_the_person_approved(tmp_path):
+    """The person answers in a later request, served by another worker: a new store (which never showed the passage)
+    and an agent restored by a session manager. Hosted Membase's preview holds no content, yet the question asked is
+    found again and the approved passage is forgotten."""
+    fake = InMemoryMembase(hosted=True)
+    fake.remember("The launch is in May.")
+    found = r"in May\. \(id: ([^)]+)\)"
+    forget = lambda sent: ToolCall("membase_forget", {"memory_id": re.search(found, sent)[1]})  # noqa: E731
+
+    def agent_of(script: list[Any]) -> Agent:
+        session = FileSessionManager(session_id="alice", storage_dir=str(tmp_path))
+        memory = MemoryManager(stores=[fake.store(tools=ALL_TOOLS)], search_tool_config=False)
+        return Agent(model=ScriptedModel(script), memory_manager=memory, session_manager=session, callback_handler=None)
+
+    asked = agent_of([ToolCall("membase_search", {"query": "launch"}), forget])("Forget when the launch is.")
+    [interrupt] = asked.interrupts
+    assert interrupt.reason["content"] == "The launch is in May."
+
+    answered = resume(agent_of(["Forgotten."]), asked, True)  # another store, the same session
+
+    assert str(answered).strip() == "Forgotten."
     assert [n.content for n in fake.forgotten] == ["The launch is in May."]
 
 

@@ -205,14 +205,22 @@ class ToolContext:
         if preview.get("status") != "confirmation_required":
             status = clip(str(preview.get("status")), 40)
             return _reply(f"Nothing was forgotten: Membase answered '{status}' instead of asking to confirm.", ok=False)
-        said = self.gateway.redact(clip(str(preview.get("content") or preview.get("title") or ""), 2000))
-        memory, content = shown or ("", said)  # hosted Membase says nothing of the content: what search showed
-        if not content:
-            self.ledger.log(logging.INFO, "forget not asked for: an id search never showed", tool="membase_forget")
-            return _reply(_UNSHOWN.format(clip(wanted, 120)), ok=False)
-        how = self.gateway.redact(clip(str(preview.get("how") or ""), 500))  # Membase's sentence for the person
-        reason = {"memory_id": wanted, "content": content, "memory": memory or self._memory_of(wanted), "how": how}
-        if tool_context.interrupt("membase_forget", reason=reason) is not True:  # the application asked the user
+        # The question asked, kept in the agent's state (which a session manager keeps): resumed in a later request,
+        # by another worker or store, the tool finds what the person approved even where search never showed it.
+        asked = f"membase_forget:{tool_context.tool_use['toolUseId']}"
+        reason = tool_context.agent.state.get(asked)
+        if reason is None:
+            said = self.gateway.redact(clip(str(preview.get("content") or preview.get("title") or ""), 2000))
+            memory, content = shown or ("", said)  # hosted Membase says nothing of the content: what search showed
+            if not content:
+                self.ledger.log(logging.INFO, "forget not asked for: an id search never showed", tool="membase_forget")
+                return _reply(_UNSHOWN.format(clip(wanted, 120)), ok=False)
+            how = self.gateway.redact(clip(str(preview.get("how") or ""), 500))  # Membase's sentence for the person
+            reason = {"memory_id": wanted, "content": content, "memory": memory or self._memory_of(wanted), "how": how}
+            tool_context.agent.state.set(asked, reason)
+        approved = tool_context.interrupt("membase_forget", reason=reason) is True  # the application asked the user
+        tool_context.agent.state.delete(asked)
+        if not approved:
             _telemetry.mark("declined")
             return _reply(_DECLINED)
         try:
@@ -220,7 +228,7 @@ class ToolContext:
         except Exception as error:  # noqa: BLE001 - every failure becomes a sentence for the model
             return self._failed("membase_forget", error)
         self.shown.pop(wanted, None)
-        return _reply(f"Forgotten, with the user's approval: {clip(content, 200)}")
+        return _reply(f"Forgotten, with the user's approval: {clip(reason['content'], 200)}")
 
     def _remember(self, passages: list[Passage]) -> None:
         """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest
