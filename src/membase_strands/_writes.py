@@ -40,9 +40,9 @@ _WHY = {
     "cancelled": "whose caller was cancelled",
     "sent again": "the store sent again",
 }
-_UNKNOWN = (
-    "Membase may or may not have saved it (the request broke off after it was sent); it is not sent again, so it "
-    "is never saved twice"
+UNKNOWN_FATE = (
+    "Membase may or may not have saved it (no whole answer came back after it was sent); it is not sent again, so "
+    "it is never saved twice"
 )
 
 
@@ -163,7 +163,7 @@ class WriteRecord:
         await self._wait(request, deadline, own=True)
         if (error := request.outcome.exception()) is not None and may_have_arrived(error):
             self._ledger.count("writes_unknown")  # the error raised below is counted as such
-            self._ledger.log(logging.WARNING, f"a captured write's fate is unknown: {_UNKNOWN}", error=error)
+            self._ledger.log(logging.WARNING, f"a captured write's fate is unknown: {UNKNOWN_FATE}", error=error)
         return request.outcome.result()  # raises what send raised
 
     def running(self) -> list[Future[None]]:
@@ -276,7 +276,7 @@ class WriteRecord:
         if error is None:
             message, counted = f"{what} finished; it is saved", ()
         elif may_have_arrived(error):
-            message, counted = f"{what} ended without an answer: {_UNKNOWN}", ("writes_unknown",)
+            message, counted = f"{what} ended without an answer: {UNKNOWN_FATE}", ("writes_unknown",)
         elif why == "sent again" or _runtime.exiting() or _size(request.parts) > RECORD_BYTES:
             self._ledger.count("writes_lost", amount=len(request.parts))
             message = f"{what} failed; it is not saved, and nothing will send it again"

@@ -22,10 +22,11 @@ from ._closing import Closing
 from ._containers import SetupCheck
 from ._failures import LEVEL, Refused
 from ._gateway import MAX_NOTE_BYTES, SAVE, MembaseGateway, too_large
+from ._http import may_have_arrived
 from ._recall import Recall
 from ._telemetry import Ledger
 from ._tools import ToolContext, build_tools
-from ._writes import Part, WriteRecord, fingerprint, message_parts
+from ._writes import UNKNOWN_FATE, Part, WriteRecord, fingerprint, message_parts
 from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
 
 if TYPE_CHECKING:
@@ -340,6 +341,10 @@ class MembaseMemoryStore:
         clean = self._gateway.without_secret(failed)
         self._ledger.failed(failed, f"{action}_errors")
         if not isinstance(failed, Refused):
+            if action == "write" and isinstance(clean, membase.MembaseError) and may_have_arrived(failed):
+                said = type(clean)(f"{clean.message}: {UNKNOWN_FATE}", status=clean.status)  # what the manager shows
+                said.__cause__ = clean
+                raise said
             raise clean
         if action == "recall":
             paused = ""
