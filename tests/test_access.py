@@ -308,3 +308,16 @@ def test_a_key_of_another_shape_shows_only_a_digest():
     with fake.store() as store:
         shown = repr(store)
     assert re.search(r"key='sha256:[0-9a-f]{8}'", shown) and "0123456789" not in shown
+
+
+def test_a_developer_key_whose_token_is_too_short_to_mask_alone_is_masked_whole_and_ordinary_words_stay(caplog):
+    caplog.set_level(logging.DEBUG)
+    fake = InMemoryMembase(key="mbk_12345678_k")
+    fake.on("POST", "/v1/search", status(400, "the request was rejected; check the key you sent: mbk_12345678_k"))
+    with fake.store(recall_timeout=LONG) as store:
+        shown = repr(store)
+        with pytest.raises(Exception) as raised:
+            asyncio.run(store.search(QUESTION))
+    assert re.search(r"key='sha256:[0-9a-f]{8}'", shown) and "12345678" not in shown
+    text = str(raised.value)
+    assert "mbk_12345678_k" not in text and "check the key you sent" in text  # the key masked, the words whole

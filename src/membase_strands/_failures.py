@@ -100,7 +100,7 @@ def masking(key: str) -> tuple[str, Callable[[str], str], Callable[[BaseExceptio
     shown (a developer key's token, any other key whole): functions of it alone, so the ledger can hold them."""
     kind, _, rest = key.partition("_")
     key_id, _, token = rest.partition("_")
-    if kind == "mbk" and key_id and token:
+    if kind == "mbk" and key_id and len(token) >= PIECE:  # a token too short to mask alone: the whole key is
         hint, secret = f"mbk_{key_id}…", token
     else:
         hint, secret = ("sha256:" + hashlib.sha256(key.encode()).hexdigest()[:8] if key else ""), key

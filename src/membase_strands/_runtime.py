@@ -141,7 +141,8 @@ def forget_in_child(callback: Callable[[], None]) -> None:
 
 
 def finish_at_exit(member: Any) -> None:
-    """Call ``member.at_exit()`` at interpreter exit if ``member`` still lives (it is held weakly)."""
+    """Call ``member.at_exit(started)`` at interpreter exit (``started``: when the exit's wait began) if ``member``
+    still lives (it is held weakly)."""
     with _registry:
         _exit_members.add(member)
 
@@ -156,8 +157,9 @@ def _at_exit() -> None:
     _exiting = True
     with _registry:
         members = list(_exit_members)
+    started = time.monotonic()  # one start for all: their waits overlap, they do not add up
     for member in members:
-        member.at_exit()
+        member.at_exit(started)
 
 
 _held: list[Any] = []  # the locks taken for a fork

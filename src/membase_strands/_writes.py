@@ -191,12 +191,12 @@ class WriteRecord:
             )
             self._ledger.log(logging.WARNING, message, writes=left)
 
-    def at_exit(self) -> None:
-        """The interpreter's last wait for this record's writes (``_runtime`` calls it)."""
+    def at_exit(self, started: float) -> None:
+        """The interpreter's last wait for this record's writes, from ``started`` (``_runtime`` calls it)."""
         if not self.idle():
             message = f"the interpreter is exiting; waiting up to {self.close_bound:g} s for writes still running"
             self._ledger.log(logging.INFO, message)
-            self.drain(time.monotonic() + self.close_bound)
+            self.drain(started + self.close_bound)
 
     def _wait_running(self, deadline: float) -> None:
         """Wait while writes run, until ``deadline``: a thread may start one meanwhile."""
