@@ -321,3 +321,12 @@ def test_a_developer_key_whose_token_is_too_short_to_mask_alone_is_masked_whole_
     assert re.search(r"key='sha256:[0-9a-f]{8}'", shown) and "12345678" not in shown
     text = str(raised.value)
     assert "mbk_12345678_k" not in text and "check the key you sent" in text  # the key masked, the words whole
+
+
+def test_a_save_refused_as_above_the_keys_level_does_not_look_the_memory_up_again():
+    fake = InMemoryMembase(level="read", hosted=True)
+    with fake.store(capture=True, container="Main", recall_timeout=LONG, write_timeout=LONG) as store:
+        asyncio.run(store.initialize())  # the pinned Memory looked up once
+        with pytest.raises(MembaseAccessError):
+            asyncio.run(store.add("I like green tea."))
+    assert [r.path for r in fake.sent()] == ["/v1/containers", "/v1/memories"]  # the refusal is the verb's

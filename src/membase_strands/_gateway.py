@@ -259,8 +259,9 @@ class MembaseGateway:
         return container_id
 
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
-        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (403, 404: the
-        Memory was renamed or made anew) is looked up once more and, if the name now names another, sent again."""
+        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (404, or a 403
+        but one above the key's level: the Memory was renamed or made anew) is looked up once more and, if the name
+        now names another, sent again."""
 
         def call(client: membase.Membase) -> T:
             if wanted is None:
@@ -269,9 +270,10 @@ class MembaseGateway:
             container_id = self._looked_up(client, wanted)
             try:
                 return send(client, container_id)
-            except (membase.PermissionDeniedError, membase.NotFoundError):
-                if not was_cached or self._looked_up(client, wanted, again=True) == container_id:
-                    raise
+            except (membase.PermissionDeniedError, membase.NotFoundError) as error:
+                above_level = isinstance(error, membase.PermissionDeniedError) and refusal_of(error) == LEVEL
+                if above_level or not was_cached or self._looked_up(client, wanted, again=True) == container_id:
+                    raise  # a verb above the key's level is not about the Memory: no lookup again
             return send(client, self._looked_up(client, wanted))
 
         return call
