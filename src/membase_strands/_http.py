@@ -45,7 +45,8 @@ _WRITE_CHUNK = 64 * 1024  # a body is written in pieces, each within the time le
 
 @dataclass
 class _Attempt:
-    """One send of a request: its deadline; whether a connection was made for it, and whether its answer began."""
+    """One send of a request: its deadline; whether a new connection was made (or tried) for it, rather than a
+    kept-alive one taken; whether its answer began."""
 
     deadline: float
     connected: bool = False
@@ -273,7 +274,7 @@ class MembaseTransport(httpx.BaseTransport):
         body: list[bytes] = []  # joined once at the end: a body read in one piece is not copied at all
         size, overdue = 0, False
         for chunk in chunks if (length or 0) <= limit else ():
-            if overdue:  # only more data tells that a late body was not whole
+            if overdue:  # a caller's transport has no socket to bound; only more data tells a late body was not whole
                 raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
             body.append(chunk)
             size += len(chunk)
