@@ -40,6 +40,7 @@ import pytest
 
 from membase_strands.testing import InMemoryMembase
 from tests.support.loopback import LoopbackMembase, _Handler, as_usual
+from tests.support.served import ServedApp, free_port
 
 pytest.importorskip("fastapi", reason="the served example needs the dev dependencies (fastapi, uvicorn)")
 pytest.importorskip("uvicorn", reason="the served example needs the dev dependencies (fastapi, uvicorn)")
@@ -128,59 +129,21 @@ def _hung_up(connection: socket.socket) -> bool:
         return True
 
 
-def free_port() -> int:  # a port that was free on 127.0.0.1 a moment ago
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """The example in a subprocess, its output (stdout and stderr) read line by line as it comes; once it prints
-    ``SHUTTING_DOWN``, Membase's held writes are released."""
+class Server(ServedApp):
+    """``examples/server.py`` in a subprocess, as a user starts it; once it prints ``SHUTTING_DOWN``, Membase's held
+    writes are released."""
 
     def __init__(self, command: list[str], membase: Membase, port: int, collect_after: Path) -> None:
-        self.url, self.lines, self._collect_after = f"http://127.0.0.1:{port}", [], collect_after
-        self._release, self._changed = membase.release, threading.Condition()
-        env = {name: value for name, value in os.environ.items() if not name.startswith(("MEMBASE_", "OTEL_"))}
-        env.update({f"MEMBASE_KEY_{user}": user_key(user) for user in USERS})
+        env = {f"MEMBASE_KEY_{user}": user_key(user) for user in USERS}
         env.update(MEMBASE_BASE_URL=membase.server.url, MEMBASE_EXAMPLE_SCRIPTED="1")
         env.update(MEMBASE_WRITE_TIMEOUT=str(WRITE_TIMEOUT), MEMBASE_TEST_COLLECT_AFTER=str(collect_after))
-        env.update(PYTHONUNBUFFERED="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
-        env["PYTHONPATH"] = os.pathsep.join([str(COLLECT_GARBAGE), *filter(None, [env.get("PYTHONPATH")])])
-        self.process = subprocess.Popen(
-            command, env=env, cwd=EXAMPLES, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self._reader = threading.Thread(target=self._read, name="served-output", daemon=True)
-        self._reader.start()
+        env["PYTHONPATH"] = os.pathsep.join([str(COLLECT_GARBAGE), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self._release, self._collect_after = membase.release, collect_after
+        super().__init__(command, env, port, on_line=self._line)
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if SHUTTING_DOWN in line:
-                self._release.set()
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()  # the output ended: nobody waits for a line any more
-
-    @property
-    def output(self) -> str:
-        with self._changed:
-            return "\n".join(self.lines)
-
-    def count(self, text: str) -> int:
-        with self._changed:
-            return sum(text in line for line in self.lines)
-
-    def wait_until_ready(self, processes: int) -> None:  # every process started, the port listening
-        def ready() -> bool:
-            listening = self.count("Uvicorn running on") + self.count("Listening at:")
-            return self.count("Application startup complete.") >= processes and listening > 0
-
-        with self._changed:
-            self._changed.wait_for(lambda: ready() or not self._reader.is_alive(), START_WAIT)
-        assert ready(), f"the server never got {processes} processes ready:\n{self.output}"
+    def _line(self, line: str) -> None:
+        if SHUTTING_DOWN in line:
+            self._release.set()
 
     def stop(self) -> float:  # SIGTERM, then wait for the exit (at most ``WAIT`` s); the seconds in between
         started = time.monotonic()

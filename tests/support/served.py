@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.local_engine import offline_env
@@ -32,9 +33,17 @@ class ServedApp:
     """A server started with ``command`` in ``cwd`` (default ``examples/``), with ``env`` on top of an offline
     environment, listening on ``port``; :meth:`uvicorn` starts an example under uvicorn."""
 
-    def __init__(self, command: list[str], env: dict[str, str], port: int, cwd: Path = EXAMPLES) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        port: int,
+        cwd: Path = EXAMPLES,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.lines: list[str] = []
+        self._on_line = on_line  # called with each line of output as it comes
         base = {name: value for name, value in offline_env().items() if not name.startswith(("MEMBASE_", "OTEL_"))}
         self.process = subprocess.Popen(
             command,
@@ -59,6 +68,8 @@ class ServedApp:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
+            if self._on_line is not None:
+                self._on_line(line)
             with self._changed:
                 self.lines.append(line.rstrip("\n"))
                 self._changed.notify_all()
