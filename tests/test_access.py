@@ -232,7 +232,7 @@ def test_the_person_approves_the_passage_search_showed_and_membases_how_when_mem
     result = agent("Forget when the launch is.")
 
     [interrupt] = result.interrupts
-    how = "Forgetting removes it from the Memory for good; pass confirm=true once the person agreed."
+    how = "Forgetting removes it from your Memory for good: a search will not find it again."
     assert interrupt.reason == {
         "memory_id": "ctr_main:1",
         "content": "The launch is in May.",

@@ -32,7 +32,7 @@ import pytest
 from strands import Agent
 
 from membase_strands import MembaseMemoryStore, __version__, check
-from membase_strands._telemetry import STANDARD
+from membase_strands._log import STANDARD
 from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall
 from tests.support.loopback import LoopbackMembase
 from tests.support.served import ServedApp, free_port
@@ -296,7 +296,8 @@ def test_the_options_table_lists_every_option_of_the_store_in_order_and_every_co
     import inspect
 
     text = README.read_text(encoding="utf-8").split("## Options", 1)[1].split("\n## ", 1)[0]
-    assert re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE) == list(inspect.signature(MembaseMemoryStore).parameters)
+    options = [p.name for p in inspect.signature(MembaseMemoryStore).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    assert re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE) == options
     observability = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
     assert set(STANDARD) <= set(re.findall(r"`([a-z_.<>]+)`", observability))
 

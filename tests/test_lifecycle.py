@@ -1,7 +1,7 @@
 """Closing a store: ``close()``, ``await aclose()``, ``with`` / ``async with``, and interpreter exit.
 
-A close waits up to ``close_timeout`` for the writes still running, sends once more what failed with nobody left to
-retry it, and returns once every outcome it waited for is on record; ``aclose()`` without blocking the event loop.
+A close waits up to ``close_timeout`` for the writes still running, and returns once every outcome it waited for is
+on record and said; ``aclose()`` without blocking the event loop.
 Interpreter exit is tested in process (the exit hook over the test's own stores) and once for real, in a subprocess.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _runtime
+from membase_strands import MembaseMemoryStore, MembaseWriteTimeout, _writes
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
 from tests.support.exit_program import Program
 from tests.support.loopback import LoopbackMembase, arrived, ok_json, stall
@@ -47,7 +47,7 @@ EXITING = "the interpreter is exiting; waiting up to"
 NOT_FINISHED = "not confirmed saved, and lost if the process ends now"
 WAITING = "waiting for writes still running"
 CANCELLED_SAVED = "a write whose caller was cancelled finished; it is saved"
-SENT_AGAIN_SAVED = "a write the store sent again finished; it is saved"
+CANCELLED_LOST = "a write whose caller was cancelled failed; it is not saved, and nothing sends it again"
 SAVED_ANSWER = {"memory_id": "ctr_main:1", "container": "ctr_main"}
 
 
@@ -67,15 +67,6 @@ async def timed_out_write(membase: InMemoryMembase, store: MembaseMemoryStore, t
     membase.on(*MEMORIES, hang(release, then=then))
     with pytest.raises(MembaseWriteTimeout):
         await store.add(GREEN_TEA)
-
-
-async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, caplog) -> MembaseMemoryStore:
-    """A store whose write of GREEN_TEA failed (500) after its caller was cancelled: the store keeps it."""
-    store, release = capturing(membase, write_timeout=5.0), gates.new()
-    await held_write(membase, store, status(500, "internal"), release)
-    release.set()
-    assert await until(logged(caplog, "or when it closes", logging.WARNING), timeout=LONG)
-    return store
 
 
 # --- Closed: refused at once, nothing sent, nothing else closed -------------------------------------------
@@ -260,93 +251,77 @@ async def test_close_waits_for_the_outcome_of_a_write_that_ended_just_before_it_
     assert fake.saved() == [GREEN_TEA]
 
 
-@pytest.mark.parametrize(("outcome", "closer"), [("saved", "aclose"), ("failed", "close"), ("failed twice", "aclose")])
-async def test_a_close_waits_for_a_write_nobody_waits_for_and_sends_once_more_what_fails_meanwhile(
+@pytest.mark.parametrize(("outcome", "closer"), [("saved", "aclose"), ("failed", "close")])
+async def test_a_close_waits_for_a_write_nobody_waits_for_and_says_how_it_ended_before_it_returns(
     fake, gates, caplog, outcome, closer
 ):
-    """The write ends while the store closes: no manager retry can come any more, so what fails is sent again once,
-    and every outcome is logged and counted when the close returns."""
+    """The write ends while the store closes: every outcome is logged and counted when the close returns; a failed
+    one is said lost (its caller was cancelled: no manager retry comes), never sent twice."""
     caplog.set_level(logging.INFO)
     release = gates.new()
     store = capturing(fake)
     await held_write(fake, store, fake.answer if outcome == "saved" else status(500, "internal"), release)
-    if outcome == "failed twice":
-        fake.on(*MEMORIES, status(500, "internal"))
     closing = asyncio.ensure_future(store.aclose() if closer == "aclose" else asyncio.to_thread(store.close))
     assert await until(drain_began(caplog), timeout=LONG)
     release.set()
     await closing
 
     said = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")]
-    names = ("writes_sent_again", "writes_saved", "writes_lost", "write_errors", "errors.server_error")
+    names = ("writes_saved", "writes_lost", "write_errors", "errors.server_error")
     counters = {name: store.counters().get(name, 0) for name in names}
     if outcome == "saved":
         assert said.count(CANCELLED_SAVED) == 1 and fake.saved() == [GREEN_TEA]
-        assert list(counters.values()) == [0, 1, 0, 0, 0]
-        return
-    assert "a write whose caller was cancelled failed; the store sends it again before it closes" in said
-    if outcome == "failed":
-        assert SENT_AGAIN_SAVED in said and fake.saved() == [GREEN_TEA]
-        assert list(counters.values()) == [1, 1, 0, 1, 1]
+        assert list(counters.values()) == [1, 0, 0, 0]
     else:
-        assert "a write the store sent again failed; it is not saved, and nothing will send it again" in said
-        assert list(counters.values()) == [1, 0, 1, 2, 2]
-    assert len(fake.sent(*MEMORIES)) == 2
+        assert said.count(CANCELLED_LOST) == 1 and fake.saved() == []
+        assert list(counters.values()) == [0, 1, 1, 1]
+    assert len(fake.sent(*MEMORIES)) == 1
 
 
-async def test_aclose_awaited_by_a_task_nothing_references_finishes_and_sends_the_kept_write_once(fake, gates, caplog):
+async def test_aclose_awaited_by_a_task_nothing_references_finishes_once_the_write_it_waits_for_ends(
+    fake, gates, caplog
+):
     """Issue 26 (1): a server's lifespan task is referenced by nothing else; a garbage collection while it waits
     must not destroy it, or the close never completes."""
     caplog.set_level(logging.INFO)
-    resent, first, release = threading.Event(), gates.new(), gates.new()
+    release = gates.new()
     store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), first)
-    fake.on(*MEMORIES, signalling(resent, hang(release, then=fake.answer)))
-    first.set()  # the first request fails: the store keeps the batch for sending again
-    assert await until(logged(caplog, "the store sends it again with its next write or when it closes"), LONG)
+    await held_write(fake, store, fake.answer, release)
 
     closed = unreferenced(store.aclose)
-    assert await until(resent.is_set, timeout=LONG)  # the close sends the kept batch and waits for it
+    assert await until(drain_began(caplog), timeout=LONG)  # the close waits for the write
     gc.collect()
     release.set()
 
     assert await until(closed.is_set, timeout=LONG), "the task awaiting aclose() never finished"
     assert fake.saved() == [GREEN_TEA]
-    assert len(fake.sent(*MEMORIES)) == 2  # the request that failed, then the store's own, once
+    assert len(fake.sent(*MEMORIES)) == 1
     assert "Task was destroyed but it is pending" not in caplog.text
 
 
 # --- Interpreter exit, in process: the exit hook itself ------------------------------------------------
 @pytest.fixture
 def exit_hook(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
-    """The atexit hook, over only the stores this test builds, with the 'exiting' flag put back afterwards."""
-    monkeypatch.setattr(_runtime, "_exit_members", weakref.WeakSet())
-    monkeypatch.setattr(_runtime, "_exiting", False)
-    return _runtime._at_exit
+    """The atexit hook, over only the stores this test builds."""
+    monkeypatch.setattr(_writes, "_records", weakref.WeakSet())
+    return _writes._wait_at_exit
 
 
-async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_is_quiet_with_nothing_to_do(
+async def test_the_exit_hook_waits_for_a_write_its_close_stopped_waiting_for_and_is_quiet_with_nothing_to_do(
     exit_hook, fake, gates, caplog
 ):
-    """Issue 19: a batch whose caller was cancelled and that then failed, with no next write and no close; and one
-    that failed after its store's close stopped waiting for it."""
     caplog.set_level(logging.INFO)
-    idle, other = capturing(fake, name="idle"), InMemoryMembase()
-    kept = await kept_after_a_cancelled_write(other, gates, caplog)
-    release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET, close_timeout=BUDGET)
-    await timed_out_write(fake, closed, status(500, "internal"), release)
-    await closed.aclose()  # waits BUDGET for the held write, then returns with it still running
+    idle = capturing(fake, name="idle")
+    release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET, close_timeout=LONG)
+    await timed_out_write(fake, closed, fake.answer, release)
+
+    hook = asyncio.create_task(asyncio.to_thread(exit_hook))  # the interpreter exits: it waits for the write
+    assert await until(logged(caplog, f"store=<closed> | {EXITING}"), timeout=LONG)
     release.set()
-    at_exit = "a write that ran out of time failed; the store sends it again at interpreter exit"
-    assert await until(logged(caplog, at_exit, logging.WARNING), timeout=LONG)
-    assert fake.saved() == other.saved() == []
+    await asyncio.wait_for(hook, LONG)
 
-    await asyncio.to_thread(exit_hook)  # the interpreter exits: each store sends its kept batch, once
-
-    assert logged(caplog, SENT_AGAIN_SAVED)() == 2
-    for membase, store in ((fake, closed), (other, kept)):
-        assert (membase.saved(), len(membase.sent(*MEMORIES))) == ([GREEN_TEA], 2)
-        assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 0)
+    assert logged(caplog, "a write that ran out of time finished; it is saved")() == 1
+    assert (fake.saved(), len(fake.sent(*MEMORIES))) == ([GREEN_TEA], 1)
     assert not any("store=<idle>" in line for line in lines(caplog))
     idle.close()
 
@@ -370,36 +345,12 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
 
     assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
     assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
-        "store=<membase>, reason=<internal> | a write whose caller was cancelled failed; it is not saved, and "
-        "nothing will send it again",  # one line, not two
+        f"store=<membase>, reason=<internal> | {CANCELLED_LOST}",  # one line, not two
         f"store=<notes>, writes=<1> | writes still running when closing stopped waiting after {BUDGET:g} s: "
         f"{NOT_FINISHED}",
     ]
     assert (failing.counters()["write_errors"], failing.counters()["writes_lost"]) == (1, 1)
     assert all(GREEN_TEA not in line for line in lines(caplog))
-
-
-async def test_at_exit_a_kept_batch_whose_thread_cannot_start_is_reported_lost_in_one_line(
-    exit_hook, fake, gates, caplog, monkeypatch
-):
-    """Python 3.12 refuses new threads at interpreter exit: the store's own resend never starts, and no retry comes."""
-    store = await kept_after_a_cancelled_write(fake, gates, caplog)
-    caplog.clear()
-
-    def refuse(thread: threading.Thread) -> None:
-        raise RuntimeError("can't create new thread at interpreter shutdown")
-
-    with monkeypatch.context() as exiting:
-        exiting.setattr(_runtime, "_workers", _runtime._Workers())  # no thread alive to take the resend
-        exiting.setattr(threading.Thread, "start", refuse)
-        exit_hook()
-
-    assert lines(caplog, logging.WARNING) == [
-        "store=<membase>, reason=<can't create new thread at interpreter shutdown> | a write the store sent again "
-        "failed; it is not saved, and nothing will send it again"
-    ]
-    assert (fake.saved(), len(fake.sent(*MEMORIES))) == ([], 1)
-    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (1, 1)
 
 
 async def test_a_write_that_starts_while_the_exit_hook_waits_is_waited_for_too(exit_hook, fake, gates, caplog):

@@ -43,7 +43,7 @@ def echoing() -> InMemoryMembase:
     fake.add_memory(f"Archive {KEY[5:30]}")
     fake.cannot_answer("ctr_2", f"the ledger agent has no model for {KEY}")
     fake.standing.append(f"Keeps the ledger key {KEY} in a drawer.")
-    how = f"Pass confirm=true to forget it for good (key {KEY})."
+    how = f"Forgetting removes it for good (key {KEY})."
     fake.always("DELETE", "/v1/memories/{id}", lambda request: _confirmation(request, how))
     fake.always(*MEMORIES, status(400, f"the note was refused for {KEY}"))
     return fake

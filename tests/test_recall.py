@@ -438,7 +438,7 @@ def test_recall_counts_and_describes_what_it_left_out(fake, make_store):
     assert entry.content == f"[Work] [Home] {LEDGER}"  # the Memory where it scored best comes first
     assert entry.metadata["memory"] == "Work" and entry.metadata["memories"] == ["Work", "Home"]
     assert entry.metadata["score"] == 0.04 and entry.metadata["container"] == "ctr_work"
-    counters = ("recall_hits", "recall_empty", "recall_passages_folded", "recall_passages_below_floor")
+    counters = ("recall_hits", "recall_empty", "recall_duplicates_merged", "recall_passages_below_min_score")
     assert counted(store, *counters) == (1, 0, 1, 1)
     answer_with(fake, INTERLEAVED)
     floored = make_store(min_score=0.9)

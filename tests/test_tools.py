@@ -443,7 +443,7 @@ def test_the_user_is_asked_before_anything_is_forgotten_and_yes_forgets_once(fak
     assert result.stop_reason == "interrupt"
     [interrupt] = result.interrupts
     assert interrupt.name == "membase_forget"
-    how = "Pass confirm=true to remove it."  # Membase's sentence for the person
+    how = "Forgetting removes this passage from the Memory for good."  # Membase's is for a developer: pass confirm=true
     reason = {"memory_id": "ctr_work:1", "content": "The launch is in May.", "memory": "Work", "how": how}
     assert interrupt.reason == reason
     assert [r.params for r in fake.sent("DELETE")] == [{"confirm": "false"}]  # asked what would be forgotten

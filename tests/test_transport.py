@@ -151,7 +151,7 @@ async def test_a_captured_write_cut_off_mid_answer_is_never_sent_again_and_said_
     store.close()
     assert len(loopback.fake.sent("POST", "/v1/memories")) == 1
     counters = store.counters()
-    assert (counters["writes_unknown"], counters["writes_sent_again"], counters["writes_deduplicated"]) == (1, 0, 1)
+    assert (counters["writes_unknown"], counters["writes_lost"], counters["writes_deduplicated"]) == (1, 0, 1)
     assert sum(unknown in r.getMessage() for r in caplog.records) == 1
 
 

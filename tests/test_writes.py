@@ -22,7 +22,7 @@ import pytest
 from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContext, MemoryManager
 from strands.types.content import Message
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _runtime, _writes
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _writes
 from membase_strands.testing import InMemoryMembase, Responder, ToolCall, hang, status
 from tests.support.store_helpers import (
     FACT,
@@ -48,9 +48,8 @@ from tests.support.store_helpers import (
 )
 
 BUDGET = 0.5  # only for writes a gate holds: it always runs out; what follows it on the same store fits in it
-KEPT = "failed; the store sends it again with its next write or when it closes"
-SENT_AGAIN_SAVED = "a write the store sent again finished; it is saved"
-SENT_AGAIN_LOST = "a write the store sent again failed; it is not saved, and nothing will send it again"
+RETRY_ONLY = "failed; it is not saved, and only the manager's retry sends it again (if its agent lives on)"
+LOST = "failed; it is not saved, and nothing sends it again"
 
 # strands 1.45 hands add_messages no batch context; 1.46 and later carry the sequence numbers in one.
 MANAGER_SENDS_SEQUENCE_NUMBERS = "sequence_numbers" in {f.name for f in dataclasses.fields(AddMessagesContext)}
@@ -242,7 +241,7 @@ async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_ret
 
     assert fake.saved()[:2] == [GREEN_TEA, f"{LISBON}\nCall me Sam"]
     assert sorted(fake.saved()[2:]) == ["Sam likes oolong", "Sam runs"]
-    assert counts(store, "writes_deduplicated", "writes_sent_again") == (2, 0)  # nothing kept
+    assert counts(store, "writes_deduplicated", "writes_lost") == (2, 0)
 
 
 FACTS = ("Sam prefers green tea", "Sam lives in Lisbon", "Sam works on ledgers")
@@ -317,7 +316,7 @@ async def test_without_a_context_a_retried_batch_sends_only_what_is_new(fake, ma
 def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true_line_when_it_ends(
     fake, make_store, gates, caplog, late
 ):
-    """Issue 26 (6): no manager is left to retry, so no line may promise one; what the store keeps it sends."""
+    """Issue 26 (6): no manager is left to retry, so no line may promise one."""
     caplog.set_level(logging.DEBUG, logger="membase_strands")
     fake.remember(FACT)
     release = gates.new()
@@ -337,14 +336,15 @@ def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true
     said = [line.split(" | ")[1] for line in lines(caplog, source="membase_strands")]
     assert said == ["Membase write ran out of time; it goes on in the background"]  # at INFO: the manager warns
     release.set()
-    outcome = "finished; it is saved" if late == "saved" else KEPT
+    outcome = "finished; it is saved" if late == "saved" else RETRY_ONLY
     assert wait_until(lambda: logged(caplog, f"a write that ran out of time {outcome}")() > 0, timeout=LONG)
-    store.close()  # sends again what failed, and waits for it
+    store.close()
 
     said = [line.split(" | ")[1] for line in lines(caplog, source="membase_strands") if "a write" in line]
-    assert said == [f"a write that ran out of time {outcome}", *([SENT_AGAIN_SAVED] if late == "failed" else [])]
-    assert posted(fake) == [GREEN_TEA] * (1 if late == "saved" else 2)
-    assert fake.saved() == [GREEN_TEA]
+    assert said == [f"a write that ran out of time {outcome}"]
+    assert posted(fake) == [GREEN_TEA]
+    assert fake.saved() == ([GREEN_TEA] if late == "saved" else [])
+    assert counts(store, "writes_lost", "write_errors") == (0, 0 if late == "saved" else 1)
 
 
 async def test_a_retry_that_waited_past_its_budget_for_the_earlier_request_still_sends_nothing(fake, make_store, gates):
@@ -404,10 +404,10 @@ async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_t
     both = f"{GREEN_TEA}\n{LISBON}"
     assert posted(fake) == [both, both, FACTS[0], FACTS[0], "Prefers oolong", "Call me Sam"]  # one attempt each
     assert fake.saved() == [both, FACTS[0]]
-    assert counts(store, "writes_saved", "writes_deduplicated", "writes_sent_again") == (3, 3, 0)
+    assert counts(store, "writes_saved", "writes_deduplicated", "writes_lost") == (3, 3, 0)
 
 
-def test_a_write_that_fails_late_is_kept_and_the_managers_retry_takes_its_place(fake, make_store, gates, caplog):
+def test_a_write_that_fails_late_is_sent_again_by_the_managers_retry_once(fake, make_store, gates, caplog):
     gate = gates.new()
     fake.on(*MEMORIES, hang(gate, then=status(500, "internal")))
     store = capturing(make_store, write_timeout=BUDGET)
@@ -415,22 +415,22 @@ def test_a_write_that_fails_late_is_kept_and_the_managers_retry_takes_its_place(
 
     agent(GREEN_TEA)
     gate.set()
-    assert wait_until(logged(caplog, f"a write that ran out of time {KEPT}", logging.WARNING), timeout=LONG)
+    assert wait_until(logged(caplog, f"a write that ran out of time {RETRY_ONLY}", logging.WARNING), timeout=LONG)
     assert (store.counters()["writes_saved"], store.counters()["write_errors"]) == (0, 1)
     agent(LISBON)  # the manager's retry carries the old words with the new: the store sends them with it, once
     agent("Call me Sam")
 
     assert posted(fake) == [GREEN_TEA, f"{GREEN_TEA}\n{LISBON}", "Call me Sam"]
     assert fake.saved() == [f"{GREEN_TEA}\n{LISBON}", "Call me Sam"]
-    assert (store.counters()["writes_sent_again"], store.counters()["writes_lost"]) == (0, 0)
+    assert store.counters()["writes_lost"] == 0
 
 
 @pytest.mark.parametrize("then", ["next turn", "close"])
-async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_once(
+async def test_a_cancelled_flush_whose_write_then_fails_is_said_lost_in_one_warning_and_never_sent_twice(
     fake, make_store, gates, caplog, no_key_in_logs, then
 ):
-    """Issue 19: a web server cancels the flush (its client hung up); Strands counts the batch as handled and never
-    sends it again, so the store keeps it and sends it with its next write, or when it closes."""
+    """A web server cancels the flush (its client hung up); Strands counts the batch as handled and never sends it
+    again. The store does not either (it keeps no batch to send again): the words are lost, and a WARNING says so."""
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
     fake.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
@@ -444,74 +444,28 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
     await cancelled_once_sent(handle_request(), in_flight)
     assert len(model.calls) == 1  # the turn itself ran before the flush was cancelled
     release.set()
-    assert await until(logged(caplog, f"a write whose caller was cancelled {KEPT}", logging.WARNING), timeout=LONG)
+    assert await until(logged(caplog, f"a write whose caller was cancelled {LOST}", logging.WARNING), timeout=LONG)
     if then == "next turn":  # a new agent, as a web server builds one per request
         agent, model = make_agent(store, ["Noted too."])
         await agent.invoke_async(LISBON)
-        await agent.memory_manager.flush()  # the next write: the kept batch goes out beside it
-        assert await until(logged(caplog, SENT_AGAIN_SAVED), timeout=LONG)
+        await agent.memory_manager.flush()
     else:
-        await store.aclose()  # sends the kept batch, and returns once its outcome is on record
-        assert logged(caplog, SENT_AGAIN_SAVED)()
+        await store.aclose()
 
-    assert sorted(fake.saved()) == ([GREEN_TEA, LISBON] if then == "next turn" else [GREEN_TEA])
-    assert posted(fake).count(GREEN_TEA) == 2  # the request that failed, then the store's own, once
+    assert sorted(fake.saved()) == ([LISBON] if then == "next turn" else [])
+    assert posted(fake).count(GREEN_TEA) == 1  # the request that failed, once
     assert counts(store, "write_cancellations", "write_errors", "errors.server_error") == (1, 1, 1)
-    assert counts(store, "writes_sent_again", "writes_lost") == (1, 0)
-
-
-async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, *then: Responder, said: str = KEPT):
-    """Write ``words`` as the manager would, cancel the caller once its request is in, and fail it (500): the store
-    keeps it (and says ``said``). ``then``: the answers to its next requests. The batch and its context."""
-    messages, context = [user(words)], batch([0])
-    in_flight, release = threading.Event(), threading.Event()
-    answers.on(words, signalling(in_flight, hang(release, then=status(500, "internal"))), *then)
-    before = logged(caplog, said)()
-    try:
-        await cancelled_once_sent(store.add_messages(messages, context), in_flight)
-    finally:
-        release.set()
-    assert await until(lambda: logged(caplog, said)() > before, timeout=LONG)
-    return messages, context
-
-
-@pytest.mark.parametrize("resend", ["saved", "fails"])
-async def test_a_kept_batch_goes_out_once_with_the_next_write_and_a_retry_waits_for_it_or_is_lost_if_it_fails(
-    fake, make_store, caplog, resend
-):
-    answers, store = ByWords(fake), capturing(make_store)
-    resending, release = threading.Event(), threading.Event()
-    then = signalling(resending, hang(release, then=fake.answer)) if resend == "saved" else status(503, "busy")
-    try:
-        messages, context = await kept(store, answers, caplog, GREEN_TEA, then)
-        await store.add_messages([user(LISBON)], batch([1]))  # the next write: the kept batch goes out too
-        if resend == "saved":
-            assert await until(resending.is_set, timeout=LONG)
-            retry = await started(store.add_messages(messages, context))  # the manager's retry, while that runs
-            release.set()
-            assert await retry is None  # it waited for the store's own request, which saved the words
-        else:
-            assert await until(logged(caplog, SENT_AGAIN_LOST, logging.WARNING), timeout=LONG)
-            await store.add_messages([user("Call me Sam")], batch([2]))  # never a third attempt
-    finally:
-        release.set()
-
-    assert posted(fake).count(GREEN_TEA) == 2
-    if resend == "saved":
-        assert fake.saved() == [LISBON, GREEN_TEA]
-        assert counts(store, "writes_sent_again", "writes_deduplicated", "writes_lost") == (1, 1, 0)
-    else:
-        assert fake.saved() == [LISBON, "Call me Sam"]
-        assert counts(store, "writes_sent_again", "writes_lost", "write_errors") == (1, 1, 2)
+    assert counts(store, "writes_lost") == (1,)
 
 
 @pytest.mark.parametrize("first_request", ["saved", "failed"])
-async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_its_new_words_for_the_next_write(
+async def test_every_cancelled_wait_is_counted_and_words_a_cancelled_retry_never_sent_are_said_lost(
     fake, make_store, gates, caplog, first_request
 ):
     """A retry brings the old words and new ones and waits while an earlier request still sends the old. Cancelled
-    then (a flush a web server gave up on: no retry will come), its new words are sent with the next write; the old
-    ones, saved after their caller was cancelled too, are never sent again; failed, they go out once more, with them."""
+    then (a flush a web server gave up on: no retry will come), its new words were never sent: a WARNING says they
+    are lost. The old ones, saved after their caller was cancelled too, are never sent again; failed, they are lost
+    too, said once."""
     caplog.set_level(logging.INFO)
     saved, gate, in_flight = first_request == "saved", gates.new(), threading.Event()
     fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(500, "internal"))))
@@ -524,56 +478,20 @@ async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+    assert logged(caplog, "was cancelled before it was sent: its words are not saved", logging.WARNING)() == 1
     gate.set()
-    outcome = "finished; it is saved" if saved else KEPT
+    outcome = "finished; it is saved" if saved else LOST
     assert await until(logged(caplog, f"a write whose caller was cancelled {outcome}"), timeout=LONG)
     if saved:
         assert await store.add_messages(old, batch([0])) is None
 
-    await store.add_messages([user("Call me Sam")], batch([2]))  # LISBON goes out beside it, GREEN_TEA not again
-    assert await until(lambda: len(fake.notes) == (3 if saved else 2), timeout=LONG)
-    kept = LISBON if saved else f"{GREEN_TEA}\n{LISBON}"  # failed, the old words are in both kept batches: sent once
-    assert sorted(posted(fake)) == sorted([GREEN_TEA, kept, "Call me Sam"])
-    names = ("write_cancellations", "write_errors", "writes_sent_again", "writes_lost")
-    assert counts(store, *names) == ((2, 0, 1, 0) if saved else (2, 1, 2, 0))
+    await store.add_messages([user("Call me Sam")], batch([2]))  # GREEN_TEA is never sent again
+    assert sorted(posted(fake)) == sorted([GREEN_TEA, "Call me Sam"])
+    names = ("write_cancellations", "write_errors", "writes_lost")
+    assert counts(store, *names) == ((2, 0, 1) if saved else (2, 1, 2))
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------
-async def test_kept_batches_stay_within_the_byte_bound_and_a_batch_over_it_is_lost_at_once(
-    fake, make_store, gates, caplog
-):
-    answers = ByWords(fake)
-    store = capturing(make_store)
-    size = _writes.RECORD_BYTES * 2 // 5  # two kept batches fit in the bound, three do not
-    notes = {tag: f"{tag} " + "w" * size for tag in ("alpha", "bravo", "charlie")}
-    arrived = {tag: threading.Event() for tag in notes}
-    releases = {tag: gates.new() for tag in notes}
-    for tag in notes:
-        answers.on(tag, signalling(arrived[tag], hang(releases[tag], then=status(500, "internal"))))
-    # Three writes in flight at once, their callers cancelled (a web server shutting down) ...
-    writes = [asyncio.create_task(store.add(note)) for note in notes.values()]
-    assert await until(lambda: all(event.is_set() for event in arrived.values()), timeout=LONG)
-    for task in writes:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    for count, tag in enumerate(notes, start=1):  # ... then each fails, oldest first
-        releases[tag].set()
-        assert await until(lambda n=count: logged(caplog, KEPT)() == n, timeout=LONG)
-
-    dropped = f"a failed write kept for sending again was dropped to stay within {_writes.RECORD_BYTES} bytes"
-    assert [line.split(" | ")[1] for line in lines(caplog, logging.WARNING) if "dropped" in line] == [dropped]
-    assert store.counters()["writes_lost"] == 1
-    await store.add("delta")  # the next write: the two kept batches go out beside it
-    assert await until(lambda: store.counters()["writes_saved"] == 3, timeout=LONG)
-    assert [sum(text.startswith(tag) for text in posted(fake)) for tag in notes] == [1, 2, 2]
-
-    huge = "echo " + "w" * _writes.RECORD_BYTES  # over the bound on its own: never kept
-    await kept(store, answers, caplog, huge, said="a write whose caller was cancelled failed; it is not saved")
-    assert logged(caplog, "dropped")() == 1  # not kept, then dropped: lost once, counted once
-    assert (store.counters()["writes_lost"], store.counters()["writes_sent_again"]) == (2, 2)
-
-
 BIG = 100 * 1024
 
 
@@ -653,11 +571,8 @@ async def test_past_its_size_bound_the_store_forgets_the_oldest_saved_part_never
 def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
     fake, make_store, monkeypatch, caplog
 ):
-    """The next write thread fails to start, as when the process is out of threads. The library's threads start
-    afresh and retire as soon as they are idle, so no thread is left to take the write instead."""
-    earlier = set(threading.enumerate())  # the threads of the set replaced here: they never take its calls
-    monkeypatch.setattr(_runtime, "_workers", _runtime._Workers())
-    monkeypatch.setattr(_runtime, "IDLE_SECONDS", 0.0)
+    """The next write thread fails to start, as when the process is out of threads."""
+    earlier = set(threading.enumerate())
     refused, start = [], threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:
@@ -690,11 +605,11 @@ def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_
     assert counts(store, "writes_saved", "write_timeouts") == (2, 0)
 
 
-@pytest.mark.parametrize("gateway_status", [502, 504])
+@pytest.mark.parametrize("gateway_status", [502, 503, 504, 520, 524])
 def test_a_note_stored_behind_a_gateway_that_gave_up_on_it_is_never_sent_again(fake, make_store, gateway_status):
-    """A proxy or load balancer in front of Membase answers 502 or 504 when Membase was slow to answer: the note may be
-    stored. The manager's retry (the next turn's flush) sends nothing again, and membase_save says the note may or may
-    not have been saved."""
+    """A proxy, load balancer or CDN in front of Membase answers with a 5xx (Membase documents none of its own) after
+    Membase read the note: it may be stored. The manager's retry (the next turn's flush) sends nothing again, and
+    membase_save says the note may or may not have been saved."""
 
     def stored_then_gateway_gave_up(request: httpx.Request) -> httpx.Response:
         fake.answer(request)  # Membase stored it...

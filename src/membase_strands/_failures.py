@@ -113,6 +113,8 @@ def without_secret(error: BaseException, secret: str) -> BaseException:
     chain = "".join(traceback.format_exception(error))
     if redact(chain, secret) == chain:
         return error
+    if isinstance(error, Refused):  # its sentence is the library's; a Memory's name in it may not be
+        return Refused(redact(error.message, secret), error.refusal)
     if isinstance(error, membase.MembaseError):
         with contextlib.suppress(TypeError):  # a subclass with another signature gets the fallback
             return type(error)(redact(error.message, secret), status=error.status)

@@ -18,7 +18,7 @@ from typing import Any
 from strands.memory import MemoryEntry
 
 from ._failures import BadResponseError
-from ._options import finite
+from ._options import is_finite_number
 from ._text import clean_text, clip
 
 CUT_MARKER = " [... cut: this passage is longer than the recall budget]"
@@ -32,7 +32,7 @@ _NO_ID = (
     "app, on its Memory's page.)"
 )
 _MEMORIES_READ = 50  # how many of the Memories an answer lists earn `limit` hits each
-_FOLD_START = 256
+_COMPARED_FIRST = 256  # characters of two passages compared first to tell whether they are the same text
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Passage:
     @property
     def score(self) -> float | None:
         value: Any = self.metadata.get("score")
-        return float(value) if finite(value) else None
+        return float(value) if is_finite_number(value) else None
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,15 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer; :func:`arrange` sets the ``floor`` it applied and what it left out below it or as copies, and
-    masks with ``redact`` what it shows."""
+    """A search answer; :func:`arrange` sets the ``min_score`` it applied, and how many passages it left out below it
+    or as copies of a passage shown (``duplicates_merged``)."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]
     none_answered: bool = False
-    floor: float | None = None
-    below_floor: int = 0
-    folded: int = 0
-    redact: Callable[[str], str] = field(default=str, repr=False, compare=False)
+    min_score: float | None = None
+    below_min_score: int = 0
+    duplicates_merged: int = 0
 
 
 def memory_label(name: str) -> str:
@@ -108,8 +107,8 @@ def _label_of(name: str) -> str:
 
 def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> SearchAnswer:
     """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
-    (arrange() drops blank ones, and masks with ``redact`` what it shows), and its Memories that report an ``error``,
-    masked. No ``results`` list: BadResponseError."""
+    (arrange() drops blank ones, and masks what it shows), and its Memories that report an ``error``, masked with
+    ``redact``. No ``results`` list: BadResponseError."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
@@ -128,26 +127,32 @@ def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> S
             reason = clip(clean_text(redact(str(error)[:4096])), 200) or "no reason given"
             unsearched.append(Unsearched(redact(memory_label(str(row.get("name") or row.get("id") or ""))), reason))
     none_answered = bool(rows) and len(unsearched) == len(rows) and not passages
-    return SearchAnswer(passages, unsearched, none_answered, redact=redact)
+    return SearchAnswer(passages, unsearched, none_answered)
 
 
 def arrange(
-    answer: SearchAnswer, most: int, *, min_score: float | None = None, budget: int | None = None
+    answer: SearchAnswer,
+    most: int,
+    *,
+    min_score: float | None = None,
+    budget: int | None = None,
+    redact: Callable[[str], str] = str,
 ) -> SearchAnswer:
     """What the model is shown of a parsed answer: at most ``most`` passages, cleaned, best first when all are scored,
-    each text once naming every Memory that returned it, none blank or below ``min_score``. One that does not fit in
-    ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with :data:`CUT_MARKER`."""
+    each text once naming every Memory that returned it, none blank or below ``min_score``, masked by ``redact``. One
+    that does not fit in ``budget`` (labels included) is skipped; only a best one alone longer than it is cut, with
+    :data:`CUT_MARKER`."""
     readings = _readings(answer.passages, budget)
     if all(reading.score is not None for reading in readings):
         readings.sort(key=lambda reading: reading.score or 0.0, reverse=True)  # a stable sort: ties keep their order
-    first = {reading: same[0] for same in _same_texts(readings, _FOLD_START) for reading in same}
+    first = {reading: same[0] for same in _same_texts(readings, _COMPARED_FIRST) for reading in same}
     for reading in readings:  # in order: the first copy of a text is shown, naming every Memory that returned it
         first[reading].memories.setdefault(reading.passage.memory)
     shown = [reading for reading in readings if first[reading] is reading]
     kept = [reading for reading in shown if min_score is None or reading.score is None or reading.score >= min_score]
-    below, folded = len(shown) - len(kept), len(readings) - len(shown)
-    passages = _fit(kept[:most], budget, answer.redact)
-    return SearchAnswer(passages, answer.unsearched, answer.none_answered, min_score, below, folded, answer.redact)
+    below, merged = len(shown) - len(kept), len(readings) - len(shown)
+    passages = _fit(kept[:most], budget, redact)
+    return SearchAnswer(passages, answer.unsearched, answer.none_answered, min_score, below, merged)
 
 
 class _Reading:
@@ -156,45 +161,45 @@ class _Reading:
 
     def __init__(self, passage: Passage, cap: int | None) -> None:
         self.passage, self.score, self.memories = passage, passage.score, {passage.memory: None}
-        self.head = passage.content[:cap]  # the text itself when it is shorter: no copy
-        self.long = len(self.head) < len(passage.content)
+        self.capped = passage.content[:cap]  # the text itself when it is shorter: no copy
+        self.truncated = len(self.capped) < len(passage.content)
         self._read, self._cleaned, self._normal = 0, "", ""
 
     def start(self, size: int) -> str:
-        """The first ``size`` characters of the head cleaned and whitespace-normalised (all, if shorter)."""
-        while len(self._normal) < size and self._read < len(self.head):
+        """The first ``size`` characters of the capped text, cleaned and whitespace-normalised (all, if shorter)."""
+        while len(self._normal) < size and self._read < len(self.capped):
             end = max(size, 2 * self._read)  # reading twice as far each time: each character is cleaned once
-            self._cleaned += clean_text(self.head[self._read : end])
+            self._cleaned += clean_text(self.capped[self._read : end])
             self._read, self._normal = end, " ".join(self._cleaned.split())
         return self._normal[:size]
 
     def cleaned(self) -> str:
-        """The whole head, cleaned (once)."""
-        if self._read < len(self.head):
-            self._cleaned, self._read = self._cleaned + clean_text(self.head[self._read :]), len(self.head)
+        """The whole capped text, cleaned (once)."""
+        if self._read < len(self.capped):
+            self._cleaned, self._read = self._cleaned + clean_text(self.capped[self._read :]), len(self.capped)
         return self._cleaned
 
 
 def _readings(passages: list[Passage], cap: int | None) -> list[_Reading]:
-    return [reading for reading in (_Reading(passage, cap) for passage in passages) if reading.start(_FOLD_START)]
+    return [reading for reading in (_Reading(passage, cap) for passage in passages) if reading.start(_COMPARED_FIRST)]
 
 
 def _same_texts(readings: list[_Reading], size: int) -> Iterator[list[_Reading]]:
     """The readings grouped by text, each group led by its first, each read only as far as it takes to tell: the same
-    text when their heads, cleaned and whitespace-normalised, are equal and both or neither go on past the cap."""
+    text when their capped texts, cleaned and whitespace-normalised, are equal and both or neither go past the cap."""
     alike: dict[tuple[bool, str], list[_Reading]] = defaultdict(list)
     for reading in readings:
-        alike[reading.long, reading.start(size)].append(reading)
+        alike[reading.truncated, reading.start(size)].append(reading)
     for (_, start), group in alike.items():
         if len(group) == 1 or len(start) < size:  # alone, or all read to their end: one text
             yield group
         else:
             copies: dict[str, list[_Reading]] = defaultdict(list)  # the same as sent: no need to read on
             for reading in group:
-                copies[reading.head].append(reading)
+                copies[reading.capped].append(reading)
             firsts = [first for first, *_ in copies.values()]
             for same in _same_texts(firsts, 2 * size) if len(firsts) > 1 else [firsts]:
-                yield [copy for first in same for copy in copies[first.head]]
+                yield [copy for first in same for copy in copies[first.capped]]
 
 
 def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], str] = str) -> list[Passage]:
@@ -202,7 +207,7 @@ def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], s
     left = sys.maxsize if budget is None else budget
     for reading in readings:
         room = left - sum(len(name) + 3 for name in reading.memories)  # the label: "[name] " for each
-        text = reading.cleaned() if not reading.long and room >= 0 else None
+        text = reading.cleaned() if not reading.truncated and room >= 0 else None
         if text is not None and len(text) <= room:
             kept.append(_shown(reading, text))
             left = room - len(text)
@@ -241,10 +246,10 @@ def memory_entries(answer: SearchAnswer) -> list[MemoryEntry]:
 def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
     """The ``membase_search`` tool's answer to what :func:`arrange` returned; ``ids``: each passage's id too (and
     how to remove those that have none)."""
-    quoted, below, count = f'"{clip(query, 120)}"', answer.below_floor, len(answer.passages)
+    quoted, below, count = f'"{clip(query, 120)}"', answer.below_min_score, len(answer.passages)
     weaker = (
         f"{below} weaker passage{'s' if below != 1 else ''} scored below the relevance floor "
-        f"(min_score={answer.floor:g}) and {'are' if below != 1 else 'is'} not shown"
+        f"(min_score={answer.min_score:g}) and {'are' if below != 1 else 'is'} not shown"
         if below
         else ""
     )

@@ -1,13 +1,12 @@
-"""The one door to Membase: every call the library makes goes through a :class:`MembaseGateway`, which holds the SDK
-clients, looks Memory names up as ids and says what the answers mean. Every call blocks; the store decides where it
-runs and how long it waits.
+"""The one door to Membase: every call the library makes goes through a store's :class:`MembaseGateway`, which holds
+the SDK clients, looks Memory names up as ids, says what a refusal means, and runs each call as a ``_calls.Call``.
 
-From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
-does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must
-hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
-A forked child builds its own; a client passed in (``client=``) and used before the fork is refused in the child.
-
-It also keeps what Membase refused (docs/access.md), and masks what it hands on: the key never leaves it, only its hint.
+From a key, the store's own connections (``_http.clients``: none shared with another store, so with another key):
+reads go through one client, writes through the other, and three SDK clients over them: one that retries as the SDK
+does (the tools, which should wait out a waking memory), one that makes a single attempt (recall, whose late request
+must hold recall back for one attempt, not three), and one for writes, a single attempt on a fresh connection (a POST
+that timed out may be stored already). A client passed in (``client=``) is used as it is, and must not retry if it
+writes. The connections are let go of once the store is closed and no call runs.
 """
 
 from __future__ import annotations
@@ -15,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,11 +25,12 @@ from typing import Any, TypeVar
 import httpx
 import membase
 
-from . import _http, _local, _runtime
+from . import _http, _local
+from ._calls import Call, OnEnd, OnLateEnd, Outcome, reset_in_forked_child, run
 from ._containers import Container, match, names_in_reach, parse_containers
 from ._failures import ACCESS_SENTENCE, LEVEL, REACH, BadResponseError, Refused, masking, refusal_of
 from ._formatting import SearchAnswer, facts, memory_label, parse_search
-from ._telemetry import Ledger
+from ._log import StoreLog
 from ._text import sendable
 
 T = TypeVar("T")
@@ -39,9 +41,9 @@ _UNREADABLE = (json.JSONDecodeError, UnicodeDecodeError)
 MAX_NOTE_BYTES = 32 * 1024 * 1024  # Membase takes uploads of up to 32 MiB a file, and a note is one
 _SLICE = 1024 * 1024  # characters encoded at a time to measure a note
 
-# Membase's verbs that a key's level may refuse, and the recall pause, by the name its refusals use.
+# Membase's verbs that a key's level may refuse, and automatic recall (paused after a 403), by the names Membase uses.
 SAVE, FORGET, PROFILE, RECALL = "add_memory", "forget_memory", "get_profile", "recall"
-# verb -> (what the key may not do, as the model reads it; what the store does while it is off, for the log)
+# verb -> (what the key may not do, as the model reads it; what the store does while the verb is disabled)
 _LEVELS = {
     SAVE: (
         "may not save notes: saving needs a key with Read & write access",
@@ -59,7 +61,8 @@ _OWNER = "Its owner can change that on the key's page in the Membase app (Connec
 
 class MembaseGateway:
     """One store's access to one person's Membase. ``hosted``: reached with a key, not a local engine; ``local``: the
-    local directory, if any; ``location``: where, for messages and ``repr`` (never the key)."""
+    local directory, if any; ``location``: where, for messages and ``repr`` (never the key); ``log``: the store's
+    counters and log lines."""
 
     def __init__(
         self,
@@ -75,7 +78,7 @@ class MembaseGateway:
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
-        self._given, self._secret, self.base_url = client, "", ""
+        self._given, secret, self.base_url = client, "", ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -83,7 +86,7 @@ class MembaseGateway:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
-            self._secret, self.base_url = client.api_key or "", str(client.base_url)
+            secret, self.base_url = client.api_key or "", str(client.base_url)
         elif local is not None:
             if any(option is not None for option in (api_key, base_url, transport)):
                 raise ValueError(
@@ -95,112 +98,120 @@ class MembaseGateway:
             if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
-                self._secret = _checked_key(key)
+                secret = _checked_key(key)
                 url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
                 self.base_url = url
-        self.hosted = bool(self._secret)
+        self._secret = secret
+        self.hosted = bool(secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        self.key_hint, self.redact, self.without_secret = masking(self._secret)
-        self.ledger = Ledger(store_name, self.redact, self.key_hint)
+        self.key_hint, self.redact, self.mask = masking(secret)
+        self.log = StoreLog(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
-        # verb -> (when it is tried again, sentence, refusal), kept until the verb succeeds; one dict step each: no lock
-        self._off: dict[str, tuple[float, str, str]] = {}
+        self._disabled: dict[str, tuple[float, Refused]] = {}  # verb -> (until when, its refusal); one dict step each
         self._container_ids: dict[str, str] = {}  # Memory name -> id; one dict step each: no lock
-        self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
-        self._lock, self._given_used_before_fork = _runtime.new_lock(), False
-        _runtime.forget_in_child(self._forget_parent_clients)
+        self._opened = _Opened(self.local)  # the clients, once built; let go of when closed and idle
+        # A store dropped unclosed lets go of its connections too (not at exit: writes may still run then).
+        weakref.finalize(self, self._opened.close).atexit = False
+        self._lock = threading.Lock()
+        self._running, self._closed, self._given_used_before_fork = 0, False, False
+        reset_in_forked_child(self)
         if self.local is not None:
-            self._client(retry=False)  # the engine starts now, or says why it cannot
+            self._client("recall")  # the engine starts now, or says why it cannot
 
-    def _forget_parent_clients(self) -> None:
-        """In a forked child: the parent's clients share the parent's sockets and engine; the child builds its own."""
-        self._given_used_before_fork = self._given is not None and self._clients is not None
-        self._clients = None
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's connections, engine and calls are not this process's."""
+        self._given_used_before_fork = self._given is not None and self._opened.clients is not None
+        self._opened.forget()
+        self._lock, self._running = threading.Lock(), 0
 
-    def _build(self) -> tuple[membase.Membase, membase.Membase]:
-        if self._route is not None:
-            http = _http.client_for(self._route)
-            return (
-                membase.Membase(api_key=self._secret, base_url=self.base_url, http_client=http),
-                membase.Membase(api_key=self._secret, base_url=self.base_url, max_retries=0, http_client=http),
-            )
-        if self.local is not None:
-            engine = _local.open_engine(self.local)  # the engine makes one attempt
-            return engine, engine
-        assert self._given is not None
-        if self._given_used_before_fork:
-            raise RuntimeError(
-                f"store '{self.ledger.store_name}': its Membase client (client=) was used before this process was "
-                "forked, and sharing its connections would mix up the two processes' answers; build the client "
-                "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
-            )
-        return self._given, self._given
+    # --- Running calls ---------------------------------------------------------------------------------------------
+    def new_call(
+        self, call: Callable[[], T], *, name: str, on_end: OnEnd | None = None, on_late_end: OnLateEnd | None = None
+    ) -> Call[T]:
+        """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to
+        ``start()``."""
 
-    def _client(self, *, retry: bool) -> membase.Membase:
-        clients = self._clients
-        if clients is None:
-            built = self._build()  # outside the lock: a local engine may take a while to start
-            with self._lock:
-                clients = self._clients = self._clients or built
-            if clients is not built and self.local is not None:
-                _local.close_engine(self.local)  # another thread opened it first: one user less
-        return clients[0] if retry else clients[1]
+        def ended(outcome: Outcome[Any]) -> None:
+            self._call_ended()
+            if on_end is not None:
+                on_end(outcome)
+
+        with self._lock:
+            self._running += 1
+        return Call(call, name=name, mask=self.mask, on_end=ended, on_late_end=on_late_end)
+
+    def run(self, call: Callable[[], T]) -> Outcome[T]:
+        """Run ``call`` on this thread (the tools, the set-up check of the command line)."""
+        with self._lock:
+            self._running += 1
+        try:
+            return run(call, self.mask)
+        finally:
+            self._call_ended()
+
+    def _call_ended(self) -> None:
+        with self._lock:
+            self._running -= 1
+            idle_and_closed = self._closed and not self._running
+        if idle_and_closed:
+            self._opened.close()
 
     def close(self) -> None:
-        """Let go of the local engine this gateway opened in this process, if any (blocking)."""
+        """Let go of the connections and the local engine: now, or once the calls still running have ended."""
         with self._lock:
-            opened, self._clients = self._clients is not None, None
-        if self.local is not None and opened:
-            try:
-                _local.close_engine(self.local)
-            except Exception as error:
-                self.ledger.log(logging.WARNING, "could not close its local engine", reason=type(error).__name__)
+            self._closed = True
+            idle = not self._running
+        if idle:
+            self._opened.close()
 
+    # --- What Membase is asked ---------------------------------------------------------------------------------------
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
         ``ValueError`` when ``container`` names no Memory in reach, or several."""
 
         def send(client: membase.Membase, container_id: str | None) -> Any:
+            if container is not None and container_id is None:  # a local Memory not made yet holds nothing
+                return {"results": [], "containers": []}
             return client.search(sendable(query), container=container_id, limit=limit)
 
-        answer = self._call("search_memories", self._resolved(container, send), retry=retry, container=container)
+        answer = self._ask("search", self._resolved(container, send), use=_use(retry), container=container)
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (``static``: a standing fact) in one attempt: a POST that timed out may be stored. A 2xx whose
-        body cannot be read counts as saved (``None``). ``ValueError``: larger than Membase takes (nothing is sent)."""
+        """Save one note (``static``: a standing fact), in one attempt. A 2xx whose body cannot be read counts as
+        saved (``None``). ``ValueError``: larger than Membase takes (nothing is sent)."""
         if too_large([content]):
             raise ValueError(f"the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); nothing was sent")
 
         def send(client: membase.Membase, container_id: str | None) -> Any:
+            target = container if container_id is None else container_id  # a local Memory is made by its first save
             try:
-                return client.memories.add(sendable(content), container=container_id, static=static, title=title)
+                return client.memories.add(sendable(content), container=target, static=static, title=title)
             except _UNREADABLE as error:
                 why = _unreadable(error)
             except BadResponseError as error:
                 if not 200 <= (error.status or 0) < 300:
                     raise
                 why = f"unreadable ({error.message})"  # too large, or compressed
-            self.ledger.log(
-                logging.WARNING, "Membase accepted the note; counting it as saved", reason=f"2xx answer is {why}"
-            )
+            said = "Membase accepted the note; counting it as saved"
+            self.log.log(logging.WARNING, said, reason=f"2xx answer is {why}")
             return None
 
-        return self._call(SAVE, self._resolved(container, send), retry=False, container=container)
+        return self._ask(SAVE, self._resolved(container, send), use="write", container=container)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
         """The profile: standing facts and recent changes (each as text, masked: all of it may be shown) and, with
         ``topic``, relevant results (masked as they are shown)."""
-        body = self._call(PROFILE, lambda client: client.profile(q=sendable(topic) if topic else None), retry=retry)
+        body = self._ask(PROFILE, lambda client: client.profile(q=sendable(topic) if topic else None), use=_use(retry))
         if not isinstance(body, dict):
             raise BadResponseError("the profile answer is not an object")
         masked = {key: [self.redact(fact) for fact in facts(body.get(key))] for key in ("static", "dynamic")}
         return {**body, **masked}
 
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
-        """Forget the passage ``passage_id`` names (as :func:`~._formatting.passage_id` gives it); without
-        ``confirm``, Membase only says what would be forgotten."""
+        """Forget the passage ``passage_id`` names (as ``_formatting.passage_id`` gives it); without ``confirm``,
+        Membase only says what would be forgotten."""
 
         def forget(client: membase.Membase) -> Any:
             if passage_id.startswith("document:"):
@@ -208,54 +219,92 @@ class MembaseGateway:
                 return client.documents.delete(urllib.parse.quote(document, safe=""), confirm=confirm)
             return client.memories.forget(urllib.parse.quote(passage_id, safe=":"), confirm=confirm)
 
-        answer = self._call(FORGET, forget, retry=False)  # a confirmed forget is sent once
+        answer = self._ask(FORGET, forget, use="write")
         if not isinstance(answer, dict):
             raise BadResponseError("the answer to a forget is not an object")
         return answer
 
     def memories_in_reach(self) -> list[Container]:
         """The Memories this key reaches, in one attempt, their names masked."""
-        listed = parse_containers(self._call("list_containers", lambda client: client.containers.list(), retry=False))
+        listed = parse_containers(self._ask("list_containers", lambda client: client.containers.list(), use="recall"))
         return [Container(container.id, self.redact(container.name)) for container in listed]
 
-    def container_id(self, name: str, *, retry: bool = True) -> str:
-        """The id of the Memory ``name`` names (``ValueError`` if none or several), cached after the first lookup."""
-        return self._call("list_containers", lambda client: self._looked_up(client, name), retry=retry)
+    def container_id(self, name: str) -> str | None:
+        """The id of the Memory ``name`` names (``ValueError`` if none or several; ``None``: a local Memory its first
+        save makes), cached after the first lookup."""
+        return self._ask("list_containers", lambda client: self._looked_up(client, name), use="tools")
 
     def check_setup(self, container: str | None) -> None:
         """The store's set-up check, in one attempt: the pinned Memory's id; or, with none pinned, one Memory at most
         (capture must know where to write). ``ValueError`` when not."""
         if container is not None:
-            self.container_id(container, retry=False)
+            self._ask("list_containers", lambda client: self._looked_up(client, container), use="recall")
         elif len(containers := self.memories_in_reach()) > 1:
             raise ValueError(
                 f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming "
                 "the one to write to"
             )
 
-    def off(self, verb: str) -> Refused | None:
-        """The refusal that keeps ``verb`` (or :data:`RECALL`) off for now, so that nothing is sent for it; or None."""
-        until, sentence, refusal = self._off.get(verb, (0.0, "", ""))
-        return Refused(sentence, refusal) if time.monotonic() < until else None
+    # --- Refusals ------------------------------------------------------------------------------------------------
+    def disabled(self, verb: str) -> Refused | None:
+        """The refusal that disables ``verb`` (or :data:`RECALL`) for now, so that nothing is sent for it; or None."""
+        until, refused = self._disabled.get(verb, (0.0, None))
+        return refused if time.monotonic() < until else None
 
     def pause_recall(self, refused: Refused) -> None:
         """Pause automatic recall for ``access_cooldown`` after it met ``refused``."""
-        self._switch_off(RECALL, refused)
+        self._disable(RECALL, refused)
 
-    def _switch_off(self, verb: str, refused: Refused) -> bool:
-        """Switch ``verb`` off for ``access_cooldown``; whether it is news: not refused since it last succeeded."""
-        entry = (time.monotonic() + (self._cooldown or 0.0), refused.message, refused.refusal)
-        news = self._off.setdefault(verb, entry) is entry  # one step: two refusals at once are news once
-        self._off[verb] = entry
+    def _disable(self, verb: str, refused: Refused) -> bool:
+        """Disable ``verb`` for ``access_cooldown``; whether it is news: not refused since it last succeeded."""
+        entry = (time.monotonic() + (self._cooldown or 0.0), refused)
+        news = self._disabled.setdefault(verb, entry) is entry  # one step: two refusals at once are news once
+        self._disabled[verb] = entry
         return news
 
-    def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str:
-        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
+    # --- Inside -----------------------------------------------------------------------------------------------------
+    def _client(self, use: str) -> membase.Membase:
+        """The SDK client for ``use``: ``"tools"`` (retries), ``"recall"`` (one attempt) or ``"write"``."""
+        opened = self._opened
+        if opened.clients is None:
+            with self._lock:
+                if opened.clients is None:
+                    opened.clients = self._build(opened)
+        return opened.clients[use]
+
+    def _build(self, opened: _Opened) -> dict[str, membase.Membase]:
+        if self._route is not None:
+            opened.http = _http.clients(self._route)
+            reads, writes = opened.http
+            key, url = self._secret, self.base_url
+            return {
+                "tools": membase.Membase(api_key=key, base_url=url, http_client=reads),
+                "recall": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=reads),
+                "write": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=writes),
+            }
+        if self.local is not None:
+            engine = _local.open_engine(self.local)  # it makes one attempt
+            opened.engine = True
+            return dict.fromkeys(("tools", "recall", "write"), engine)
+        assert self._given is not None
+        if self._given_used_before_fork:
+            raise RuntimeError(
+                f"store '{self.log.store_name}': its Membase client (client=) was used before this process was "
+                "forked, and sharing its connections would mix up the two processes' answers; build the client "
+                "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
+            )
+        return dict.fromkeys(("tools", "recall", "write"), self._given)
+
+    def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str | None:
+        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``; ``None``
+        for a local Memory not made yet (local Membase makes a Memory at its first save)."""
         if again:
             self._container_ids.pop(name, None)
-        container_id = self._container_ids.get(name)
-        if container_id is None:
-            container_id = self._container_ids[name] = match(name, parse_containers(client.containers.list())).id
+        if (container_id := self._container_ids.get(name)) is None:
+            listed = parse_containers(client.containers.list())
+            if self.local is not None and not listed:
+                return None  # a new directory: its first save makes the Memory it names ("default", say)
+            container_id = self._container_ids[name] = match(name, listed, local=self.local is not None).id
         return container_id
 
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
@@ -278,12 +327,13 @@ class MembaseGateway:
 
         return call
 
-    def _call(self, verb: str, call: Callable[[membase.Membase], T], *, retry: bool, container: str | None = None) -> T:
-        """``call`` (Membase's ``verb``) with the client that retries (or not), unless the verb is off: a 403 becomes a
-        :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's error is masked."""
-        if (refused := self.off(verb)) is not None:
+    def _ask(self, verb: str, call: Callable[[membase.Membase], T], *, use: str, container: str | None = None) -> T:
+        """``call`` (Membase's ``verb``) with the SDK client for ``use`` (see :meth:`_client`), unless the verb is
+        disabled: a 403 becomes a :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's
+        error is masked."""
+        if (refused := self.disabled(verb)) is not None:
             raise refused
-        client = self._client(retry=retry)
+        client = self._client(use)
         try:
             answer = call(client)
         except _UNREADABLE as error:
@@ -291,16 +341,12 @@ class MembaseGateway:
         except ValueError as error:  # the library's own, about a Memory name: it may list names Membase sent
             raise ValueError(self.redact(str(error))) from None
         except membase.PermissionDeniedError as error:
-            denied = error
-        else:
-            self._off.pop(verb, None)  # allowed (again): a later refusal is news
-            return answer
-        refused = self._refused(verb, denied, container)
-        refused.__cause__ = self.without_secret(denied)  # raised outside the except: no context holds the server's text
-        raise refused
+            raise self._refused(verb, error, container) from error
+        self._disabled.pop(verb, None)  # allowed (again): a later refusal is news
+        return answer
 
     def _refused(self, verb: str, error: membase.PermissionDeniedError, container: str | None) -> Refused:
-        """The :class:`Refused` of a 403 to ``verb``; one above the key's level switches the verb off, said once."""
+        """The :class:`Refused` of a 403 to ``verb``; one above the key's level disables the verb, said once."""
         refusal = refusal_of(error)
         if refusal == REACH:
             named = f"the Memory '{memory_label(container)}'" if container else "a Memory the request named"
@@ -310,10 +356,37 @@ class MembaseGateway:
             return Refused(ACCESS_SENTENCE, refusal)
         may_not, meanwhile = _LEVELS[verb]
         refused = Refused(f"This Membase key {may_not}. {_OWNER}", LEVEL)
-        news = self._switch_off(verb, refused)
+        news = self._disable(verb, refused)
         pause = f"; for {self._cooldown:g} s {meanwhile}, then it is tried again" if self._cooldown else ""
-        self.ledger.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
+        self.log.log(logging.WARNING if news else logging.INFO, f"this Membase key {may_not}{pause}")
         return refused
+
+
+class _Opened:
+    """What a gateway opened in this process: its SDK clients, its httpx clients, its use of a local engine."""
+
+    def __init__(self, local: Path | None) -> None:
+        self.local = local
+        self.clients: dict[str, membase.Membase] | None = None
+        self.http: tuple[httpx.Client, ...] = ()
+        self.engine = False
+
+    def forget(self) -> None:
+        """Drop all of it unclosed (in a forked child: the sockets and the engine are the parent's)."""
+        self.clients, self.http, self.engine = None, (), False
+
+    def close(self) -> None:
+        self.clients = None
+        http, self.http = self.http, ()
+        for client in http:
+            client.close()
+        if self.engine and self.local is not None:
+            self.engine = False
+            _local.close_engine(self.local)
+
+
+def _use(retry: bool) -> str:
+    return "tools" if retry else "recall"
 
 
 def too_large(texts: Iterable[str]) -> bool:
@@ -332,12 +405,23 @@ def too_large(texts: Iterable[str]) -> bool:
     return False
 
 
+def looks_like_path(text: str) -> bool:
+    """Whether ``text``, given where a key is expected, is a filesystem path (no Membase key looks like one)."""
+    text = text.strip()
+    return os.path.isabs(text) or text.startswith(("~", ".")) or os.path.exists(text)
+
+
 def _checked_key(key: str | None) -> str:
     if not isinstance(key, str) or not key.strip():
         raise ValueError(
             "api_key: no Membase API key; pass api_key=, set MEMBASE_API_KEY, or pass local=DIR for local memory"
         )
     key = key.strip()  # a key read from a file or a vault often ends in a newline
+    if looks_like_path(key):
+        raise ValueError(
+            "api_key: the value is a filesystem path, not a Membase API key (nothing was sent); for local Membase, "
+            "pass the directory as local=pathlib.Path(...)"
+        )
     if not key.isascii() or not key.isprintable() or " " in key:
         # It could not go into an HTTP header, and the transport's error would quote it back.
         raise ValueError("api_key: the Membase API key has spaces or characters a key cannot have; check its value")

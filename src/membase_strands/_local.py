@@ -10,26 +10,28 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import IO
 
 import membase
 
-from . import _runtime
-
 LOCK_NAME = ".membase-strands.lock"
 
 _Opened = tuple[membase.Membase, IO[str]]
 _open: dict[Path, tuple[Future[_Opened], list[int]]] = {}  # directory -> engine, users
-_lock = _runtime.new_lock()
+_lock = threading.Lock()
 
 
-def _forget_engines() -> None:
+def _reset_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # one a parent's thread held would stay held
     _open.clear()  # a forked child's engines are its own: the parent's hold the parent's lock on the directory
 
 
-_runtime.forget_in_child(_forget_engines)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def directory_of(local: str | os.PathLike[str] | bool) -> Path:

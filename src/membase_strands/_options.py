@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, TypeGuard
@@ -34,19 +35,19 @@ def describe(container: str | None) -> str:
     )
 
 
-def whole(value: Any, least: int) -> TypeGuard[int]:
+def is_whole_number(value: Any, least: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def finite(value: Any) -> bool:
+def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
-def _seconds(value: Any) -> bool:
-    return finite(value) and value > 0
+def _is_seconds(value: Any) -> bool:
+    return is_finite_number(value) and value > 0
 
 
-def _text(value: Any) -> bool:
+def _is_text(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
@@ -57,18 +58,18 @@ def _or_none(allowed: Callable[[Any], bool]) -> Callable[[Any], bool]:
 _SECONDS = "a positive number of seconds"
 # What each option must be, and the words its error says it in: "<option> must be <words>, got <value>".
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "name": (_text, "a non-blank string"),
-    "container": (_or_none(_text), "a Memory name or id"),
+    "name": (_is_text, "a non-blank string"),
+    "container": (_or_none(_is_text), "a Memory name or id"),
     "max_recall_chars": (
-        _or_none(lambda value: whole(value, MIN_RECALL_CHARS)),
+        _or_none(lambda value: is_whole_number(value, MIN_RECALL_CHARS)),
         f"a whole number of at least {MIN_RECALL_CHARS}, or None",
     ),
-    "min_score": (_or_none(finite), "a finite number (a score Membase gives passages) or None"),
-    "max_response_bytes": (lambda value: whole(value, 1024), "a whole number of bytes, at least 1024"),
+    "min_score": (_or_none(is_finite_number), "a finite number (a score Membase gives passages) or None"),
+    "max_response_bytes": (lambda value: is_whole_number(value, 1024), "a whole number of bytes, at least 1024"),
     **dict.fromkeys(
-        ("recall_timeout", "write_timeout", "access_cooldown"), (_or_none(_seconds), f"{_SECONDS} or None")
+        ("recall_timeout", "write_timeout", "access_cooldown"), (_or_none(_is_seconds), f"{_SECONDS} or None")
     ),
-    **dict.fromkeys(("request_timeout", "close_timeout", "profile_ttl"), (_seconds, _SECONDS)),
+    **dict.fromkeys(("request_timeout", "close_timeout", "profile_ttl"), (_is_seconds, _SECONDS)),
     **dict.fromkeys(("capture", "recall_profile"), (lambda value: isinstance(value, bool), "True or False")),
 }
 
@@ -82,7 +83,7 @@ def check(arguments: dict[str, Any]) -> None:
 
 def passages_wanted(value: Any, option: str, default: int = DEFAULT_SEARCH_RESULTS) -> int:
     """How many passages to ask for (``None``: ``default``), past Membase's maximum the maximum, not an error."""
-    if value is not None and not whole(value, 1):
+    if value is not None and not is_whole_number(value, 1):
         raise ValueError(f"{option} must be a whole number from 1 to {MAX_SEARCH_RESULTS}, got {value!r}")
     return default if value is None else min(value, MAX_SEARCH_RESULTS)
 
@@ -118,3 +119,10 @@ def write_flags(metadata: dict[str, Any] | None) -> tuple[str, bool]:
     if not isinstance(static, bool):
         raise ValueError(f"metadata['static'] must be True or False, got {static!r}")
     return title, static
+
+
+def unknown_option(name: str, known: Iterable[str]) -> str:
+    """The error for an option that is not one of ``known``: the one meant, if one is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    meant = f"did you mean {close[0]!r}?" if close else f"the options are {', '.join(known)}"
+    return f"unknown option {name!r}: {meant}"

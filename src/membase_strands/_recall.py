@@ -1,10 +1,11 @@
-"""Automatic recall: time-boxed, fail-open, and guarded against hammering a waking memory.
+"""Automatic recall: time-boxed, fail-open, and never piling up on a waking memory.
 
-The first search after a quiet spell can take up to a minute while the memory wakes. Past its budget (or
-cancelled) a recall's request runs on in the background, waking the memory; until it ends (one attempt at most),
-recalls skip at once rather than pile on: not a failure, logged at DEBUG only, so a long stall does not write a
-warning per turn. With ``recall_profile``, the profile's standing facts are read beside the search, within the same
-budget, at most once per ``profile_ttl``: a profile that fails or is late costs no passage.
+The first search after a quiet spell can take up to a minute while the memory wakes. A recall's search runs as a
+``Call`` while the turn waits at most ``recall_timeout``; past it (or when the turn is cancelled) the search goes on
+in the background, waking the memory, and until it ends (one attempt at most: ``request_timeout``) later recalls are
+skipped at once rather than sent too: not a failure, logged at DEBUG only, so a long stall writes no warning per
+turn. With ``recall_profile``, the profile's standing facts are read beside the search, within the same budget, at
+most once per ``profile_ttl``: a profile that fails or is late costs no passage.
 """
 
 from __future__ import annotations
@@ -13,21 +14,21 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import Future
 from typing import Any
 
 from strands.memory import MemoryEntry
 
-from . import _runtime, _telemetry
+from ._calls import Call, Outcome, reset_in_forked_child
+from ._failures import Refused
 from ._formatting import arrange, memory_entries, profile_entry, standing_facts
 from ._gateway import RECALL, MembaseGateway
-from ._runtime import wait_for_future
-from .errors import MembaseRecallTimeout
+from .errors import MembaseAccessError, MembaseRecallTimeout
 
 
 class Recall:
-    """One store's automatic recall: the budget, the in-flight guard, the 403 pause and the profile's cache.
-    ``hold_limit``: the longest a late request holds the guard; ``profile_ttl``: ``None`` for no profile."""
+    """One store's automatic recall: the budget, the skip while a late search runs, the pause after a 403 and the
+    standing facts read for it. ``request_timeout``: how long a late search may hold recall back at most;
+    ``profile_ttl``: ``None`` for no profile."""
 
     def __init__(
         self,
@@ -35,128 +36,135 @@ class Recall:
         *,
         container: str | None,
         budget: float | None,
-        hold_limit: float,
+        request_timeout: float,
+        access_cooldown: float | None,
         min_score: float | None,
         max_chars: int | None,
         profile_ttl: float | None,
     ) -> None:
-        self._gateway, self._ledger, self._container = gateway, gateway.ledger, container
-        self._budget, self._hold_limit = budget, hold_limit
+        self._gateway, self._log, self._container = gateway, gateway.log, container
+        self._budget, self._request_timeout, self._access_cooldown = budget, request_timeout, access_cooldown
         self._min_score, self._max_chars, self._profile_ttl = min_score, max_chars, profile_ttl
-        self._late: tuple[Future[Any], float] | None = None  # the latest late request, and when it started
+        self._late_search: tuple[Call[Any], float] | None = None  # the latest search that ran late, and its start
         self._profile: tuple[float, list[str]] = (-math.inf, [])  # the standing facts: when read, what they are
-        self._profile_reading: Future[None] | None = None
-        self._lock = _runtime.new_lock()
-        self._thread_name = f"membase-recall[{self._ledger.store_name}]"
-        _runtime.forget_in_child(self._forget_parent_requests)
+        self._profile_read: Call[Any] | None = None  # the latest read of them
+        self._thread_name = f"membase-recall[{self._log.store_name}]"
+        reset_in_forked_child(self)
 
-    def _forget_parent_requests(self) -> None:
-        self._late, self._profile_reading = None, None  # a forked child: their threads are the parent's
+    def reset_after_fork(self) -> None:
+        self._late_search = self._profile_read = None  # their threads are the parent's
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
         """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
-        per Memory that could not answer; ``[]`` while the guard is up or recall is paused. ``MembaseRecallTimeout``
-        when the budget runs out (the request goes on, holding the guard)."""
-        if skip := self._skip():
-            self._ledger.count("recall_skipped")
-            _telemetry.mark("skipped")
-            self._ledger.log(logging.DEBUG, "recall skipped", reason=skip)
+        per Memory that could not answer; ``[]`` while recall is skipped. ``MembaseRecallTimeout`` when the budget runs
+        out (the search goes on); the search's failure raised (a 403 as ``MembaseAccessError``)."""
+        if skip := self._skip_reason():
+            self._log.count("recall_skipped")
+            self._log.annotate(outcome="skipped")
+            self._log.log(logging.DEBUG, "recall skipped", reason=skip)
             return []
-        started, retry = time.monotonic(), self._budget is None
-        searching = _runtime.submit(
-            lambda: self._gateway.search(query, limit, self._container, retry=retry), name=self._thread_name
-        )
+        started, gateway, container, retry = time.monotonic(), self._gateway, self._container, self._budget is None
+        search = gateway.new_call(
+            lambda: gateway.search(query, limit, container, retry=retry),
+            name=self._thread_name,
+            on_late_end=lambda outcome, why: self._late_search_ended(outcome, started),
+        ).start()
         profile = self._read_profile()
         try:
-            answer = await wait_for_future(searching, self._budget)
-        except asyncio.TimeoutError:
-            self._hold_guard(searching, started)
+            outcome = await search.wait(self._budget)
+        except asyncio.CancelledError:
+            self._late_search = (search, started)
+            self._log.count("recall_cancelled")
+            self._log.log(logging.INFO, "recall cancelled; the search goes on in the background")
+            raise
+        if outcome is None:
+            self._late_search = (search, started)
+            self._log.count("recall_timeouts")
+            self._log.annotate(outcome="timeout")
+            # INFO, not WARNING: the manager logs the exception below as one, and once is enough.
             message = (
-                "recall ran out of time; the turn goes on without memory and the request finishes in the background"
+                "recall ran out of time; the turn goes on without memory and the search finishes in the background"
             )
-            # INFO, not WARNING: the manager logs the exception below as one, once is enough.
-            self._ledger.count("recall_timeouts")
-            self._ledger.log(logging.INFO, message, budget=self._budget)
+            self._log.log(logging.INFO, message, budget=self._budget)
             raise MembaseRecallTimeout(
                 f"Membase recall ran out of time after {self._budget:g} s; it goes on in the background"
-            ) from None
-        except asyncio.CancelledError:
-            if not searching.done():
-                self._hold_guard(searching, started)
-            self._ledger.count("recall_cancelled")
-            self._ledger.log(logging.INFO, "recall cancelled")
-            raise
-        if profile is not None:  # wait for the standing facts within what is left of the budget
+            )
+        if outcome.error is not None:
+            self._failed(outcome)
+        if profile is not None:  # the standing facts, within what is left of the budget
             left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
-            try:
-                await wait_for_future(profile, left)
-            except Exception as error:  # noqa: BLE001 - a profile that fails or is late costs no passage
-                self._ledger.log(logging.DEBUG, "profile not read for recall", error=error)
+            if (read := await profile.wait(left)) is None or read.error is not None:
+                self._log.log(logging.DEBUG, "profile not read for recall", error=read.error if read else None)
+        return self._entries(outcome.result(), limit)
+
+    def _entries(self, answer: Any, limit: int) -> list[MemoryEntry]:
         standing = self._profile[1]
         head = [profile_entry(standing, self._max_chars)] if standing else []
         budget = None if self._max_chars is None else self._max_chars - sum(len(entry.content) for entry in head)
         # The manager keeps the first `limit` entries: room for the notices, so no Memory's failure is dropped silently.
         most = max(0, limit - len(answer.unsearched) - len(head))
-        shown = arrange(answer, most, min_score=self._min_score, budget=budget)
+        shown = arrange(answer, most, min_score=self._min_score, budget=budget, redact=self._gateway.redact)
         entries = head + memory_entries(shown)
-        for counter, count in [("folded", shown.folded), ("below_floor", shown.below_floor)]:
-            if count:
-                self._ledger.count(f"recall_passages_{counter}", amount=count)
-        self._ledger.count("recall_hits" if shown.passages else "recall_empty")
-        _telemetry.mark(
-            "hit" if shown.passages else "empty",
+        if shown.duplicates_merged:
+            self._log.count("recall_duplicates_merged", amount=shown.duplicates_merged)
+        if shown.below_min_score:
+            self._log.count("recall_passages_below_min_score", amount=shown.below_min_score)
+        self._log.count("recall_hits" if shown.passages else "recall_empty")
+        self._log.annotate(
+            outcome="hit" if shown.passages else "empty",
             passages=len(shown.passages),
             chars_injected=sum(len(entry.content) for entry in entries),
-            unanswered=len(shown.unsearched),
-            folded=shown.folded or None,
-            below_floor=shown.below_floor or None,
+            unanswered=len(shown.unsearched) or None,
         )
         return entries
 
-    def _skip(self) -> str | None:
-        if self._gateway.off(RECALL):  # paused after a 403
+    def _failed(self, outcome: Outcome[Any]) -> None:
+        """Count and raise a failed search for the manager: a 403 as ``MembaseAccessError``, pausing recall."""
+        error = outcome.error
+        assert error is not None
+        kind = self._log.failed(error, "recall_errors")
+        self._log.annotate(outcome="error", error_kind=kind)
+        if not isinstance(error, Refused):
+            raise error
+        paused = ""
+        if self._access_cooldown is not None:
+            self._gateway.pause_recall(error)
+            paused = f"; automatic recall paused for {self._access_cooldown:g} s"
+        # INFO: the manager logs a failed recall as a warning, and once is enough.
+        self._log.log(logging.INFO, f"recall refused by Membase{paused}", error=error)
+        raise MembaseAccessError(error.message, error.refusal) from error
+
+    def _skip_reason(self) -> str | None:
+        if self._gateway.disabled(RECALL):  # paused after a 403
             return "key refused (403)"
-        late = self._late
-        if late is not None and not late[0].done() and late[1] > time.monotonic() - self._hold_limit:
-            return "memory waking"
+        late = self._late_search
+        if late is not None and not late[0].done() and late[1] > time.monotonic() - self._request_timeout:
+            return "previous search still running"
         return None
 
-    def _read_profile(self) -> Future[None] | None:
-        """The read of the standing facts this recall starts and waits for, when none is fresh or running; ``None``:
-        use the cache (one that an earlier recall started and is still running is not waited for again: a profile
-        that hangs costs one recall its wait, not every one)."""
+    def _late_search_ended(self, outcome: Outcome[Any], started: float) -> None:
+        """The late end of a search nobody waited for any more: logged and counted once."""
+        elapsed = round(time.monotonic() - started, 1)
+        if outcome.error is None:
+            self._log.log(logging.INFO, "late recall finished; automatic recall resumes", elapsed_s=elapsed)
+        else:
+            self._log.failed(outcome.error)
+            message = "late recall failed; automatic recall resumes"
+            self._log.log(logging.WARNING, message, error=outcome.error, elapsed_s=elapsed)
+        self._log.count("recall_late_completions")  # last: whoever sees it finds the outcome logged
+
+    def _read_profile(self) -> Call[Any] | None:
+        """The read of the standing facts this recall waits for, when none is fresh or running; ``None``: use what was
+        read (one that an earlier recall started and is still running is not waited for again: a profile that hangs
+        costs one recall its wait, not every one)."""
+        if self._profile_ttl is None or time.monotonic() - self._profile[0] < self._profile_ttl:
+            return None
+        if self._profile_read is not None and not self._profile_read.done():
+            return None
+        gateway = self._gateway
 
         def read() -> None:
-            facts = standing_facts(self._gateway.profile(None, retry=False))
-            self._profile = (time.monotonic(), facts)
+            self._profile = (time.monotonic(), standing_facts(gateway.profile(None, retry=False)))
 
-        if self._profile_ttl is None:
-            return None
-        with self._lock:
-            if time.monotonic() - self._profile[0] < self._profile_ttl:
-                return None
-            if self._profile_reading is not None and not self._profile_reading.done():
-                return None
-            reading = self._profile_reading = Future[None]()
-        return _runtime.submit(read, name=self._thread_name, future=reading)  # outside the lock (see _runtime.submit)
-
-    def _hold_guard(self, future: Future[Any], started: float) -> None:
-        """Hold the guard until ``future`` ends, then trace, log and count how the late request ended."""
-        linked = _telemetry.link_here()  # the turn's recall span: the late outcome's span links to it
-        self._late = (future, started)
-
-        def release(_: Future[Any]) -> None:
-            error, elapsed = future.exception(), round(time.monotonic() - started, 1)
-            outcome = "late recall finished" if error is None else "late recall failed"
-            self._ledger.late(
-                _telemetry.RECALL_LATE,
-                linked,
-                "completed",
-                level=logging.INFO if error is None else logging.WARNING,
-                message=f"{outcome}; automatic recall resumes",
-                error=error,
-                elapsed_s=elapsed,
-            )
-            self._ledger.count("recall_late_completions")  # last: whoever sees it finds the outcome logged
-
-        future.add_done_callback(release)
+        self._profile_read = gateway.new_call(read, name=self._thread_name).start()
+        return self._profile_read

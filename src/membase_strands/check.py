@@ -27,7 +27,7 @@ from ._failures import describe_failure
 from ._formatting import parse_search
 from ._gateway import DEFAULT_BASE_URL, MembaseGateway
 from ._local import unavailable
-from ._options import finite
+from ._options import is_finite_number
 from ._version import __version__
 
 PROBE_QUERY = "membase-strands setup check"
@@ -119,7 +119,7 @@ def _check(options: dict[str, Any], announce: Callable[[str], None] | None = Non
         found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
         return CheckReport(f"local Membase in {os.fspath(local)}", found)
     try:
-        if not finite(timeout) or timeout <= 0:
+        if not is_finite_number(timeout) or timeout <= 0:
             raise ValueError(f"timeout=SECONDS must be a positive number, got {timeout!r}")
         where = {option: options[option] for option in ("client", "api_key", "base_url", "local")}
         gateway = MembaseGateway(**where, request_timeout=timeout, store_name="check")

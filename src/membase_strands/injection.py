@@ -11,7 +11,7 @@ from xml.sax.saxutils import escape
 
 from strands.memory import InjectionFormatContext, MemoryInjectionConfig
 
-from ._options import whole
+from ._options import is_whole_number
 
 if TYPE_CHECKING:
     from strands.injection.types import InjectionTriggerPredicate
@@ -44,7 +44,7 @@ def injection_config(
     Raises:
         ValueError: ``max_entries`` is not a whole number of at least 1.
     """
-    if max_entries is not None and not whole(max_entries, 1):
+    if max_entries is not None and not is_whole_number(max_entries, 1):
         raise ValueError(f"max_entries must be a whole number of at least 1, got {max_entries!r}")
     config = MemoryInjectionConfig(format=format_as_data)
     if max_entries is not None:

@@ -7,22 +7,21 @@ Until then the pool remembers it weakly: the same user coming back gets that sam
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import os
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import wait
 from typing import Any
 
 import membase
 
-from . import _runtime
-from ._closing import dropped_stores_closing
-from ._telemetry import Ledger
-from .store import MembaseMemoryStore, ledger_of
+from ._calls import reset_in_forked_child
+from ._gateway import looks_like_path
+from ._log import StoreLog
+from ._options import unknown_option
+from .store import STORE_OPTIONS, MembaseMemoryStore, begin_closing, share_counts
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +58,20 @@ class MembaseStorePool:
             raise ValueError(f"credential_for must be a function of the user id, got {type(credential_for).__name__}")
         if shared := [option for option in ("client", "api_key", "local") if option in store_options]:
             raise ValueError(f"{', '.join(shared)}: comes from credential_for for each user, not shared by the pool")
-        known = inspect.signature(MembaseMemoryStore).parameters
-        if unknown := sorted(set(store_options) - set(known)):
-            raise ValueError(f"unknown store option(s) {unknown}; MembaseMemoryStore takes {', '.join(known)}")
+        if unknown := sorted(set(store_options) - set(STORE_OPTIONS)):
+            raise ValueError(unknown_option(unknown[0], STORE_OPTIONS))
         # Every value checked now, by the store's own checks, rather than at every user's first turn.
         MembaseMemoryStore(api_key="membase-pool-option-check", **store_options).close()
         self._credential_for, self._max_stores, self._store_options = credential_for, max_stores, store_options
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
-        self._totals = Ledger("pool")  # counts what every store it built counts, as it counts it
-        self._closed, self._lock = False, _runtime.new_lock()
+        self._totals = StoreLog("pool")  # counts what every store it built counts, as it counts it
+        self._closed, self._lock = False, threading.Lock()
+        reset_in_forked_child(self)
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()  # one a parent's thread held would stay held
 
     def __len__(self) -> int:
         with self._lock:
@@ -114,17 +116,13 @@ class MembaseStorePool:
         Each closes as :meth:`MembaseMemoryStore.close` does (up to ``close_timeout`` for its writes), side by side,
         so this returns within about ``close_timeout``. From async code, use :meth:`aclose` (or ``async with``).
         """
-        closing = [_runtime.submit(store.close, name=f"membase-close[{store.name}]") for store in self._close_pool()]
-        wait([*closing, *dropped_stores_closing()])
-        _warn_failed(future.exception() for future in closing)
+        closing = [begin_closing(store) for store in self._close_pool()]
+        _warn_failed(each.wait_blocking(None, owner=False) for each in closing)
 
     async def aclose(self) -> None:
         """:meth:`close` for async code, without blocking the loop: each store's ``aclose()``, side by side."""
-        closing = [store.aclose() for store in self._close_pool()]
-        outcomes = await asyncio.gather(*closing, return_exceptions=True)
-        for dropped in dropped_stores_closing():
-            await _runtime.wait_for_future(dropped, None)
-        _warn_failed(outcomes)
+        closing = [begin_closing(store) for store in self._close_pool()]
+        _warn_failed([await each.wait(None, owner=False) for each in closing])
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -169,7 +167,7 @@ class MembaseStorePool:
             credential = self._credential_for(user_id)
         except Exception as error:
             raise ValueError(f"no Membase credential for user {user_id!r}: the credential function failed") from error
-        if isinstance(credential, str) and os.path.exists(credential):
+        if isinstance(credential, str) and looks_like_path(credential):
             raise ValueError(
                 f"the credential for user {user_id!r} is a str naming a path; for local Membase, return a "
                 "pathlib.Path (a str is sent to the hosted API as a key)"
@@ -186,11 +184,11 @@ class MembaseStorePool:
             raise ValueError(f"the Membase credential for user {user_id!r} cannot be used: {error}") from error
         except (RuntimeError, membase.MembaseError) as error:  # another process holds the directory, or no engine
             raise RuntimeError(f"user {user_id!r} cannot be served in this process: {error}") from error
-        ledger_of(store).totals = self._totals  # a write still running after the store is gone counts there too
+        share_counts(store, self._totals)  # a write still running after the store is gone counts there too
         return store
 
 
-def _warn_failed(outcomes: Iterable[object]) -> None:
-    for outcome in outcomes:  # an exception, or anything else for a close that ended
-        if isinstance(outcome, BaseException):
-            logger.warning("reason=<%s> | a store failed to close", type(outcome).__name__)
+def _warn_failed(outcomes: Iterable[Any]) -> None:
+    for outcome in outcomes:
+        if outcome is not None and outcome.error is not None:
+            logger.warning("reason=<%s> | a store failed to close", type(outcome.error).__name__)

@@ -1,43 +1,38 @@
 """``MembaseMemoryStore``: a Strands ``MemoryStore`` over a person's Membase memory.
 
-Recall, captured writes and the set-up check run on ``_runtime``'s daemon threads while their caller waits within a
-budget, so a slow or unreachable Membase costs a turn at most its budget; the tools run on the thread Strands gives
-them. Every attempt ends at ``request_timeout`` in its socket (``_http``).
+Recall, captured writes, the set-up check and closing each run Membase's blocking calls as a ``_calls.Call`` on a
+library thread while the caller waits within its budget, so a slow or unreachable Membase costs a turn at most its
+budget; the tools run theirs on the thread Strands gives them. Every attempt ends at ``request_timeout`` in its socket
+(``_http``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import membase
 from strands.memory import MemoryEntry, SearchOptions
 from strands.types.content import Message
 
-from . import _options, _runtime, _telemetry
-from ._closing import Closing
-from ._containers import SetupCheck
-from ._failures import LEVEL, Refused
+from . import _options
+from ._calls import Call, reset_in_forked_child
 from ._gateway import MAX_NOTE_BYTES, SAVE, MembaseGateway, too_large
-from ._http import may_have_arrived
+from ._log import StoreLog
 from ._recall import Recall
-from ._telemetry import Ledger
-from ._tools import ToolContext, build_tools
-from ._writes import UNKNOWN_FATE, Part, WriteRecord, fingerprint, message_parts
-from .errors import MembaseAccessError, MembaseRecallTimeout, MembaseWriteTimeout
+from ._tools import StoreTools, build_tools
+from ._writes import Part, WriteRecord, fingerprint, message_parts
+from .errors import MembaseAccessError
 
 if TYPE_CHECKING:
     from strands.memory import ExtractionConfig, MemoryStore
     from strands.types.tools import AgentTool
-
-T = TypeVar("T")
-_RETRYING_CLIENT = (
-    "the client passed in retries (max_retries={}), so a captured write that timed out may be saved twice; build it "
-    "with max_retries=0, or pass api_key= instead"
-)
 
 
 class MembaseMemoryStore:
@@ -73,11 +68,13 @@ class MembaseMemoryStore:
         tools: Iterable[str] = _options.TOOL_NAMES,
         recall_profile: bool = False,
         profile_ttl: float = _options.DEFAULT_PROFILE_TTL,
+        **unknown_options: Any,
     ) -> None:
         """Create a store; building it makes no network call.
 
         Args:
-            client: A ready ``membase.Membase``, used as it is (its retries too) and never closed.
+            client: A ready ``membase.Membase``, used as it is and never closed; one that writes (``capture``, the
+                ``"save"`` tool) must be built with ``max_retries=0``.
             api_key: The key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
             base_url: The Membase host (default: ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``).
             local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``); one process each.
@@ -93,8 +90,8 @@ class MembaseMemoryStore:
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
             request_timeout: Seconds one attempt of a request may take, headers and body (the tools try up to 3 times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
-            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and a verb Membase
-                refused as above the key's level (saving, forgetting, the profile) is off; ``None``: never.
+            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and an action Membase
+                refused as above the key's level (saving, forgetting, the profile) stays disabled; ``None``: never.
             close_timeout: Seconds closing waits for captured writes still running (gunicorn's grace period: 30 s).
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
@@ -102,17 +99,20 @@ class MembaseMemoryStore:
             tools: Which of ``"search"``, ``"save"``, ``"profile"`` and ``"forget"`` to give the model.
             recall_profile: Recall also puts the profile's standing facts first in the memory block.
             profile_ttl: Seconds the standing facts read for recall are used before they are read again.
+            **unknown_options: None is taken: a misspelt option is a ``ValueError`` naming the one meant.
 
         Raises:
-            ValueError: An option is invalid; the message names it.
+            ValueError: An option is invalid or unknown; the message names it.
             RuntimeError: ``local`` is a directory another process holds.
         """
+        if unknown_options:
+            raise ValueError(_options.unknown_option(min(unknown_options), STORE_OPTIONS))
         _options.check(locals())  # the arguments, each by its rule in _options, before anything is built
         self.name, self._container = name, container
         # Typed as the MemoryStore protocol declares them, so the store type-checks as one.
         self.description: str | None = description if description is not None else _options.describe(container)
         self.max_search_results: int | None = _options.passages_wanted(max_search_results, "max_search_results")
-        self._recall_timeout, self._access_cooldown = recall_timeout, access_cooldown
+        self._recall_timeout, self._close_timeout = recall_timeout, close_timeout
         self.writable: bool = _options.check_capture(capture, extraction)
         self.extraction = extraction
         self._capture_roles = _options.check_roles(capture_roles)
@@ -129,33 +129,46 @@ class MembaseMemoryStore:
             access_cooldown=access_cooldown,
             store_name=self.name,
         )
-        self._ledger = gateway.ledger
-        if capture and client is not None and client.max_retries > 0:
-            self._ledger.log(logging.WARNING, _RETRYING_CLIENT.format(client.max_retries))
+        self._log = gateway.log
+        if client is not None and client.max_retries > 0 and (capture or "save" in self._tool_names):
+            writing = "capture=True" if capture else "the membase_save tool"
+            raise ValueError(
+                f"client: it retries (max_retries={client.max_retries}), so a note Membase stored but answered late "
+                f"would be stored again by {writing}; build it with membase.Membase(..., max_retries=0), or pass "
+                "api_key= instead" + ("" if capture else ", or leave 'save' out of tools=")
+            )
         self._recall = Recall(
             gateway,
-            container=self._container,
-            budget=self._recall_timeout,
-            hold_limit=request_timeout,
+            container=container,
+            budget=recall_timeout,
+            request_timeout=request_timeout,
+            access_cooldown=access_cooldown,
             min_score=min_score,
             max_chars=max_recall_chars,
             profile_ttl=profile_ttl if recall_profile else None,
         )
-        self._writes = WriteRecord(self._ledger, write_timeout, close_timeout)
-        self._tool_context = ToolContext(
+        self._writes = WriteRecord(gateway, write_timeout, close_timeout)
+        self._store_tools = StoreTools(
             gateway=gateway,
-            ledger=self._ledger,
-            container=self._container,
+            log=self._log,
+            container=container,
             default_limit=lambda: self._default_limit,
             max_recall_chars=max_recall_chars,
             min_score=min_score,
-            is_closed=lambda: self._closing.closed,
-            ids=("forget" in self._tool_names),
+            is_closed=lambda: self._closed,
+            ids="forget" in self._tool_names,
         )
         self._tools: list[AgentTool] | None = None
-        self._tools_lock = _runtime.new_lock()
-        self._setup = SetupCheck(lambda: gateway.check_setup(container), self._ledger)  # not self: see add()
-        self._closing = Closing(self, self._writes, gateway, self.name)
+        self._setup_check: Call[None] | None = None  # the latest check of the Memories in reach
+        self._setup_waited_out = False  # an agent waited its whole budget for that check
+        self._closed = False
+        self._closing: Call[None] | None = None  # once closing began
+        self._turns_not_captured = 0  # recalls since the last captured batch, when extraction hands the batches
+        self._lock = threading.Lock()
+        reset_in_forked_child(self)
+
+    def reset_after_fork(self) -> None:
+        self._lock, self._setup_check, self._closing = threading.Lock(), None, None  # the parent's threads
 
     def __repr__(self) -> str:
         key = f"key={self._gateway.key_hint!r}, " if self._gateway.key_hint else ""
@@ -166,15 +179,40 @@ class MembaseMemoryStore:
 
     async def initialize(self) -> None:
         """Check a pinned ``container`` (or capture) against the Memories in reach when an agent is built, within
-        ``recall_timeout``; past it, the check goes on in the background and first use checks the Memory too.
+        ``recall_timeout``; past it, the check goes on in the background (agents built meanwhile do not wait for it
+        again) and first use checks the Memory too.
 
         Raises:
             ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
                 and none pinned.
         """
-        if self._container is not None or self.writable:
-            self._check_open()
-            await self._setup.run(self._recall_timeout or _options.WAIT_WITHOUT_BUDGET)
+        if self._container is None and not self.writable:
+            return
+        self._check_open()
+        gateway, container = self._gateway, self._container
+        with self._lock:
+            check = self._setup_check
+            if check is None or (check.outcome is not None and isinstance(check.outcome.error, membase.MembaseError)):
+                self._setup_waited_out = False
+                check = self._setup_check = gateway.new_call(
+                    lambda: gateway.check_setup(container), name=f"membase-check[{self.name}]"
+                ).start()
+            elif self._setup_waited_out and not check.done():
+                return  # building an agent per request during an outage must not cost every request that wait
+        outcome = await check.wait(self._recall_timeout or _options.WAIT_WITHOUT_BUDGET, owner=False)
+        unlisted = "could not list the Memories in reach; checking again at first use"
+        if outcome is None:
+            with self._lock:
+                first, self._setup_waited_out = not self._setup_waited_out, True
+            if first:
+                self._log.log(logging.WARNING, unlisted, reason="no answer in time")
+        elif isinstance(outcome.error, ValueError):
+            with self._lock:
+                self._setup_check = None  # the next agent lists the Memories again: they may have changed
+            raise outcome.error
+        elif outcome.error is not None:
+            self._log.failed(outcome.error)
+            self._log.log(logging.WARNING, unlisted, error=outcome.error)
 
     async def search(self, query: str, options: SearchOptions | None = None) -> list[MemoryEntry]:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
@@ -182,25 +220,25 @@ class MembaseMemoryStore:
         Returns:
             ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer (with
             ``recall_profile``, the standing facts first); ``[]`` for a blank query, or while recall is skipped (an
-            earlier recall still runs late, or after a 403).
+            earlier search still runs late, or after a 403).
 
         Raises:
-            MembaseRecallTimeout: The budget ran out; the request goes on in the background.
+            MembaseRecallTimeout: The budget ran out; the search goes on in the background.
             MembaseAccessError: Membase refused the key (403); automatic recall pauses for ``access_cooldown``.
             RuntimeError: The store is closed.
             ValueError: ``options["max_search_results"]`` is not a whole number of at least 1.
-            asyncio.CancelledError: The task was cancelled; the request goes on, and recalls skip while it runs.
+            asyncio.CancelledError: The task was cancelled; the search goes on, and recalls skip while it runs.
         """
-        with _telemetry.operation(_telemetry.RECALL, self._ledger):
-            self._check_open()
-            if not isinstance(query, str) or not query.strip():
-                _telemetry.mark("skipped", reason="blank query")
-                return []
-            query = _options.query_text(query)  # what is sent, from here down to the request
-            wanted = options.get("max_search_results") if options else None
-            limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
-            self._ledger.count("recalls")
-            return await self._await_or_report("recall", self._recall.run(query, limit))
+        self._check_open()
+        if not isinstance(query, str) or not query.strip():
+            self._log.annotate(outcome="skipped")
+            return []
+        wanted = options.get("max_search_results") if options else None
+        limit = _options.passages_wanted(wanted, "max_search_results", self._default_limit)
+        self._log.count("recalls")
+        if self.extraction:
+            self._turns_not_captured += 1
+        return await self._recall.run(_options.query_text(query), limit)
 
     async def add(self, content: str, metadata: dict[str, Any] | None = None) -> Any:
         """Save the note ``content`` within ``write_timeout`` (the manager's ``add_memory`` tool and extractor call
@@ -213,8 +251,8 @@ class MembaseMemoryStore:
             ValueError: Capture is off, the content is blank or larger than Membase takes (32 MiB), or a metadata
                 flag has the wrong type.
             MembaseWriteTimeout: The budget ran out; the request goes on in the background, never sent twice.
-            MembaseAccessError: Membase refused the key (403); while saving is off after a refusal above the key's
-                level, at once, with no request.
+            MembaseAccessError: Membase refused the key (403); while saving is disabled after a refusal above the
+                key's level, at once, with no request.
             membase.MembaseError: Any other failure, so the manager keeps the write for a retry.
         """
         self._require_capture("add")
@@ -223,12 +261,11 @@ class MembaseMemoryStore:
         title, static = _options.write_flags(metadata)
         if too_large([content]):
             raise ValueError(f"add: the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); not sent")
-        if (refused := self._saving_off(1)) is not None:
+        if (refused := self._saving_disabled(1)) is not None:
             raise MembaseAccessError(refused.message, refused.refusal)
-        target = None if static else self._container
+        target, gateway = None if static else self._container, self._gateway  # not self: see add_messages
         part = Part(key=fingerprint("add", target, static, title, content), text=content)
-        gateway = self._gateway  # not self: a thread or a kept batch must not keep the store alive
-        return await self._write([part], lambda parts: gateway.save(parts[0].text, target, static=static, title=title))
+        return await self._writes.write([part], lambda _: gateway.save(content, target, static=static, title=title))
 
     async def add_messages(self, messages: list[Message], context: Any = None) -> Any:
         """Save a conversation batch as one note, as :meth:`add` does: the text of the messages of ``capture_roles``,
@@ -236,7 +273,7 @@ class MembaseMemoryStore:
 
         Returns:
             Membase's answer, or ``None`` when no text was left to send, all of it was saved already, or it was not
-            sent: larger than Membase takes (32 MiB; a WARNING says so), or while saving is off after a refusal
+            sent: larger than Membase takes (32 MiB; a WARNING says so), or while saving is disabled after a refusal
             above the key's level (a DEBUG line; counted in ``writes_refused``).
 
         Raises:
@@ -244,17 +281,18 @@ class MembaseMemoryStore:
             MembaseWriteTimeout, MembaseAccessError, membase.MembaseError: As for :meth:`add`.
         """
         self._require_capture("add_messages")
+        self._turns_not_captured = 0
         kept = [message for message in messages if message.get("role") in self._capture_roles]
         if too_large(block["text"] for message in kept for block in message.get("content", []) if "text" in block):
             said = f"a captured batch is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB): not sent"
-            self._ledger.count("writes_lost", amount=len(kept))
-            self._ledger.log(logging.WARNING, f"{said}, so its words are not saved", messages=len(kept))
+            self._log.count("writes_lost", amount=len(kept))
+            self._log.log(logging.WARNING, f"{said}, so its words are not saved", messages=len(kept))
             return None
         parts = message_parts(messages, getattr(context, "sequence_numbers", None), self._capture_roles)
-        if parts and self._saving_off(len(parts)) is not None:
+        if parts and self._saving_disabled(len(parts)) is not None:
             return None
-        gateway, container = self._gateway, self._container  # not self: see add()
-        return await self._write(parts, lambda todo: gateway.save("\n".join(p.text for p in todo), container))
+        gateway, container = self._gateway, self._container  # not self: a running write must not keep the store alive
+        return await self._writes.write(parts, lambda todo: gateway.save("\n".join(p.text for p in todo), container))
 
     def counters(self) -> dict[str, int]:
         """A snapshot of what this store has done since it was built, for logs or metrics; safe from any thread.
@@ -262,26 +300,28 @@ class MembaseMemoryStore:
         The standard counters (``recalls``, ``writes_saved``, ...) are always present, the others (``errors.<kind>``,
         ``tool_calls.<tool>``, ...) once they happen: docs/observability.md says what each one counts.
         """
-        return self._ledger.snapshot()
+        return self._log.snapshot()
 
     def get_tools(self) -> list[AgentTool]:
         """The model's Membase tools chosen with ``tools=``, built once per store."""
-        with self._tools_lock:  # agents built at the same moment all get the same tools
+        with self._lock:  # agents built at the same moment all get the same tools
             if self._tools is None:
-                self._tools = build_tools(self._tool_context, self._tool_names)
+                self._tools = build_tools(self._store_tools, self._tool_names)
             return list(self._tools)
 
     def close(self) -> None:
         """Close the store, blocking (from async code, use :meth:`aclose`); safe to call twice, a client passed in is
-        left open. Waits up to ``close_timeout`` for captured writes still running, sending once more a batch that
-        failed with no manager retry left to bring it back; each outcome waited for is logged and counted when this
-        returns, and writes still running then are logged by count. A second caller waits for the first."""
-        self._closing.close()
+        left open. Waits up to ``close_timeout`` for captured writes still running; each outcome waited for is logged
+        and counted when this returns, and writes still running then are logged by count. A second caller waits for
+        the first, up to ``close_timeout``."""
+        closing, first = self._begin_closing()
+        closing.wait_blocking(None if first else self._close_timeout, owner=False)
 
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop. Cancelled, it still leaves the store closed, and the
         closing goes on in the background (each outcome is logged when its write ends)."""
-        await self._closing.aclose()
+        closing, first = self._begin_closing()
+        await closing.wait(None if first else self._close_timeout, owner=False)
 
     def __enter__(self) -> MembaseMemoryStore:
         return self
@@ -299,8 +339,29 @@ class MembaseMemoryStore:
     def _default_limit(self) -> int:
         return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS  # a plain attribute: a user may set None
 
+    def _begin_closing(self) -> tuple[Call[None], bool]:
+        """The store's closing, started by its first caller (whether this is it): it waits for the captured writes,
+        then lets go of the connections and local engine once no call runs."""
+        writes, gateway, log, unflushed = self._writes, self._gateway, self._log, self._turns_not_captured
+
+        def close() -> None:  # not self: a store dropped while it closes must be collectable
+            writes.drain(time.monotonic() + writes.close_timeout)
+            if unflushed:
+                log.log(logging.WARNING, _UNFLUSHED.format(unflushed), turns=unflushed)
+            gateway.close()
+
+        with self._lock:
+            self._closed, first = True, self._closing is None
+            if first:
+                self._closing = gateway.new_call(close, name=f"membase-close[{self.name}]")
+            closing = self._closing
+        assert closing is not None
+        if first:
+            closing.start()
+        return closing, first
+
     def _check_open(self) -> None:
-        if self._closing.closed:
+        if self._closed:
             raise RuntimeError(f"MembaseMemoryStore '{self.name}' is closed; create a new store to use Membase again")
 
     def _require_capture(self, method: str) -> None:
@@ -311,58 +372,34 @@ class MembaseMemoryStore:
                 "write to Membase"
             )
 
-    async def _write(self, parts: list[Part], send: Callable[[list[Part]], Any]) -> Any:
-        with _telemetry.operation(_telemetry.WRITE, self._ledger, parts=len(parts)) as operation:
-            if not parts:
-                operation.outcome("empty", decision="nothing to send")
-                return None
-            result = await self._await_or_report("write", self._writes.write(parts, send))
-            operation.outcome("saved")
-            return result
-
-    def _saving_off(self, parts: int) -> Refused | None:
-        """The refusal that keeps saving off (above the key's level, said once at WARNING), counting the ``parts``
-        not sent; None when saving is on."""
-        if (refused := self._gateway.off(SAVE)) is not None:
-            self._ledger.count("writes_refused", amount=parts)
-            self._ledger.log(logging.DEBUG, "captured write not sent: saving is off, so its words are not saved")
+    def _saving_disabled(self, parts: int) -> Any:
+        """The refusal that keeps saving disabled (above the key's level, said once at WARNING), counting the
+        ``parts`` not sent; None when saving is allowed."""
+        if (refused := self._gateway.disabled(SAVE)) is not None:
+            self._log.count("writes_refused", amount=parts)
+            self._log.log(logging.DEBUG, "captured write not sent: saving is disabled, so its words are not saved")
         return refused
 
-    async def _await_or_report(self, action: str, running: Awaitable[T]) -> T:
-        """Await a recall or write; a failure but a time-out is counted and raised for the manager: a 403 as
-        ``MembaseAccessError`` (pausing automatic recall), anything else as it came, masked if it echoes the key."""
-        try:
-            return await running
-        except (MembaseRecallTimeout, MembaseWriteTimeout):
-            raise
-        except Exception as error:
-            failed = error
-        # Raised outside the except: no context carries the server's text.
-        clean = self._gateway.without_secret(failed)
-        self._ledger.failed(failed, f"{action}_errors")
-        if not isinstance(failed, Refused):
-            if action == "write" and isinstance(clean, membase.MembaseError) and may_have_arrived(failed):
-                said = type(clean)(f"{clean.message}: {UNKNOWN_FATE}", status=clean.status)  # what the manager shows
-                said.__cause__ = clean
-                raise said
-            raise clean
-        if action == "recall":
-            paused = ""
-            if self._access_cooldown is not None:
-                self._gateway.pause_recall(failed)
-                paused = f"; automatic recall paused for {self._access_cooldown:g} s"
-            # INFO: the manager logs a failed recall as a warning, and once is enough.
-            self._ledger.log(logging.INFO, f"recall refused by Membase{paused}", error=failed)
-        elif failed.refusal != LEVEL:  # the gateway said a refusal above the key's level once
-            self._ledger.log(logging.WARNING, "write refused by Membase", error=failed)
-        refused = MembaseAccessError(failed.message, failed.refusal)
-        refused.__cause__ = clean
-        raise refused
+
+_UNFLUSHED = (
+    "closed with {} turn(s) recalled since the last captured batch: their words never reached this store, and are "
+    "not saved. The manager hands a batch over when it flushes: a synchronous agent call does it at its end; after "
+    "invoke_async, call `await agent.shutdown_async()` (strands-agents 1.61+) or `await agent.memory_manager.flush()` "
+    "before closing the store"
+)
 
 
-def ledger_of(store: MembaseMemoryStore) -> Ledger:
-    """The store's record of what it did (it outlives the store while a write of its runs)."""
-    return store._ledger
+STORE_OPTIONS = [name for name in inspect.signature(MembaseMemoryStore).parameters if name != "unknown_options"]
+
+
+def begin_closing(store: MembaseMemoryStore) -> Call[None]:
+    """Begin closing ``store`` (a pool closes its stores side by side); the call to wait for."""
+    return store._begin_closing()[0]
+
+
+def share_counts(store: MembaseMemoryStore, totals: StoreLog) -> None:
+    """Count what ``store`` does in ``totals`` too (a pool's), even after the store is gone (a write of it runs)."""
+    store._log.totals = totals
 
 
 if TYPE_CHECKING:

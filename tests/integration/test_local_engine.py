@@ -83,7 +83,7 @@ def test_recall_and_the_tool_put_the_best_scored_passage_first_and_show_a_shared
         agent, model = make_agent(store, ["Postgres 16.", ToolCall("membase_search", {"query": QUESTION}), "ok"])
         agent(QUESTION)
         assert entries(model.memory_block(0)) == [f"[Notes] [Archive] {LEDGER}", f"[Archive] {BACKUPS}"]
-        assert store.counters()["recall_passages_folded"] == 1
+        assert store.counters()["recall_duplicates_merged"] == 1
 
         agent("look it up")
         assert model.tool_result_text(-1).splitlines() == [

@@ -226,7 +226,7 @@ class InMemoryMembase:
         if note is None:
             return error(404, "not_found", "memory not found")
         if confirm != "true" and self.hosted:  # no content: the how sentence is for the person
-            how = "Forgetting removes it from the Memory for good; pass confirm=true once the person agreed."
+            how = "Forgetting removes it from your Memory for good: a search will not find it again."
             return httpx.Response(200, json={"status": "confirmation_required", "verb": "forget_memory", "how": how})
         if confirm != "true":
             body = {"status": "confirmation_required", "memory_id": note.id, "content": note.content}

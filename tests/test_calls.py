@@ -1,26 +1,25 @@
-"""Where the library's blocking work runs: daemon threads, one per call at once, awaited from any event loop;
-and the store on them, with many agents, many threads, a burst, a stalled Membase and a refused key.
+"""One way to call Membase: a ``Call`` on a daemon thread of its own, awaited from any event loop within a budget,
+ending in one ``Outcome``; and the store on them, with many agents, many threads, a burst, a stalled Membase and a
+refused key.
 
-The first part drives ``_runtime.submit`` / ``wait_for_future`` on threads of the test's own (``threads``); the
-rest goes through a real ``strands.Agent`` and counts requests, counters and thread names.
+The first part drives ``_calls.Call`` directly with calls of the test's own; the rest goes through a real
+``strands.Agent`` and counts requests, counters and thread names.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import logging
 import threading
 import time
-import weakref
 from typing import Any
 
 import httpx
 import pytest
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, _runtime
-from membase_strands._runtime import IDLE_NAME, submit, wait_for_future
+from membase_strands import MembaseAccessError, MembaseMemoryStore
+from membase_strands._calls import ANSWERED, FAILED, MAY_HAVE_ARRIVED, REFUSED, Call, Outcome
+from membase_strands._failures import Refused
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase
 from tests.support.store_helpers import (
@@ -32,181 +31,156 @@ from tests.support.store_helpers import (
     make_agent,
     membase_threads,
     routed,
+    sdk_client,
     wait_until,
 )
 
 BUDGET = 0.5  # for the tests about a budget: what must outlast it is held back by a gate, not by the clock
-KEEP = 10.0  # idle seconds for the threads made here: far longer than any test waits between two calls
-
-request_id: contextvars.ContextVar[object] = contextvars.ContextVar("request_id", default="none")
 
 
-@pytest.fixture
-def threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The library's threads, fresh for this test (an earlier test's may still be idle), kept for ``KEEP`` s idle."""
-    monkeypatch.setattr(_runtime, "_workers", _runtime._Workers())
-    monkeypatch.setattr(_runtime, "IDLE_SECONDS", KEEP)
+class Ends:
+    """Records what a call's ``on_end`` and ``on_late_end`` were told, in order."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, Any, str | None]] = []
+        self.late = threading.Event()
+
+    def on_end(self, outcome: Outcome[Any]) -> None:
+        self.told.append(("end", outcome.kind, None))
+
+    def on_late_end(self, outcome: Outcome[Any], why: str) -> None:
+        self.told.append(("late", outcome.kind, why))
+        self.late.set()
 
 
-def where() -> threading.Thread:
-    return threading.current_thread()
-
-
-def meet(barrier: threading.Barrier) -> threading.Thread:
-    """A call that returns once all the barrier's parties run at the same time; where it ran."""
-    barrier.wait()
-    return threading.current_thread()
-
-
-def held(gate: threading.Event, started: threading.Event | None = None) -> threading.Thread:
-    """A call that runs until ``gate`` opens; where it ran."""
-    if started is not None:
-        started.set()
-    gate.wait(LONG)
-    return threading.current_thread()
+def call(work: Any, name: str = "membase-test[unit]", ends: Ends | None = None) -> Call[Any]:
+    ends = ends or Ends()
+    return Call(work, name=name, mask=lambda error: error, on_end=ends.on_end, on_late_end=ends.on_late_end).start()
 
 
 # --- A call on a thread --------------------------------------------------------------------------
-def test_a_call_runs_on_a_daemon_thread_named_after_it_in_its_callers_context(threads, monkeypatch):
+def test_a_call_runs_on_a_daemon_thread_named_after_it_and_ends_in_one_outcome(monkeypatch):
     escaped: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
-    token = request_id.set("turn-7")
-    try:
-        ran_on = submit(
-            lambda: (where().name, where().daemon, where() is threading.main_thread()), name="membase-test[unit]"
-        ).result(timeout=LONG)
-        seen = submit(request_id.get, name="membase-test[context]").result(timeout=LONG)
-    finally:
-        request_id.reset(token)
+    where = threading.current_thread
+    ran = call(lambda: (where().name, where().daemon, where() is threading.main_thread())).wait_blocking(LONG)
+    assert ran == Outcome(ANSWERED, ("membase-test[unit]", True, False))
 
-    assert ran_on == ("membase-test[unit]", True, False)
-    assert seen == "turn-7"
+    failed = call(lambda: 1 / 0).wait_blocking(LONG)
+    assert failed is not None and failed.kind == FAILED and isinstance(failed.error, ZeroDivisionError)
     with pytest.raises(ZeroDivisionError):
-        submit(lambda: 1 / 0, name="membase-test[error]").result(timeout=LONG)
-    assert escaped == []  # the error went to the future, and nowhere else
-    # A new thread, or a task started there, begins with an empty context (which is falsy): its calls run too.
-    assert contextvars.Context().run(submit, lambda: "ran", name="membase-test[empty]").result(timeout=LONG) == "ran"
+        failed.result()
+    refused = call(lambda: (_ for _ in ()).throw(Refused("This Membase key may not save notes.", "level")))
+    assert refused.wait_blocking(LONG).kind == REFUSED  # type: ignore[union-attr]
+    assert escaped == []  # every error went to the outcome, and nowhere else
 
 
-def test_an_idle_thread_takes_the_next_call_in_that_calls_own_context_and_keeps_nothing_of_the_last(threads):
-    class Store:
-        pass
+def test_what_membase_answered_is_told_from_what_may_have_reached_it(fake):
+    """The outcome of a call through the SDK: a Membase error (its envelope) failed for sure; a request that could not
+    connect was never sent; a timeout after sending, or an answer from something in front of Membase (a 5xx), may
+    have arrived."""
 
-    store = Store()
-    ref = weakref.ref(store)
+    def outcome_of(responder: Responder) -> str:
+        fake.on("POST", "/v1/memories", responder)
+        client = sdk_client(fake)
+        return call(lambda: client.memories.add("I like green tea.")).wait_blocking(LONG).kind  # type: ignore[union-attr]
 
-    def first_call(held: Store = store) -> tuple[threading.Thread, object]:  # holds a store, as the store's calls do
-        request_id.set("set inside the call")  # stays inside that call's copy of the context
-        return where(), ref() is held
+    def connect_refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
 
-    token = request_id.set(store)  # the context copy holds it too
-    try:
-        thread, _ = submit(first_call, name="membase-test[first]").result(timeout=LONG)
-    finally:
-        request_id.reset(token)
-    assert wait_until(lambda: thread.name == IDLE_NAME, timeout=LONG)
-    assert thread.is_alive() and thread not in membase_threads()  # an idle thread does no work for anyone
-    del store, first_call
-    assert ref() is None  # freed by reference counting alone, while the thread that ran the call waits
+    def read_timed_out(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
 
-    second, seen = submit(lambda: (where(), request_id.get()), name="membase-test[second]").result(timeout=LONG)
-    assert (second, seen) == (thread, "none")
-    assert request_id.get() == "none"
+    assert outcome_of(fake.answer) == ANSWERED
+    assert outcome_of(status(400, "content is required")) == FAILED
+    assert outcome_of(status(429, "busy")) == FAILED
+    assert outcome_of(connect_refused) == FAILED
+    assert outcome_of(read_timed_out) == MAY_HAVE_ARRIVED
+    for gateway_said in (502, 503, 520, 524):
+        assert outcome_of(lambda request, code=gateway_said: httpx.Response(code, text="<html>")) == MAY_HAVE_ARRIVED
 
 
-def test_every_call_gets_a_thread_at_once_however_many_others_hang(threads, gates):
+def test_every_call_gets_a_thread_at_once_however_many_others_hang(gates):
     gates_of, running = [gates.new() for _ in range(40)], [threading.Event() for _ in range(40)]
-    busy = [
-        submit(functools.partial(held, gate, running[n]), name=f"membase-test[busy-{n}]")
-        for n, gate in enumerate(gates_of)
-    ]
-    # Each call got a thread of its own while the others hung: no call waits behind a hung one.
-    assert all(event.wait(LONG) for event in running)
-    assert submit(lambda: "ran", name="membase-test[next]").result(timeout=LONG) == "ran"
+
+    def held(gate: threading.Event, started: threading.Event) -> bool:
+        started.set()
+        return gate.wait(LONG)
+
+    busy = [call(lambda g=gate, r=running[n]: held(g, r), f"membase-test[busy-{n}]") for n, gate in enumerate(gates_of)]
+    assert all(event.wait(LONG) for event in running)  # each got a thread of its own while the others hung
+    assert call(lambda: "ran").wait_blocking(LONG) == Outcome(ANSWERED, "ran")
     for gate in gates_of:
         gate.set()
-    assert all(future.result(timeout=LONG) for future in busy)
+    assert all(each.wait_blocking(LONG) == Outcome(ANSWERED, True) for each in busy)
 
 
-def test_a_thread_that_cannot_start_fails_its_call_and_idle_threads_retire_and_a_later_call_starts_one(
-    threads, monkeypatch
-):
-    start, refused = threading.Thread.start, []
+def test_a_call_whose_thread_cannot_start_ends_at_once_as_failed(monkeypatch):
+    def refuse(thread: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
 
-    def refuse_once(thread: threading.Thread) -> None:
-        if not refused:
-            refused.append(thread)
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse_once)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        submit(lambda: "never", name="membase-test[refused]").result(timeout=LONG)
-    monkeypatch.setattr(_runtime, "IDLE_SECONDS", 0.2)
-    together = threading.Barrier(3, timeout=LONG)
-    ran_on = [submit(functools.partial(meet, together), name=f"membase-test[r{i}]") for i in range(3)]
-    for thread in [future.result(timeout=LONG) for future in ran_on]:
-        thread.join(LONG)
-        assert not thread.is_alive()
-    assert submit(lambda: "again", name="membase-test[again]").result(timeout=LONG) == "again"
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    ends = Ends()
+    refused = call(lambda: "never", ends=ends)
+    assert refused.done() and refused.outcome is not None and refused.outcome.kind == FAILED
+    assert ends.told == [("end", FAILED, None)]
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
-def test_wait_for_future_waits_from_any_loop_and_raises_what_the_call_raised(gates):
+def test_one_call_is_awaited_from_any_loop_and_a_call_that_ended_is_given_at_once(gates):
     gate = gates.new()
-    shared = submit(lambda: gate.wait(LONG) and "shared", name="membase-test[shared]")
+    shared = call(lambda: gate.wait(LONG) and "shared")
     results: list[object] = []
-    waiters = [
-        threading.Thread(target=lambda: results.append(asyncio.run(wait_for_future(shared, LONG)))) for _ in "ab"
-    ]
+    waiters = [threading.Thread(target=lambda: results.append(asyncio.run(shared.wait(LONG)))) for _ in "ab"]
     for thread in waiters:
         thread.start()
     gate.set()
     for thread in waiters:
         thread.join(LONG)
-    assert results == ["shared", "shared"]  # two loops waited for one future at once
-
-    assert asyncio.run(wait_for_future(shared, 0.001)) == "shared"  # done already: at once, whatever the budget
-    assert asyncio.run(wait_for_future(submit(lambda: "next", name="membase-test[next]"), None)) == "next"
-
-    def fail() -> None:
-        raise LookupError("not here")
-
-    with pytest.raises(LookupError, match="not here"):
-        asyncio.run(wait_for_future(submit(fail, name="membase-test[fail]"), LONG))
+    assert results == [Outcome(ANSWERED, "shared")] * 2  # two loops waited for one call at once
+    assert asyncio.run(shared.wait(0.001)) == Outcome(ANSWERED, "shared")  # ended: at once, whatever the budget
 
 
-def test_a_wait_that_times_out_leaves_the_call_running_and_its_late_end_disturbs_nothing(gates, caplog, monkeypatch):
+def test_an_owner_that_stops_waiting_leaves_the_call_running_and_hears_of_its_end_once(gates, caplog, monkeypatch):
     caplog.set_level(logging.DEBUG)
     escaped: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
-    gate = gates.new()
-    late = submit(lambda: gate.wait(LONG) and "late", name="membase-test[late]")
-    with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(wait_for_future(late, BUDGET))
-    assert not late.done()  # asyncio.run returned while the call still runs: it did not wait for the thread
+    gate, ends = gates.new(), Ends()
+    late = call(lambda: gate.wait(LONG) and "late", ends=ends)
+    assert asyncio.run(late.wait(BUDGET)) is None  # asyncio.run returned while the call runs: no wait for its thread
+    assert not late.done()
+    assert asyncio.run(late.wait(BUDGET, owner=False)) is None  # another waiter that leaves changes nothing
 
     async def cancelled_then_late() -> None:
         loop = asyncio.get_running_loop()
         problems: list[dict[str, object]] = []
         loop.set_exception_handler(lambda _, context: problems.append(context))
-        later, ticked = submit(lambda: gate.wait(LONG) and "later", name="membase-test[later]"), threading.Event()
-        waiting = asyncio.create_task(wait_for_future(later, LONG))
+        later_ends = Ends()
+        later = call(lambda: gate.wait(LONG) and "later", ends=later_ends)
+        waiting = asyncio.create_task(later.wait(LONG))
         await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        loop.call_soon(ticked.set)
-        assert await wait_for_future(submit(lambda: ticked.wait(LONG), name="membase-test[tick]"), None)
-        gate.set()  # both end now: one after its loop closed, one on this live loop
-        assert await asyncio.wrap_future(later) == "later" and not later.cancelled()
+        gate.set()  # both end now: one whose waiter's loop has closed, one whose waiter was cancelled on this loop
+        assert await later.wait(LONG) == Outcome(ANSWERED, "later")
+        assert await asyncio.to_thread(later_ends.late.wait, LONG)
+        assert later_ends.told == [("end", ANSWERED, None), ("late", ANSWERED, "cancelled")]
         await asyncio.sleep(0)
         assert problems == []
 
     asyncio.run(cancelled_then_late())
-    assert late.result(timeout=LONG) == "late"
-    assert wait_until(lambda: not membase_threads("membase-test[late"), timeout=LONG)
+    assert ends.late.wait(LONG) and ends.told == [("end", ANSWERED, None), ("late", ANSWERED, "timeout")]
+    assert wait_until(lambda: not membase_threads("membase-test[unit"), timeout=LONG)
     assert escaped == [] and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_call_that_ends_as_its_budget_runs_out_gives_its_outcome_to_its_caller_not_to_a_late_report():
+    ends = Ends()
+    ended = call(lambda: "in time", ends=ends)
+    assert ended.wait_blocking(LONG) == Outcome(ANSWERED, "in time")
+    assert asyncio.run(ended.wait(0)) == Outcome(ANSWERED, "in time")  # a budget that ran out at once changes nothing
+    assert ends.told == [("end", ANSWERED, None)]
 
 
 # --- Many agents, many threads, a burst --------------------------------------------------------------
@@ -274,23 +248,22 @@ async def test_ten_agents_sharing_one_store_async_on_a_loop_and_sync_from_thread
     assert (counters["recalls"], counters["recall_hits"], counters["recall_skipped"]) == (50, 50, 0)
 
 
-def test_consecutive_recalls_run_on_one_reused_thread_named_after_the_store(threads, fake, make_store):
+def test_each_recall_runs_on_a_thread_named_after_the_store_that_ends_with_it(fake, make_store):
     fake.remember(FACT)
     in_flight = InFlight(routed(fake))
     fake.always("POST", "/v1/search", in_flight)
-    agent, model = make_agent(make_store(name="reused"))
+    agent, model = make_agent(make_store(name="turns"))
     for turn in range(5):
         agent(QUESTION)
         assert f"[Main] {FACT}" in (model.memory_block(turn) or "")
-        assert wait_until(lambda: in_flight.senders[-1].name == IDLE_NAME, timeout=LONG)  # waits for the next call
-    assert len(set(in_flight.senders)) == 1, f"{len(set(in_flight.senders))} threads served 5 recalls in turn"
+    assert [thread.name for thread in in_flight.senders] == ["membase-recall[turns]"] * 5
+    assert wait_until(lambda: not any(thread.is_alive() for thread in in_flight.senders), timeout=LONG)
 
 
-def test_a_burst_of_a_hundred_recalls_on_one_store_all_return_memory(monkeypatch):
+def test_a_burst_of_a_hundred_recalls_on_one_store_all_return_memory():
     """A burst of recalls on one store: none is dropped or doubled, and the connections they opened stay open for the
     next turns. Over a loopback server that answers in 20 ms; how fast the burst goes is measured in the benchmarks."""
     burst = 100
-    monkeypatch.setattr(_runtime, "IDLE_SECONDS", LONG)  # no thread retires (closing its connection) meanwhile
     with LoopbackMembase() as server:
         server.fake.remember(FACT)
         server.latency = 0.02
