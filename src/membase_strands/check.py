@@ -8,8 +8,8 @@ providers work, and then opens the user's directory without writing to it.
 
 import argparse
 import contextlib
+import difflib
 import json
-import math
 import os
 import re
 import sys
@@ -22,7 +22,6 @@ from typing import Any
 
 import membase
 
-from ._containers import match
 from ._failures import describe_failure
 from ._formatting import parse_search
 from ._gateway import DEFAULT_BASE_URL, MembaseGateway
@@ -39,6 +38,7 @@ _LOCAL_LLM_HINT = (
 )
 _PROBE_NOTE = "membase-strands setup check: the heron flies at dawn"
 _SAVE_PROBE = "tried with an empty note, which Membase refuses without saving anything"
+_FLAGS = "--api-key --local --base-url --container --read-only --no-profile --timeout --json".split()
 
 
 @dataclass
@@ -58,9 +58,7 @@ class CheckReport:
     target: str  # where Membase was reached (a host, or a local directory); never the key
     steps: list[Step] = field(default_factory=list)
     memories: list[str] = field(default_factory=list)
-    first_search_seconds: float | None = None  # a cold memory wakes up here
-    second_search_seconds: float | None = None  # the memory is awake
-    suggested_recall_timeout: float | None = None  # room for five warm searches (2-30 s, whole seconds)
+    search_seconds: float | None = None  # a memory idle for a while wakes up here
 
     @property
     def ok(self) -> bool:
@@ -77,8 +75,6 @@ class CheckReport:
         for step in self.steps:
             mark = "ok" if step.ok else "FAIL" if step.required else "note"
             lines.append(f"  [{mark:>4}] {step.name}: {step.detail}")
-        if self.suggested_recall_timeout is not None:
-            lines.append(f"  suggested recall_timeout: {self.suggested_recall_timeout:g} s")
         lines.append("Everything needed works." if self.ok else "Something needed does not work: see FAIL above.")
         return "\n".join(lines)
 
@@ -104,43 +100,37 @@ def run_check(
         container: The Memory the store will be pinned to, if any.
         need_save: Whether saving must be allowed for the check to pass (``False`` for a read-only key).
         need_profile: Whether reading the profile must be allowed for the check to pass.
-        timeout: Seconds one attempt of a request to Membase may take (the searches are tried up to 3 times).
+        timeout: Seconds one attempt of a request to Membase may take (the search is tried up to 3 times).
 
     Returns:
         The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
     """
-    return _check(dict(locals()))  # run_check's keywords, as main() passes them
-
-
-def _check(options: dict[str, Any], announce: Callable[[str], None] | None = None) -> CheckReport:
-    """:func:`run_check`; ``announce`` is told what is asked, and how long it may take, before the first request."""
-    local, timeout = options["local"], options["timeout"]
+    options = dict(locals())  # run_check's keywords, as main() passes them
+    local = options["local"]
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
-        found = [_engine_step(), Step("directory", True, "none yet; made at first use", required=False)]
+        found = [Step("directory", True, "none yet; made at first use", required=False), _engine_step()]
         return CheckReport(f"local Membase in {os.fspath(local)}", found)
     try:
         if not is_finite_number(timeout) or timeout <= 0:
-            raise ValueError(f"timeout=SECONDS must be a positive number, got {timeout!r}")
+            raise ValueError(f"timeout=SECONDS must be a positive number, got {_number(timeout)}")
         where = {option: options[option] for option in ("client", "api_key", "base_url", "local")}
         gateway = MembaseGateway(**where, request_timeout=timeout, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
         detail = str(error)
-        if options["api_key"] is None and os.environ.get("MEMBASE_API_KEY"):  # say where the key came from
+        if api_key is None and os.environ.get("MEMBASE_API_KEY"):  # say where the key came from
             detail = re.sub(r"^api_key:", "MEMBASE_API_KEY:", detail)
         return CheckReport("(not configured)", [Step("configuration", False, detail)])
     with contextlib.closing(gateway):
         where_local = "(MEMBASE_LOCAL)" if local is None else f"in {os.fspath(local)}"
-        target = gateway.base_url if gateway.hosted else f"local Membase {where_local}"
-        report = CheckReport(target)
-        if announce is not None and gateway.hosted:
-            announce(
-                f"Asking Membase at {target}; a memory idle for a while can take up to a minute to wake up, and "
-                f"each request waits up to {timeout:g} s (--timeout SECONDS)..."
-            )
-        needed = {"profile": options["need_profile"], "save": options["need_save"]}
-        for step in _steps(gateway, report, options["container"], _advice(target, timeout, options, gateway.redact)):
+        report = CheckReport(gateway.base_url if gateway.hosted else f"local Membase {where_local}")
+        needed = {"profile": need_profile, "save": need_save}
+        for step in _steps(gateway, report, container, _advice(report.target, timeout, options, gateway.redact)):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
     return report
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if is_finite_number(value) else repr(value)
 
 
 def _engine_step() -> Step:
@@ -198,71 +188,60 @@ def _advice(
 def _steps(
     gateway: MembaseGateway, report: CheckReport, container: str | None, advice: Callable[[BaseException], str]
 ) -> Iterator[Step]:
-    """The checks, in order, filling in what ``report`` found; a failure the next checks need ends them."""
+    """The checks, in order, each a call of the gateway's; a failure the next checks need ends them."""
     if not gateway.hosted:
         yield _engine_step()
-    started, refused = time.perf_counter(), None
-    try:
-        containers = gateway.memories_in_reach()
-    except Exception as error:  # noqa: BLE001 - every failure becomes a step with what to fix
-        if describe_failure(error).kind not in ("access", "unauthenticated"):
-            yield Step("reach", False, advice(error))
-            return
-        refused = error  # Membase answered: the key is what failed
+    started = time.perf_counter()
+    listed = gateway.run(gateway.memories_in_reach)
+    if listed.error is not None and describe_failure(listed.error).kind not in ("access", "unauthenticated"):
+        yield Step("reach", False, advice(listed.error))
+        return
     yield Step("reach", True, f"Membase answered in {time.perf_counter() - started:.2f} s")
     if gateway.hosted:
-        yield Step("key", refused is None, "Membase accepted it" if refused is None else advice(refused))
-    if refused is not None:
-        return
-    report.memories = [c.name for c in containers]
+        yield Step("key", listed.error is None, "Membase accepted it" if listed.error is None else advice(listed.error))
+    if listed.error is not None:
+        return  # Membase answered: the key is what failed
+    report.memories = [memory.name for memory in listed.result()]
     yield Step("memories in reach", True, ", ".join(report.memories) or "none yet")
     container_id = None
     if container is not None:
-        try:
-            container_id = match(container, containers).id
-        except ValueError as error:
-            yield Step("container", False, str(error))
+        found = gateway.run(lambda: gateway.container_id(container))
+        if isinstance(found.error, ValueError):
+            yield Step("container", False, str(found.error))
             return
-        yield Step("container", True, f"'{container}' is in reach (id {container_id})")
-    timings = []
-    for attempt in ("first", "second"):
-        started = time.perf_counter()
-        try:
-            answer = gateway.search(PROBE_QUERY, PROBE_LIMIT, container_id, retry=True)
-        except Exception as error:  # noqa: BLE001
-            yield Step("search", False, f"the {attempt} search failed: {advice(error)}")
-            return
-        timings.append(time.perf_counter() - started)
-    report.first_search_seconds, report.second_search_seconds = timings
-    report.suggested_recall_timeout = float(min(30, max(2, math.ceil(timings[1] * 5))))
-    if answer.unsearched:
-        unable = "; ".join(f"'{u.memory}': {u.reason}" for u in answer.unsearched)
+        container_id = found.value
+        made = f"is in reach (id {container_id})" if container_id else "is made by the first save to it"
+        yield Step("container", True, f"'{container}' {made}")
+    started = time.perf_counter()
+    searched = gateway.run(lambda: gateway.search(PROBE_QUERY, PROBE_LIMIT, container_id or container, retry=True))
+    if searched.error is not None:
+        yield Step("search", False, f"the search failed: {advice(searched.error)}")
+        return
+    report.search_seconds = time.perf_counter() - started
+    if unsearched := searched.result().unsearched:
+        unable = "; ".join(f"'{u.memory}': {u.reason}" for u in unsearched)
         hint = "" if gateway.hosted else _LOCAL_LLM_HINT
         yield Step("search", False, f"Membase answered, but these Memories could not search: {unable}{hint}")
         return
-    yield Step("search", True, f"first {timings[0]:.2f} s (a cold memory wakes up here), second {timings[1]:.2f} s")
-    try:
-        gateway.profile(None)
-    except membase.PermissionDeniedError:
+    yield Step("search", True, f"{report.search_seconds:.2f} s (a memory idle for a while wakes up first: slower)")
+    profile = gateway.run(lambda: gateway.profile(None))
+    if isinstance(profile.error, membase.PermissionDeniedError):
         yield Step("profile", False, "the key may not read the profile (403): its owner did not allow it")
-    except Exception as error:  # noqa: BLE001
-        yield Step("profile", False, advice(error))
     else:
-        yield Step("profile", True, "the profile can be read")
+        yield Step("profile", profile.error is None, advice(profile.error) if profile.error else "it can be read")
     if not gateway.hosted:
         return  # the engine's own save was checked in a scratch directory
     # Name a Memory in the probe, so a 400 is about the empty note and not about which Memory was meant.
-    try:
-        gateway.save("", container_id or (containers[0].id if containers else None))
-    except membase.PermissionDeniedError:
-        yield Step("save", False, f"the key may not save ({_SAVE_PROBE}: it answered 403)")
-    except Exception as error:  # noqa: BLE001
-        if describe_failure(error).kind == "bad_request":  # a 400 about the note, not about the Memory named
-            yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
-        else:
-            yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {advice(error)}")
-    else:
+    target = container_id or (listed.result()[0].id if listed.result() else None)
+    saved = gateway.run(lambda: gateway.save("", target))
+    if saved.error is None:
         yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: Membase accepted it, with nothing in it)")
+    elif isinstance(saved.error, membase.PermissionDeniedError):
+        yield Step("save", False, f"the key may not save ({_SAVE_PROBE}: it answered 403)")
+    elif describe_failure(saved.error).kind == "bad_request":  # a 400 about the note, not about the Memory named
+        yield Step("save", True, f"saving is allowed ({_SAVE_PROBE}: it answered 400 for the empty note, not 403)")
+    else:
+        yield Step("save", False, f"could not tell ({_SAVE_PROBE}): {advice(saved.error)}")
 
 
 def _as_flags(message: str) -> str:
@@ -273,7 +252,7 @@ def _as_flags(message: str) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
-    """``membase-strands check``: print the report; return 0 if everything needed works, else 1 (2: no command)."""
+    """``membase-strands check``: print the report; return 0 if everything needed works, else 1 (2: a usage error)."""
     parser = argparse.ArgumentParser(prog=prog, description="Check a Membase setup.")
     parser.add_argument("--version", action="version", version=f"membase-strands {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command")
@@ -288,12 +267,16 @@ def main(argv: list[str] | None = None, prog: str = "membase-strands") -> int:
     timeout = "how long each request may take (default 20; a memory idle for a while can take a minute to wake up)"
     check.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS", help=timeout)
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    options = vars(parser.parse_args(argv))
+    parsed, unknown = parser.parse_known_args(argv)
+    options = vars(parsed)
     if options.pop("command") is None:  # a usage error, as argparse reports one: exit 2, on stderr
         parser.print_help(sys.stderr)
         return 2
+    if unknown:  # the flag meant, as Python 3.14's argparse suggests it
+        meant = difflib.get_close_matches(unknown[0], _FLAGS, n=1)
+        check.error(f"unrecognized argument {unknown[0]}" + (f"; did you mean {meant[0]}?" if meant else ""))
     as_json = options.pop("json")
-    report = _check({**options, "client": None}, lambda line: print(line, file=sys.stderr, flush=True))  # not stdout:
+    report = run_check(**options)
     for step in report.steps:  # --json's output stays JSON; and each step in the command's own words
         step.detail = _as_flags(step.detail)
     print(json.dumps(report.to_dict(), indent=2) if as_json else report.to_text())
