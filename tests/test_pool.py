@@ -147,7 +147,7 @@ def test_the_pool_refuses_a_bad_or_misspelt_store_option_when_it_is_built(fake):
     in test_store's BAD_OPTIONS)."""
     for options, named in [
         ({"recall_timeout": 0}, "recall_timeout"),
-        ({"recal_timeout": 8.0}, "recal_timeout"),
+        ({"recal_timeout": 8.0}, "recal_timeout': did you mean 'recall_timeout'"),
         ({"api_key": "mb_shared_key"}, "api_key"),
         ({"client": sdk_client(fake)}, "client"),
         ({"local": "/tmp/shared"}, "local"),
@@ -167,7 +167,8 @@ def test_a_credential_that_is_no_key_is_refused_naming_the_user_and_never_a_key(
         calls.append(user_id)
         if user_id == "carol" and calls.count("carol") == 1:
             raise KeyError(f"vault is down; last keys read: {key_of('alice')}, {key_of('bob')}")
-        return {"dave": str(tmp_path), "erin": "", "frank": "   ", "gus": None, "hal": 42}.get(user_id, key_of(user_id))
+        paths = {"dave": str(tmp_path), "dora": f"/srv/membase/users/{user_id}"}  # a path that does not exist yet too
+        return {**paths, "erin": "", "frank": "   ", "gus": None, "hal": 42}.get(user_id, key_of(user_id))
 
     with fake.pool(credential_for) as pool:
         alice = pool.store_for("alice")
@@ -176,8 +177,9 @@ def test_a_credential_that_is_no_key_is_refused_naming_the_user_and_never_a_key(
         assert "'carol'" in str(caught.value)
         assert key_of("alice") not in str(caught.value) and key_of("bob") not in str(caught.value)
         pool.store_for("carol")  # the credential function is asked again next time
-        with pytest.raises(ValueError, match="str naming a path; for local Membase, return a pathlib.Path"):
-            pool.store_for("dave")  # sent to the hosted API, it would be a key that is a path
+        for user in ("dave", "dora"):  # sent to the hosted API, it would be a key that is a path
+            with pytest.raises(ValueError, match="str naming a path; for local Membase, return a pathlib.Path"):
+                pool.store_for(user)
         for user in ("erin", "frank", "gus", "hal"):
             with pytest.raises(ValueError, match=f"'{user}'"):
                 pool.store_for(user)

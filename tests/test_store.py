@@ -230,6 +230,15 @@ def test_a_bad_option_is_refused_naming_it_and_never_showing_the_key(fake, tmp_p
         MembaseMemoryStore(local=tmp_path / "a-file")
 
 
+def test_a_misspelt_option_or_a_path_given_as_a_key_is_a_value_error_that_names_it_and_sends_nothing(fake, tmp_path):
+    with pytest.raises(ValueError, match="unknown option 'recal_timeout': did you mean 'recall_timeout'"):
+        MembaseMemoryStore(api_key=API_KEY, transport=fake.transport, recal_timeout=3.0)  # type: ignore[call-arg]
+    for path in ("/srv/membase/users/alice", "~/membase", "./memory", str(tmp_path)):
+        with pytest.raises(ValueError, match=r"a filesystem path, not a Membase API key.*local=pathlib.Path"):
+            MembaseMemoryStore(api_key=path, transport=fake.transport)
+    assert fake.requests == []
+
+
 def test_good_options_are_accepted_and_building_a_store_makes_no_request(fake):
     for option, values in GOOD_OPTIONS.items():
         for value in values:

@@ -626,3 +626,28 @@ def test_a_note_stored_behind_a_gateway_that_gave_up_on_it_is_never_sent_again(f
     assert Counter(fake.saved()) == Counter([GREEN_TEA, LISBON, FACT])
     assert [text.count(GREEN_TEA) for text in posted(fake)] == [1, 0, 0]
     assert "may or may not have been saved" in model.tool_result_text()
+
+
+async def test_closing_after_turns_whose_words_never_reached_the_store_warns_once_with_what_to_call(
+    fake, make_store, caplog
+):
+    """An async caller that never flushes: the manager keeps the turns' words, and the store, closing, says how to
+    hand them over; one that flushes hears nothing."""
+    caplog.set_level(logging.DEBUG, logger="membase_strands")
+    for flushed in (False, True):
+        caplog.clear()
+        store = capturing(make_store)
+        agent, _ = make_agent(store, ["Noted.", "Noted too."])
+        async with store:
+            await agent.invoke_async(GREEN_TEA)
+            await agent.invoke_async(LISBON)
+            if flushed:
+                await agent.memory_manager.flush()
+        warned = lines(caplog, logging.WARNING, "membase_strands")
+        if flushed:
+            assert warned == [] and fake.saved() == [f"{GREEN_TEA}\n{LISBON}"]
+        else:
+            [said] = warned
+            assert "closed with 2 turn(s) recalled since the last captured batch" in said
+            assert "agent.shutdown_async()" in said and "agent.memory_manager.flush()" in said
+            assert fake.saved() == []

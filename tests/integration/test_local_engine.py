@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from examples.standin_llm import StandInLLM
-from membase_strands import MembaseMemoryStore
+from membase_strands import MembaseMemoryStore, check
 from membase_strands.testing import ToolCall
 from tests.support.agents import entries
 from tests.support.local_engine import EngineMemory, engine_unavailable
@@ -170,3 +170,20 @@ def test_membase_local_names_the_directory_or_with_1_or_true_the_engines_default
         with MembaseMemoryStore() as store:  # the SDK's convention, and nothing else given
             assert f"local={str(directory.resolve())!r}" in repr(store), setting
             assert (directory / ".membase-strands.lock").is_file()
+
+
+@pytest.mark.parametrize("memory", ["in-process"], indirect=True)
+def test_a_new_local_directory_is_pinned_by_the_name_of_its_first_memory(memory: EngineMemory, llm: StandInLLM, capsys):
+    """Local Membase makes its first Memory, "default" (the name the README shows), at the first save: a store and the
+    check can be pinned to it before that."""
+    memory.root.mkdir(parents=True)
+    assert check.main(["check", "--local", str(memory.root), "--container", "default"]) == 0
+    assert "[  ok] container: 'default' is made by the first save to it" in capsys.readouterr().out
+    with memory.store(container="default") as store:
+        agent, model = make_agent(store, [ToolCall("membase_save", {"content": LEDGER}), "Saved."])
+        agent(f"Please remember: {LEDGER}")
+        assert model.memory_block(0) is None and model.tool_result_text(1) == "Saved to the Memory 'default'."
+    with memory.store(container="default") as store:
+        agent, model = make_agent(store, ["Postgres."])
+        agent(QUESTION)
+        assert entries(model.memory_block()) == [f"[default] {LEDGER}"]
