@@ -97,7 +97,7 @@ def _pieces(secret: str) -> tuple[frozenset[str], tuple[str, ...]]:
 def masking(key: str) -> tuple[str, Callable[[str], str], Callable[[BaseException], BaseException]]:
     """What logs, spans and ``repr`` show of ``key`` (``mbk_<key id>…`` for a developer key, as the Membase app shows
     it; a digest for any other; ``""`` for none), and :func:`redact` and :func:`without_secret` of what must never be
-    shown (a developer key's token, any other key whole): functions of it alone, so the ledger can hold them."""
+    shown (a developer key's token, any other key whole): functions of it alone, so the store's log can hold them."""
     kind, _, rest = key.partition("_")
     key_id, _, token = rest.partition("_")
     if kind == "mbk" and key_id and len(token) >= PIECE:  # a token too short to mask alone: the whole key is

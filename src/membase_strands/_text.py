@@ -25,5 +25,5 @@ def clean_text(text: str) -> str:
 
 def clip(text: str, limit: int) -> str:
     """Fold ``text`` onto one line without control characters or unpaired surrogates, cut to ``limit`` characters."""
-    folded = " ".join(_CONTROL.sub(" ", sendable(text)).split())  # split() takes newlines and tabs: one line
-    return folded if len(folded) <= limit else folded[: limit - 1].rstrip() + "…"
+    one_line = " ".join(_CONTROL.sub(" ", sendable(text)).split())  # split() takes newlines and tabs too
+    return one_line if len(one_line) <= limit else one_line[: limit - 1].rstrip() + "…"

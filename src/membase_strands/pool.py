@@ -155,11 +155,11 @@ class MembaseStorePool:
                 return None
             self._alive[user_id] = self._stores[user_id] = store
             self._stores.move_to_end(user_id)
-            let_go = None
+            dropped = None
             if len(self._stores) > self._max_stores:
-                old_user, let_go = self._stores.popitem(last=False)
+                old_user, dropped = self._stores.popitem(last=False)
                 logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
-        del let_go  # outside the lock
+        del dropped  # outside the lock
         return store
 
     def _build(self, user_id: str) -> MembaseMemoryStore:
