@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore
-from membase_strands._calls import ANSWERED, FAILED, MAY_HAVE_ARRIVED, REFUSED, Call, Outcome
+from membase_strands import MembaseAccessError, MembaseMemoryStore, _calls
+from membase_strands._calls import ANSWERED, FAILED, IDLE_NAME, MAY_HAVE_ARRIVED, REFUSED, Call, Outcome
 from membase_strands._failures import Refused
 from membase_strands.testing import API_KEY, InMemoryMembase, Responder, ScriptedModel, ToolCall, hang, status
 from tests.support.loopback import LoopbackMembase
@@ -119,11 +119,24 @@ def test_a_call_whose_thread_cannot_start_ends_at_once_as_failed(monkeypatch):
     def refuse(thread: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
 
+    monkeypatch.setattr(_calls, "_threads", _calls._Threads())  # no idle thread to take the call
     monkeypatch.setattr(threading.Thread, "start", refuse)
     ends = Ends()
     refused = call(lambda: "never", ends=ends)
     assert refused.done() and refused.outcome is not None and refused.outcome.kind == FAILED
     assert ends.told == [("end", FAILED, None)]
+
+
+def test_an_idle_thread_takes_the_next_call_and_ends_once_idle_for_long(monkeypatch):
+    monkeypatch.setattr(_calls, "IDLE_SECONDS", 0.2)
+    monkeypatch.setattr(_calls, "_threads", _calls._Threads())
+    where = threading.current_thread
+    first = call(where, "membase-test[first]").wait_blocking(LONG)
+    assert first is not None and wait_until(lambda: first.value.name == IDLE_NAME, timeout=LONG)  # type: ignore[union-attr]
+    second = call(lambda: (where(), where().name), "membase-test[second]").wait_blocking(LONG)
+    assert second is not None and second.value == (first.value, "membase-test[second]")  # type: ignore[union-attr]
+    first.value.join(LONG)  # type: ignore[union-attr]
+    assert not first.value.is_alive()  # type: ignore[union-attr]
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
@@ -195,12 +208,14 @@ class InFlight:
         self._responder, self._lock = responder, threading.Lock()
         self.now = self.peak = 0
         self.senders: list[threading.Thread] = []
+        self.names: list[str] = []  # each sender's name as it sent
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         with self._lock:
             self.now += 1
             self.peak = max(self.peak, self.now)
             self.senders.append(threading.current_thread())
+            self.names.append(threading.current_thread().name)
         try:
             return self._responder(request)
         finally:
@@ -248,16 +263,17 @@ async def test_ten_agents_sharing_one_store_async_on_a_loop_and_sync_from_thread
     assert (counters["recalls"], counters["recall_hits"], counters["recall_skipped"]) == (50, 50, 0)
 
 
-def test_each_recall_runs_on_a_thread_named_after_the_store_that_ends_with_it(fake, make_store):
+def test_consecutive_recalls_run_on_one_reused_thread_named_after_the_store(fake, make_store):
     fake.remember(FACT)
     in_flight = InFlight(routed(fake))
     fake.always("POST", "/v1/search", in_flight)
-    agent, model = make_agent(make_store(name="turns"))
+    agent, model = make_agent(make_store(name="reused"))
     for turn in range(5):
         agent(QUESTION)
         assert f"[Main] {FACT}" in (model.memory_block(turn) or "")
-    assert [thread.name for thread in in_flight.senders] == ["membase-recall[turns]"] * 5
-    assert wait_until(lambda: not any(thread.is_alive() for thread in in_flight.senders), timeout=LONG)
+        assert wait_until(lambda: in_flight.senders[-1].name == IDLE_NAME, timeout=LONG)  # waits for the next call
+    assert in_flight.names == ["membase-recall[reused]"] * 5
+    assert len(set(in_flight.senders)) == 1, f"{len(set(in_flight.senders))} threads served 5 recalls in turn"
 
 
 def test_a_burst_of_a_hundred_recalls_on_one_store_all_return_memory():

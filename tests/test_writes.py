@@ -22,7 +22,7 @@ import pytest
 from strands.memory import AddMessagesContext, ExtractionResult, ExtractorContext, MemoryManager
 from strands.types.content import Message
 
-from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _writes
+from membase_strands import MembaseAccessError, MembaseMemoryStore, MembaseWriteTimeout, _calls, _writes
 from membase_strands.testing import InMemoryMembase, Responder, ToolCall, hang, status
 from tests.support.store_helpers import (
     FACT,
@@ -571,8 +571,11 @@ async def test_past_its_size_bound_the_store_forgets_the_oldest_saved_part_never
 def test_a_write_whose_thread_cannot_start_fails_at_once_and_the_managers_retry_sends_it(
     fake, make_store, monkeypatch, caplog
 ):
-    """The next write thread fails to start, as when the process is out of threads."""
-    earlier = set(threading.enumerate())
+    """The next write thread fails to start, as when the process is out of threads. The library's threads start
+    afresh and end as soon as they are idle, so no thread is left to take the write instead."""
+    earlier = set(threading.enumerate())  # the idle threads of the set replaced here never take its calls
+    monkeypatch.setattr(_calls, "_threads", _calls._Threads())
+    monkeypatch.setattr(_calls, "IDLE_SECONDS", 0.0)
     refused, start = [], threading.Thread.start
 
     def start_or_refuse(thread: threading.Thread) -> None:

@@ -2,10 +2,11 @@
 a budget, and ends in one :class:`Outcome`.
 
 The SDK is synchronous, and a call that outlives its caller's budget must go on (a waking memory, a write Membase may
-be storing), so each call runs on a daemon thread of its own: nothing joins one, neither ``asyncio.run`` at the end
-of a synchronous agent call nor interpreter exit. Each attempt of a call ends at ``request_timeout`` in its socket
-(``_http``), so no thread outlives its requests for long. A caller that stops waiting leaves the call running, and
-the call then hands its late outcome to whoever started it, once.
+be storing), so each call runs on a daemon thread: nothing joins one, neither ``asyncio.run`` at the end of a
+synchronous agent call nor interpreter exit. Every call gets a thread at once (an idle one, else a new one: starting a
+thread costs a recall as much as the rest of its work), and one idle for :data:`IDLE_SECONDS` ends. Each attempt of a
+call ends at ``request_timeout`` in its socket (``_http``), so no thread outlives its requests for long. A caller that
+stops waiting leaves the call running, and the call then hands its late outcome to whoever started it, once.
 
 After ``os.fork()`` the child has none of the parent's threads: objects that hold calls (or locks) register with
 :func:`reset_in_forked_child` and drop them there, as ``logging`` re-creates its handlers' locks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,6 +30,9 @@ from ._failures import Refused
 from ._http import may_have_arrived
 
 T = TypeVar("T")
+
+IDLE_SECONDS = 2.0
+IDLE_NAME = "membase-idle"
 
 ANSWERED = "answered"
 REFUSED = "refused"  # a 403: the error is a Refused, which says which of Membase's three
@@ -93,7 +98,7 @@ class Call(Generic[T]):
     def start(self) -> Call[T]:
         """Start the call on its thread; if no thread can start, it ends at once with that failure."""
         try:
-            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+            _threads.run(self._run, self._name)
         except RuntimeError as error:  # "can't start new thread": nothing was sent
             self._end(Outcome(FAILED, error=error))
         return self
@@ -176,7 +181,44 @@ def _settle(ended: asyncio.Future[None]) -> None:
         ended.set_result(None)
 
 
-_owners: weakref.WeakSet[Any] = weakref.WeakSet()
+class _Threads:
+    """The daemon threads calls run on: an idle one takes the next call, else a new one starts."""
+
+    def __init__(self) -> None:
+        self.reset_after_fork()
+
+    def reset_after_fork(self) -> None:
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], str]]] = []  # the parent's threads are not here
+        self._lock = threading.Lock()
+
+    def run(self, work: Callable[[], None], name: str) -> None:
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=name, daemon=True).start()
+        inbox.put((work, name))
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Callable[[], None], str]]) -> None:
+        thread = threading.current_thread()
+        while True:
+            try:
+                work, thread.name = inbox.get(timeout=IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if inbox in self._idle:
+                        self._idle.remove(inbox)
+                        return
+                continue  # a call was handed over as the wait ended: it is in the inbox
+            work()
+            del work  # nothing of a call outlives it here
+            thread.name = IDLE_NAME
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_threads = _Threads()
+_owners: weakref.WeakSet[Any] = weakref.WeakSet([_threads])
 
 
 def reset_in_forked_child(owner: Any) -> None:

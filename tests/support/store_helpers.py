@@ -28,6 +28,7 @@ from strands.memory import MemoryManager
 from strands.types.content import Message
 
 from membase_strands import MembaseMemoryStore
+from membase_strands._calls import IDLE_NAME
 from membase_strands.testing import InMemoryMembase, Responder, ScriptedModel, Step
 
 RECALL_THREAD = "membase-recall["
@@ -95,8 +96,8 @@ async def until(predicate: Callable[[], object], timeout: float = 10.0) -> bool:
 
 
 def membase_threads(prefix: str = "membase-") -> list[threading.Thread]:
-    """The library's threads at work (each named after its call) whose names start with ``prefix``."""
-    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+    """The library's threads at work (named after their call) whose names start with ``prefix``; not idle ones."""
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.name != IDLE_NAME and t.is_alive()]
 
 
 class Gates:
