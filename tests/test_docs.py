@@ -216,13 +216,14 @@ def _forget_app_did_what_it_says(run: Run) -> None:
         client.post("/chat", json={"text": "Please remember that the launch is in May."}, headers=alice)
         asked = client.post("/chat", json={"text": "Please forget that the launch is in May."}, headers=alice).json()
         [question] = asked["interrupts"]
+        waiting = client.get("/questions", headers=alice).json()
         answer = {"interrupt_id": question["id"], "response": True}
         approved = client.post("/answer", json=answer, headers=alice).json()
         stranger = client.post("/chat", json={"text": "Hello."}, headers={"X-User-Id": "mallory"})
-    assert asked["reply"] is None and question["name"] == "membase_forget"
+    assert asked["reply"] is None and question["name"] == "membase_forget" and waiting == {"interrupts": [question]}
     assert approved["reply"].startswith("Forgotten") and run.membase.saved() == []
     assert [note.content for note in run.membase.forgotten] == ["Please remember that the launch is in May."]
-    assert stranger.status_code == 403
+    assert stranger.status_code == 403 and stranger.json()["error"]["code"] == "no_key"
 
 
 # --- Every Python block runs ---------------------------------------------------------------------
