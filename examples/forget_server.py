@@ -1,12 +1,13 @@
-"""Forget, approved over HTTP: a FastAPI app whose agents a Strands session manager keeps between
+"""Forget, approved over HTTP, with a chat page: a FastAPI app whose agents a Strands session manager keeps between
 requests, so a turn that stopped to ask the person whether to forget resumes when their answer comes in a later request.
 
-    MEMBASE_KEY_alice=mbk_... uvicorn forget_server:app --app-dir examples
+    MEMBASE_KEY_alice=mbk_... uvicorn forget_server:app --app-dir examples      then open http://127.0.0.1:8000/
     POST /chat    {"text": "Please forget that the launch is in May."}
         -> {"reply": null, "interrupts": [{"id": "...", "name": "membase_forget", "reason": {"memory_id": ...}}]}
     POST /answer  {"interrupt_id": "...", "response": true}        (only a JSON true forgets)
         -> {"reply": "Forgotten, with the user's approval: ...", "interrupts": []}
     GET /questions  -> {"interrupts": [...]}: the questions still waiting for the person (after a page reload, say)
+    GET /           the chat page (forget_chat.html, beside this file)
 
 Every error is {"error": {"code": ..., "message": ...}}: 403 no_key, 409 question_waiting (with the question's
 "interrupts") or no_such_question, 413 too_large (a body over 64 KiB, refused before it is read whole), 422
@@ -30,7 +31,7 @@ from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -183,6 +184,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     422: {"model": Error, "description": "malformed: not JSON, a field missing or of the wrong type, no X-User-Id"},
     503: {"model": Error, "description": "memory_unavailable: this user's memory cannot be served here now"},
 }
+
+
+@app.get("/", include_in_schema=False)
+async def page() -> FileResponse:
+    return FileResponse(Path(__file__).with_name("forget_chat.html"))  # plain HTML and JavaScript, beside this file
 
 
 @app.post("/chat", responses=ERRORS)
