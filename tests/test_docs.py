@@ -201,7 +201,7 @@ def _served_app_did_what_it_says(run: Run) -> None:
         alice = client.post("/chat", json={"text": "I like green tea."}, headers={"X-User-Id": "alice"})
         stranger = client.post("/chat", json={"text": "Hello."}, headers={"X-User-Id": "mallory"})
     assert alice.status_code == 200 and alice.json()["reply"]
-    assert stranger.status_code == 403  # no MEMBASE_KEY_mallory
+    assert stranger.status_code == 403 and stranger.json()["error"]["code"] == "no_key"  # no MEMBASE_KEY_mallory
     assert run.membase.saved() == ["I like green tea."]
     with pytest.raises(RuntimeError, match="closed"):
         run.namespace["app"].state.pool.store_for("alice")
@@ -216,13 +216,14 @@ def _forget_app_did_what_it_says(run: Run) -> None:
         client.post("/chat", json={"text": "Please remember that the launch is in May."}, headers=alice)
         asked = client.post("/chat", json={"text": "Please forget that the launch is in May."}, headers=alice).json()
         [question] = asked["interrupts"]
+        waiting = client.get("/questions", headers=alice).json()
         answer = {"interrupt_id": question["id"], "response": True}
         approved = client.post("/answer", json=answer, headers=alice).json()
         stranger = client.post("/chat", json={"text": "Hello."}, headers={"X-User-Id": "mallory"})
-    assert asked["reply"] is None and question["name"] == "membase_forget"
+    assert asked["reply"] is None and question["name"] == "membase_forget" and waiting == {"interrupts": [question]}
     assert approved["reply"].startswith("Forgotten") and run.membase.saved() == []
     assert [note.content for note in run.membase.forgotten] == ["Please remember that the launch is in May."]
-    assert stranger.status_code == 403
+    assert stranger.status_code == 403 and stranger.json()["error"]["code"] == "no_key"
 
 
 # --- Every Python block runs ---------------------------------------------------------------------
@@ -423,6 +424,6 @@ def test_each_shell_command_in_the_docs_runs_as_written(block: Block, commands: 
             assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
             if command.startswith("curl "):
                 answer = json.loads(done.stdout)
-                assert "detail" not in answer, (command, answer)  # FastAPI's error answers
+                assert "error" not in answer and "detail" not in answer, (command, answer)  # the examples' errors
                 assert all(said in json.dumps(answer) for asked, said in ANSWERS.items() if asked in command), answer
         serving.close()

@@ -301,3 +301,39 @@ def test_a_server_keeps_every_answered_turn_through_sigterm(name: str, tmp_path:
     # Gunicorn: no worker the arbiter reaped was killed (a worker still closing at graceful_timeout would be), and
     # the arbiter exited 0.
     assert server.process.returncode == (0 if processes == 2 else -signal.SIGTERM), output
+
+
+def test_every_error_is_json_in_one_shape_never_a_bare_500() -> None:
+    """A ``MEMBASE_CONTAINER`` that names no Memory of the user's key: 503, each time, never a bare 500; a body over
+    64 KiB: 413 before the agent runs; malformed JSON: 422; no key: 403. Each ``{"error": {"code", "message"}}``."""
+    fake = InMemoryMembase()
+    fake.account(user_key("alice"))
+    env = {"MEMBASE_KEY_alice": user_key("alice"), "MEMBASE_EXAMPLE_SCRIPTED": "1", "MEMBASE_WRITE_TIMEOUT": "30"}
+
+    def error_of(answer: httpx.Response, status: int, code: str) -> None:
+        assert answer.status_code == status and answer.headers["content-type"] == "application/json", answer.text
+        assert answer.json() == {"error": {"code": code, "message": answer.json()["error"]["message"]}}
+        assert isinstance(answer.json()["error"]["message"], str)
+
+    with LoopbackMembase(fake) as membase:
+        env["MEMBASE_BASE_URL"] = membase.url
+        with ServedApp.uvicorn("server:app", {**env, "MEMBASE_CONTAINER": "No such Memory"}) as app:
+            app.wait_until_ready()
+            with httpx.Client(base_url=app.url, headers={"X-User-Id": "alice"}, timeout=WAIT) as http:
+                for _ in range(2):  # the set-up check is tried again for the next agent: refused again, the same way
+                    error_of(http.post("/chat", json={"text": "I like green tea."}), 503, "memory_unavailable")
+        assert "Traceback" not in app.output and "No such Memory" in app.output, app.output  # said in the log
+
+        with ServedApp.uvicorn("server:app", env) as app:
+            app.wait_until_ready()
+            with httpx.Client(base_url=app.url, headers={"X-User-Id": "alice"}, timeout=WAIT) as http:
+                before = len(fake.requests)
+                error_of(http.post("/chat", json={"text": "I like " + "green " * 40_000}), 413, "too_large")
+                error_of(
+                    http.post("/chat", content=b"{", headers={"Content-Type": "application/json"}), 422, "malformed"
+                )
+                error_of(http.post("/chat", json={"text": "Hi."}, headers={"X-User-Id": "mallory"}), 403, "no_key")
+                assert len(fake.requests) == before  # none of them reached Membase: no agent ran
+                assert http.post("/chat", json={"text": "I like green tea."}).status_code == 200
+        assert "Traceback" not in app.output, app.output
+    assert fake.account(user_key("alice")).saved() == ["I like green tea."]
