@@ -1,7 +1,7 @@
 """One store per user, each built from that user's own credential, for apps that serve many people.
 
-The bound on kept stores never breaks a turn: to make room the pool lets go of the least recently used store
-without closing it, so whoever holds it (an agent mid-turn, a running write) keeps using it until it is collected.
+The bound on kept stores never breaks a turn: to make room the pool drops the least recently used store without
+closing it, so whoever holds it (an agent mid-turn, a running write) keeps using it until it is collected.
 Until then the pool remembers it weakly: the same user coming back gets that same store, never a second one.
 """
 
@@ -20,8 +20,7 @@ import membase
 from ._calls import reset_in_forked_child
 from ._gateway import looks_like_path
 from ._log import StoreLog
-from ._options import unknown_option
-from .store import STORE_OPTIONS, MembaseMemoryStore, begin_closing, share_counts
+from .store import MembaseMemoryStore, begin_closing, share_counts
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +31,8 @@ Credential = str | os.PathLike[str]
 class MembaseStorePool:
     """Hands out one :class:`MembaseMemoryStore` per user id, reusing each user's store; thread-safe.
 
-    Stores built from keys share the process's connections to their Membase host, each request with its own
-    user's key: users share warm sockets, never credentials. There is no shared or fallback key.
+    Each store has connections of its own: no user's request goes out on a connection that carried another user's.
+    There is no shared or fallback key.
     """
 
     def __init__(
@@ -44,7 +43,7 @@ class MembaseStorePool:
         Args:
             credential_for: A user's Membase API key (a ``str``) or local directory (a ``pathlib.Path``), by user id.
             max_stores: How many users' stores to keep for their next turns (size it to the users active within a
-                few minutes); past it the least recently used is let go of, never closed under a running turn.
+                few minutes); past it the least recently used is dropped, never closed under a running turn.
             **store_options: Options for every user's store (``container``, ``recall_timeout``, ``capture``, ...);
                 ``client``, ``api_key`` and ``local`` come from ``credential_for``.
 
@@ -58,9 +57,7 @@ class MembaseStorePool:
             raise ValueError(f"credential_for must be a function of the user id, got {type(credential_for).__name__}")
         if shared := [option for option in ("client", "api_key", "local") if option in store_options]:
             raise ValueError(f"{', '.join(shared)}: comes from credential_for for each user, not shared by the pool")
-        if unknown := sorted(set(store_options) - set(STORE_OPTIONS)):
-            raise ValueError(unknown_option(unknown[0], STORE_OPTIONS))
-        # Every value checked now, by the store's own checks, rather than at every user's first turn.
+        # Every value checked now (a misspelt name too), by the store's own checks, not at every user's first turn.
         MembaseMemoryStore(api_key="membase-pool-option-check", **store_options).close()
         self._credential_for, self._max_stores, self._store_options = credential_for, max_stores, store_options
         self._stores: OrderedDict[str, MembaseMemoryStore] = OrderedDict()  # least recently used first
@@ -83,7 +80,7 @@ class MembaseStorePool:
     def store_for(self, user_id: str) -> MembaseMemoryStore:
         """The store for ``user_id``: the one from before, or a new one from the user's credential.
 
-        Never waits for another user's store: making room only lets go of a store, it does not close it.
+        Never waits for another user's store: making room only drops a store, it does not close it.
 
         Raises:
             ValueError: ``user_id`` is blank, or the credential function failed or gave nothing usable (the
@@ -140,13 +137,13 @@ class MembaseStorePool:
         """Refuse new stores; the stores handed out that are still alive, for the caller to close."""
         with self._lock:
             self._closed = True
-            alive = list(self._alive.values())  # before letting go of the kept ones, which may be their only holder
+            alive = list(self._alive.values())  # before dropping the kept ones, which may be their only holder
             self._stores.clear()
             return alive
 
     def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
         """The user's store still alive, else ``built``, now the most recently used (``None``: neither). Past the
-        bound the least recently used is let go of outside the lock: collected, a store may start a closing thread."""
+        bound the least recently used is dropped outside the lock: collected, a store lets go of its connections."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
@@ -158,7 +155,7 @@ class MembaseStorePool:
             dropped = None
             if len(self._stores) > self._max_stores:
                 old_user, dropped = self._stores.popitem(last=False)
-                logger.debug("user=<%s> | pool full; letting go of the least recently used store", old_user)
+                logger.debug("user=<%s> | pool full; dropping the least recently used store", old_user)
         del dropped  # outside the lock
         return store
 
