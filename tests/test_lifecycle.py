@@ -70,9 +70,10 @@ async def timed_out_write(membase: InMemoryMembase, store: MembaseMemoryStore, t
 
 
 async def kept_after_a_cancelled_write(membase: InMemoryMembase, gates: Any, caplog) -> MembaseMemoryStore:
-    """A store whose write of GREEN_TEA failed (500) after its caller was cancelled: the store keeps it."""
+    """A store whose write of GREEN_TEA failed (429, a documented refusal) after its caller was cancelled: the store
+    keeps it."""
     store, release = capturing(membase, write_timeout=5.0), gates.new()
-    await held_write(membase, store, status(500, "internal"), release)
+    await held_write(membase, store, status(429, "rate limited"), release)
     release.set()
     assert await until(logged(caplog, "or when it closes", logging.WARNING), timeout=LONG)
     return store
@@ -269,16 +270,16 @@ async def test_a_close_waits_for_a_write_nobody_waits_for_and_sends_once_more_wh
     caplog.set_level(logging.INFO)
     release = gates.new()
     store = capturing(fake)
-    await held_write(fake, store, fake.answer if outcome == "saved" else status(500, "internal"), release)
+    await held_write(fake, store, fake.answer if outcome == "saved" else status(429, "rate limited"), release)
     if outcome == "failed twice":
-        fake.on(*MEMORIES, status(500, "internal"))
+        fake.on(*MEMORIES, status(429, "rate limited"))
     closing = asyncio.ensure_future(store.aclose() if closer == "aclose" else asyncio.to_thread(store.close))
     assert await until(drain_began(caplog), timeout=LONG)
     release.set()
     await closing
 
     said = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")]
-    names = ("writes_sent_again", "writes_saved", "writes_lost", "write_errors", "errors.server_error")
+    names = ("writes_sent_again", "writes_saved", "writes_lost", "write_errors", "errors.rate_limited")
     counters = {name: store.counters().get(name, 0) for name in names}
     if outcome == "saved":
         assert said.count(CANCELLED_SAVED) == 1 and fake.saved() == [GREEN_TEA]
@@ -300,7 +301,7 @@ async def test_aclose_awaited_by_a_task_nothing_references_finishes_and_sends_th
     caplog.set_level(logging.INFO)
     resent, first, release = threading.Event(), gates.new(), gates.new()
     store = capturing(fake)
-    await held_write(fake, store, status(500, "internal"), first)
+    await held_write(fake, store, status(429, "rate limited"), first)
     fake.on(*MEMORIES, signalling(resent, hang(release, then=fake.answer)))
     first.set()  # the first request fails: the store keeps the batch for sending again
     assert await until(logged(caplog, "the store sends it again with its next write or when it closes"), LONG)
@@ -334,7 +335,7 @@ async def test_the_exit_hook_sends_once_what_failed_with_nobody_to_retry_it_and_
     idle, other = capturing(fake, name="idle"), InMemoryMembase()
     kept = await kept_after_a_cancelled_write(other, gates, caplog)
     release, closed = gates.new(), capturing(fake, name="closed", write_timeout=BUDGET, close_timeout=BUDGET)
-    await timed_out_write(fake, closed, status(500, "internal"), release)
+    await timed_out_write(fake, closed, status(429, "rate limited"), release)
     await closed.aclose()  # waits BUDGET for the held write, then returns with it still running
     release.set()
     at_exit = "a write that ran out of time failed; the store sends it again at interpreter exit"
@@ -361,7 +362,7 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
     )
     await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
     failing = capturing(other)
-    await held_write(other, failing, status(500, "internal"), release)
+    await held_write(other, failing, status(429, "rate limited"), release)
 
     hook = asyncio.create_task(asyncio.to_thread(exit_hook))
     assert await until(logged(caplog, f"store=<membase> | {EXITING}"), timeout=LONG)
@@ -370,7 +371,7 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
 
     assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
     assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
-        "store=<membase>, reason=<internal> | a write whose caller was cancelled failed; it is not saved, and "
+        "store=<membase>, reason=<rate limited> | a write whose caller was cancelled failed; it is not saved, and "
         "nothing will send it again",  # one line, not two
         f"store=<notes>, writes=<1> | writes still running when closing stopped waiting after {BUDGET:g} s: "
         f"{NOT_FINISHED}",

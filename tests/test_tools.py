@@ -326,6 +326,8 @@ def test_each_failure_is_its_own_sentence_for_the_model_without_the_key(tool, in
             model = tool_turn(store, ToolCall(tool, arguments))
         [(status_, sentences[failure])] = tool_texts(model)
 
+        if tool == "membase_save" and failure == "500":  # Membase documents no 5xx: it may have stored the note
+            phrases = ("answered 500", "may or may not have been saved")
         assert status_ == "error" and all(phrase in sentences[failure] for phrase in phrases), failure
         assert API_KEY not in str(model.calls)
         default = 3 if tool != "membase_save" else 1

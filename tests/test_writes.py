@@ -222,7 +222,7 @@ async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_ret
     fake, make_store, gates
 ):
     gates_of, arrived = [gates.new(), gates.new()], [threading.Event(), threading.Event()]
-    answers = [routed(fake), status(500, "internal")]
+    answers = [routed(fake), status(429, "rate limited")]
     fake.on(*MEMORIES, *(signalling(arrived[n], hang(gates_of[n], then=answers[n])) for n in (0, 1)))
     store = capturing(make_store)
     for n, (old, new) in enumerate([(GREEN_TEA, None), (LISBON, "Call me Sam")]):
@@ -261,7 +261,7 @@ class ThreeFacts:
 
 def test_on_the_extractor_path_only_the_fact_that_failed_is_sent_again(fake, make_store, caplog):
     answers = ByWords(fake)
-    answers.on(FACTS[1], status(500, "internal"))
+    answers.on(FACTS[1], status(429, "rate limited"))
     extractor = ThreeFacts()
     agent, _ = make_agent(capturing(make_store, extraction={"extractor": extractor}), ["Noted.", "Noted too."])
 
@@ -301,7 +301,7 @@ async def test_without_a_context_a_retried_batch_sends_only_what_is_new(fake, ma
     assert await store.add_messages(messages) is None  # the manager's retry: the same message objects
     await store.add_messages([*messages, user(LISBON)])  # a retry with a newer message: only that is sent
     await store.add_messages([user(GREEN_TEA)])  # a new message with the same words: a new thing said
-    fake.on(*MEMORIES, status(500, "internal"))
+    fake.on(*MEMORIES, status(429, "rate limited"))
     failing = [user("Call me Sam")]
     with pytest.raises(membase.MembaseError):
         await store.add_messages(failing)
@@ -321,7 +321,7 @@ def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true
     caplog.set_level(logging.DEBUG, logger="membase_strands")
     fake.remember(FACT)
     release = gates.new()
-    fake.on(*MEMORIES, hang(release, then=fake.answer if late == "saved" else status(500, "internal")))
+    fake.on(*MEMORIES, hang(release, then=fake.answer if late == "saved" else status(429, "rate limited")))
     store = capturing(make_store, write_timeout=BUDGET)
     agent, _ = make_agent(store, ["Noted."])  # built for this one request, as a web handler does
 
@@ -382,7 +382,7 @@ async def test_without_a_write_timeout_the_caller_waits_for_the_request(fake, ma
 async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_the_next_attempt_saves_it_once(
     fake, make_store
 ):
-    fake.on(*MEMORIES, status(500, "internal"))
+    fake.on(*MEMORIES, status(429, "rate limited"))
     store = capturing(make_store)
     messages, context = [user(GREEN_TEA), assistant("Noted."), user(LISBON)], batch([0, 1, 2])
 
@@ -391,7 +391,7 @@ async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_t
     assert (fake.notes, store.counters()["writes_saved"], store.counters()["write_errors"]) == ([], 0, 1)
     assert (await store.add_messages(messages, context))["container"] == "ctr_main"
     assert await store.add_messages(messages, context) is None  # a third attempt sends nothing
-    fake.on(*MEMORIES, status(503, "busy"))
+    fake.on(*MEMORIES, status(429, "busy"))
     with pytest.raises(membase.MembaseError):
         await store.add(FACTS[0])
     await store.add(FACTS[0])
@@ -409,7 +409,7 @@ async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_t
 
 def test_a_write_that_fails_late_is_kept_and_the_managers_retry_takes_its_place(fake, make_store, gates, caplog):
     gate = gates.new()
-    fake.on(*MEMORIES, hang(gate, then=status(500, "internal")))
+    fake.on(*MEMORIES, hang(gate, then=status(429, "rate limited")))
     store = capturing(make_store, write_timeout=BUDGET)
     agent, _ = make_agent(store, ["Noted.", "Noted too.", "Fine."])
 
@@ -433,7 +433,7 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
     sends it again, so the store keeps it and sends it with its next write, or when it closes."""
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
-    fake.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
+    fake.on(*MEMORIES, signalling(in_flight, hang(release, then=status(429, "rate limited"))))
     store = capturing(make_store)
     agent, model = make_agent(store, ["Noted."])
 
@@ -456,16 +456,17 @@ async def test_a_cancelled_flush_whose_write_then_fails_reaches_membase_exactly_
 
     assert sorted(fake.saved()) == ([GREEN_TEA, LISBON] if then == "next turn" else [GREEN_TEA])
     assert posted(fake).count(GREEN_TEA) == 2  # the request that failed, then the store's own, once
-    assert counts(store, "write_cancellations", "write_errors", "errors.server_error") == (1, 1, 1)
+    assert counts(store, "write_cancellations", "write_errors", "errors.rate_limited") == (1, 1, 1)
     assert counts(store, "writes_sent_again", "writes_lost") == (1, 0)
 
 
 async def kept(store: MembaseMemoryStore, answers: ByWords, caplog, words: str, *then: Responder, said: str = KEPT):
-    """Write ``words`` as the manager would, cancel the caller once its request is in, and fail it (500): the store
-    keeps it (and says ``said``). ``then``: the answers to its next requests. The batch and its context."""
+    """Write ``words`` as the manager would, cancel the caller once its request is in, and fail it (a 429, one of
+    Membase's documented errors): the store keeps it (and says ``said``). ``then``: the answers to its next
+    requests. The batch and its context."""
     messages, context = [user(words)], batch([0])
     in_flight, release = threading.Event(), threading.Event()
-    answers.on(words, signalling(in_flight, hang(release, then=status(500, "internal"))), *then)
+    answers.on(words, signalling(in_flight, hang(release, then=status(429, "rate limited"))), *then)
     before = logged(caplog, said)()
     try:
         await cancelled_once_sent(store.add_messages(messages, context), in_flight)
@@ -481,7 +482,7 @@ async def test_a_kept_batch_goes_out_once_with_the_next_write_and_a_retry_waits_
 ):
     answers, store = ByWords(fake), capturing(make_store)
     resending, release = threading.Event(), threading.Event()
-    then = signalling(resending, hang(release, then=fake.answer)) if resend == "saved" else status(503, "busy")
+    then = signalling(resending, hang(release, then=fake.answer)) if resend == "saved" else status(429, "busy")
     try:
         messages, context = await kept(store, answers, caplog, GREEN_TEA, then)
         await store.add_messages([user(LISBON)], batch([1]))  # the next write: the kept batch goes out too
@@ -514,7 +515,7 @@ async def test_every_cancelled_wait_is_counted_and_a_cancelled_retry_keeps_only_
     ones, saved after their caller was cancelled too, are never sent again; failed, they go out once more, with them."""
     caplog.set_level(logging.INFO)
     saved, gate, in_flight = first_request == "saved", gates.new(), threading.Event()
-    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(500, "internal"))))
+    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(429, "rate limited"))))
     store = capturing(make_store)
     old = [user(GREEN_TEA)]
     first = asyncio.create_task(store.add_messages(old, batch([0])))
@@ -549,7 +550,7 @@ async def test_kept_batches_stay_within_the_byte_bound_and_a_batch_over_it_is_lo
     arrived = {tag: threading.Event() for tag in notes}
     releases = {tag: gates.new() for tag in notes}
     for tag in notes:
-        answers.on(tag, signalling(arrived[tag], hang(releases[tag], then=status(500, "internal"))))
+        answers.on(tag, signalling(arrived[tag], hang(releases[tag], then=status(429, "rate limited"))))
     # Three writes in flight at once, their callers cancelled (a web server shutting down) ...
     writes = [asyncio.create_task(store.add(note)) for note in notes.values()]
     assert await until(lambda: all(event.is_set() for event in arrived.values()), timeout=LONG)

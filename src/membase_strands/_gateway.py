@@ -2,10 +2,10 @@
 clients, looks Memory names up as ids and says what the answers mean. Every call blocks; the store decides where it
 runs and how long it waits.
 
-From a key, two clients over the process's shared client for the store's route (``_http``): one retries as the SDK
-does (the tools, which should wait out a waking memory); one makes a single attempt (recall, whose late request must
-hold the in-flight guard for one attempt, not three; and writes, since a POST that timed out may be stored already).
-A forked child builds its own; a client passed in (``client=``) and used before the fork is refused in the child.
+From a key, SDK clients over the gateway's own reads and writes clients (``_http.clients``): reads that retry as the SDK
+does (the tools wait out a waking memory); reads in one attempt (a late recall holds the in-flight guard for one
+attempt, not three); writes in one attempt (a POST that timed out may be stored already). A forked child builds its
+own; a client passed in (``client=``) and used before the fork is refused in the child.
 
 It also keeps what Membase refused (docs/access.md), and masks what it hands on: the key never leaves it, only its hint.
 """
@@ -107,7 +107,8 @@ class MembaseGateway:
         # verb -> (when it is tried again, sentence, refusal), kept until the verb succeeds; one dict step each: no lock
         self._off: dict[str, tuple[float, str, str]] = {}
         self._container_ids: dict[str, str] = {}  # Memory name -> id; one dict step each: no lock
-        self._clients: tuple[membase.Membase, membase.Membase] | None = None  # (retrying, single attempt), built here
+        self._clients: tuple[membase.Membase, ...] | None = None  # (retrying, single attempt, writes), built here
+        self._http: tuple[httpx.Client, httpx.Client] | None = None  # (reads, writes), from the route
         self._lock, self._given_used_before_fork = _runtime.new_lock(), False
         _runtime.forget_in_child(self._forget_parent_clients)
         if self.local is not None:
@@ -116,18 +117,20 @@ class MembaseGateway:
     def _forget_parent_clients(self) -> None:
         """In a forked child: the parent's clients share the parent's sockets and engine; the child builds its own."""
         self._given_used_before_fork = self._given is not None and self._clients is not None
-        self._clients = None
+        self._clients = self._http = None  # dropped, not closed: their sockets are the parent's
 
-    def _build(self) -> tuple[membase.Membase, membase.Membase]:
+    def _build(self) -> tuple[membase.Membase, ...]:
         if self._route is not None:
-            http = _http.client_for(self._route)
+            with self._lock:  # once: clients built twice would leave one pair open
+                reads, writes = self._http = self._http or _http.clients(self._route)
             return (
-                membase.Membase(api_key=self._secret, base_url=self.base_url, http_client=http),
-                membase.Membase(api_key=self._secret, base_url=self.base_url, max_retries=0, http_client=http),
+                membase.Membase(api_key=self._secret, base_url=self.base_url, http_client=reads),
+                membase.Membase(api_key=self._secret, base_url=self.base_url, max_retries=0, http_client=reads),
+                membase.Membase(api_key=self._secret, base_url=self.base_url, max_retries=0, http_client=writes),
             )
         if self.local is not None:
             engine = _local.open_engine(self.local)  # the engine makes one attempt
-            return engine, engine
+            return engine, engine, engine
         assert self._given is not None
         if self._given_used_before_fork:
             raise RuntimeError(
@@ -135,9 +138,9 @@ class MembaseGateway:
                 "forked, and sharing its connections would mix up the two processes' answers; build the client "
                 "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
             )
-        return self._given, self._given
+        return self._given, self._given, self._given
 
-    def _client(self, *, retry: bool) -> membase.Membase:
+    def _client(self, *, retry: bool, write: bool = False) -> membase.Membase:
         clients = self._clients
         if clients is None:
             built = self._build()  # outside the lock: a local engine may take a while to start
@@ -145,12 +148,14 @@ class MembaseGateway:
                 clients = self._clients = self._clients or built
             if clients is not built and self.local is not None:
                 _local.close_engine(self.local)  # another thread opened it first: one user less
-        return clients[0] if retry else clients[1]
+        return clients[2] if write else clients[0] if retry else clients[1]
 
     def close(self) -> None:
-        """Let go of the local engine this gateway opened in this process, if any (blocking)."""
+        """Close the gateway's connections; let go of the local engine it opened in this process, if any (blocking)."""
         with self._lock:
-            opened, self._clients = self._clients is not None, None
+            opened, self._clients, http, self._http = self._clients is not None, None, self._http, None
+        for client in http or ():
+            client.close()
         if self.local is not None and opened:
             try:
                 _local.close_engine(self.local)
@@ -267,7 +272,10 @@ class MembaseGateway:
             if wanted is None:
                 return send(client, None)
             was_cached = wanted in self._container_ids
-            container_id = self._looked_up(client, wanted)
+            try:
+                container_id = self._looked_up(client, wanted)
+            except membase.MembaseError as error:  # nothing of ``send`` went out: a copy with no body or chain says so
+                raise type(error)(error.message, status=error.status) from None  # (_http.may_have_arrived)
             try:
                 return send(client, container_id)
             except (membase.PermissionDeniedError, membase.NotFoundError) as error:
@@ -283,7 +291,7 @@ class MembaseGateway:
         :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's error is masked."""
         if (refused := self.off(verb)) is not None:
             raise refused
-        client = self._client(retry=retry)
+        client = self._client(retry=retry, write=verb in (SAVE, FORGET))
         try:
             answer = call(client)
         except _UNREADABLE as error:

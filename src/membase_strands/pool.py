@@ -33,8 +33,8 @@ Credential = str | os.PathLike[str]
 class MembaseStorePool:
     """Hands out one :class:`MembaseMemoryStore` per user id, reusing each user's store; thread-safe.
 
-    Stores built from keys share the process's connections to their Membase host, each request with its own
-    user's key: users share warm sockets, never credentials. There is no shared or fallback key.
+    Each store built from a key has connections of its own: users share neither sockets nor credentials. There is no
+    shared or fallback key.
     """
 
     def __init__(

@@ -43,13 +43,15 @@ _SERVERS = itertools.count(1)
 
 @dataclass(frozen=True)
 class Seen:
-    """One request the server read: its route, the key it carried, its ``Cookie`` header and its JSON body."""
+    """One request the server read: its route, the key it carried, its ``Cookie`` header, its JSON body, and the
+    connection it came on (numbered from 1, in the order the server took them)."""
 
     method: str
     path: str
     key: str
     cookie: str | None
     body: Any
+    connection: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,12 +169,15 @@ class LoopbackMembase:
             into.append(entry)
             self._changed.notify_all()
 
-    def _count(self, opened: int = 0, serving: int = 0) -> None:
-        with self._lock:
+    def _count(self, opened: int = 0, serving: int = 0) -> int:
+        with self._changed:
             self.connections += opened > 0
             self.open_connections += opened
             self.in_flight += serving
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            if opened < 0:
+                self._changed.notify_all()  # a wait on open_connections
+            return self.connections
 
 
 class _Server(ThreadingHTTPServer):
@@ -195,12 +200,13 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     answer: httpx.Response  # the fake's answer to the request being served
     seen: Seen  # the request being served, as the server recorded it
+    number: int  # this connection's, among the server's
     timeout = LIMIT  # an idle keep-alive connection is dropped after this, so no handler thread lives forever
 
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.owner._count(+1)
+        self.number = self.server.owner._count(+1)
 
     def finish(self) -> None:
         try:
@@ -248,7 +254,7 @@ class _Handler(BaseHTTPRequestHandler):
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        self.seen = Seen(self.command, path, key, self.headers.get("Cookie"), parsed)
+        self.seen = Seen(self.command, path, key, self.headers.get("Cookie"), parsed, self.number)
         owner._record(owner.seen, self.seen)
         answer = owner.fake.handle(request)  # recorded by the fake, faults and all, before any raw action
         self.answer = answer
