@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import membase.client
 import pytest
 
 from membase_strands import MembaseMemoryStore
@@ -25,12 +24,6 @@ OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_x", "name": "Work"}]
 LONE = "\ud800"
 NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
-
-
-@pytest.fixture
-def instant_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the SDK's retry back-off instant (it sleeps 0.25-1.5 s before retrying a timeout)."""
-    monkeypatch.setattr(membase.client, "_backoff", lambda attempt, retry_after=None: 0.0)
 
 
 def read_timeout(request: httpx.Request) -> httpx.Response:
