@@ -1,8 +1,8 @@
 """Proxies, as httpx reads them and beyond what httpx bounds: the environment's proxy variables route a store as they
 route a plain ``httpx.Client()`` (compared side by side through real proxies on loopback), a proxy URL httpx cannot
 use is refused when the store is built (naming the variable, never its value), a tunnel the proxy refused or stalled
-never counts as a note that may have arrived, and a proxy that drips the tunnel is cut off at ``request_timeout``,
-Membase's TLS inside an https:// proxy's TLS included.
+never counts as a note that may have arrived, a proxy that drips what comes back is cut off at ``request_timeout``,
+and an https:// proxy to an https:// Membase (TLS inside TLS, which no deadline bounds) is refused when built.
 """
 
 from __future__ import annotations
@@ -241,25 +241,35 @@ def test_a_note_whose_tunnel_the_proxy_refused_or_stalled_is_sent_by_the_retry_a
         assert (store.counters()["writes_unknown"], store.counters()["writes_saved"]) == (0, 1)
 
 
-@pytest.mark.parametrize("dripped", ["the handshake", "the answer"])
-@pytest.mark.parametrize("proxy_scheme", ["https", "http"])
-def test_a_proxy_dripping_the_tunnel_is_cut_off_within_request_timeout(
-    built, clean_network_env, certificates, proxy_scheme, dripped
+@pytest.mark.parametrize(
+    ("proxy_scheme", "membase_scheme", "dripped"),
+    [
+        ("http", "https", "from the first byte"),  # Membase's TLS handshake, through the CONNECT tunnel
+        ("http", "https", "near the end of the answer"),
+        ("https", "http", "from the first byte"),  # the answer the proxy passes on, inside the proxy's own TLS
+        ("https", "http", "near the end of the answer"),
+    ],
+)
+def test_a_proxy_dripping_what_comes_back_is_cut_off_within_request_timeout(
+    built, clean_network_env, certificates, proxy_scheme, membase_scheme, dripped
 ):
-    """Once a first recall went through whole (with an https:// proxy, Membase's TLS inside the proxy's), the proxy
-    drips what comes back through the tunnel, a byte every 0.3 s, from its first byte (the TLS handshake) or from near
-    the end of the answer. A recall with request_timeout=2 ends within 2.5 s, and the proxy finds the client gone."""
+    """Once a first recall went through whole, the proxy drips what comes back from Membase, a byte every 0.3 s, from
+    the first byte or from 50 bytes before the end of the answer. A recall with request_timeout=2 ends within 2.5 s,
+    and the proxy finds the client gone."""
     attempt = 2.0
-    tls = certificates.server() if proxy_scheme == "https" else None
-    with LoopbackMembase(tls=certificates.server()) as server, LoopbackProxy(tls=tls) as proxy:
+    variable = "HTTPS_PROXY" if membase_scheme == "https" else "HTTP_PROXY"
+    with (
+        LoopbackMembase(tls=certificates.server() if membase_scheme == "https" else None) as server,
+        LoopbackProxy(tls=certificates.server() if proxy_scheme == "https" else None) as proxy,
+    ):
         server.fake.remember(FACT)
         clean_network_env.setenv("SSL_CERT_FILE", str(certificates.ca_file))
-        clean_network_env.setenv("HTTPS_PROXY", proxy.url)
+        clean_network_env.setenv(variable, proxy.url)
         with MembaseMemoryStore(api_key=API_KEY, base_url=server.url, recall_timeout=LONG) as first:
             assert recall(first) == FOUND
         assert proxy.wait_for(lambda: len(proxy.ended) == 1)
-        whole = proxy.ended[0].sent  # what one tunnel sends back: handshake, then the answer last
-        proxy.drip, proxy.fast = 0.3, (0 if dripped == "the handshake" else whole - 50)
+        whole = proxy.ended[0].sent  # what one connection sends back, the answer last
+        proxy.drip, proxy.fast = 0.3, (0 if dripped == "from the first byte" else whole - 50)
 
         store = built(base_url=server.url, recall_timeout=LONG, request_timeout=attempt)
         started = time.monotonic()
@@ -268,3 +278,18 @@ def test_a_proxy_dripping_the_tunnel_is_cut_off_within_request_timeout(
         took = time.monotonic() - started
         assert took <= attempt + 0.5, f"the recall ended after {took:.1f} s"
         assert proxy.wait_for(lambda: len(proxy.ended) == 2) and proxy.ended[1].hung_up, proxy.ended
+
+
+def test_an_https_proxy_to_an_https_membase_is_refused_when_the_store_is_built_naming_its_variable(clean_network_env):
+    """Membase's TLS inside an https:// proxy's TLS: httpcore gives every socket receive of it the whole timeout
+    again, so a proxy dripping that tunnel would hold a call without end. The store is refused when it is built,
+    naming the variables and never the password; an http:// proxy (CONNECT) or an http:// Membase is taken."""
+    for variable in ("HTTPS_PROXY", "ALL_PROXY"):
+        clean_network_env.setenv(variable, "https://user:tls-1n-tls@127.0.0.1:3128")
+        with pytest.raises(ValueError, match="HTTPS_PROXY or ALL_PROXY: an https:// proxy") as refused:
+            MembaseMemoryStore(api_key=API_KEY, base_url="https://membase.test")
+        assert "tls-1n-tls" not in shown_anywhere(refused.value)
+        MembaseMemoryStore(api_key=API_KEY, base_url="http://membase.test").close()
+        clean_network_env.setenv(variable, "http://127.0.0.1:3128")
+        MembaseMemoryStore(api_key=API_KEY, base_url="https://membase.test").close()
+        clean_network_env.delenv(variable)

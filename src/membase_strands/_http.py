@@ -1,10 +1,10 @@
 """How a store built from a key reaches Membase: two ``httpx.Client`` of its own (reads, writes), sharing nothing with
 another store's (an answer meant for one key is never read by another's request), keeping no cookies. httpcore's
 pool does HTTP, proxies and keep-alive; below it, this module's network backend caps every connect, read, write and TLS
-handshake (TLS inside an https:// proxy's TLS too) at the time left to the attempt (``request_timeout``, headers and
-body), and gives each of a name's addresses its share of that time. The one resend (once, within the same deadline): a
-request that never reached Membase (no connection, no tunnel, a proxy's refusal); a read also after a kept-alive
-connection broke. A write, once it began to go out, is never sent again (:func:`may_have_arrived` says the rule).
+handshake at the time left to the attempt (``request_timeout``, headers and body), and gives each of a name's
+addresses its share of that time. The one resend (once, within the same deadline): a request that never reached
+Membase (no connection, no tunnel, a proxy's refusal); a read also after a kept-alive connection broke. A write, once
+it began to go out, is never sent again (:func:`may_have_arrived` says the rule).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.request
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,13 +68,16 @@ class Route:
 
 
 def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
-    """The route to ``base_url`` under the environment as it is now; ``ValueError`` naming the variable (never its
-    value, which may hold a password) where ``httpx.Client()`` would refuse: a proxy URL or scheme it cannot use, socks5
-    without socksio."""
+    """The route to ``base_url`` under the environment as it is now. ``ValueError`` naming the variable (never its
+    value: it may hold a password) where ``httpx.Client()`` would refuse (a proxy URL or scheme it cannot use, socks5
+    without socksio), and for an https:// proxy to an https:// Membase, whose TLS inside TLS no deadline bounds."""
     if transport is not None:
         return Route(base_url, transport, None, None, seconds, max_bytes)
     chosen = _environment_proxy(url := httpx.URL(base_url))
     proxy_tls, tls = chosen is not None and chosen.url.scheme == "https", None
+    if proxy_tls and url.scheme == "https":  # httpcore's TLS in TLS gives every socket receive the whole timeout again
+        why = "an https:// proxy to an https:// Membase (TLS inside TLS) cannot be held to request_timeout"
+        raise ValueError(f"HTTPS_PROXY or ALL_PROXY: {why}; give its http:// address (CONNECT keeps TLS end to end)")
     if url.scheme == "https" or proxy_tls:  # httpx's settings, read from SSL_CERT_FILE or SSL_CERT_DIR
         tls = _trust(*(_file(os.environ.get(name) or "") for name in ("SSL_CERT_FILE", "SSL_CERT_DIR")))
     proxy = None  # else as httpx.HTTPTransport hands it to httpcore; its TLS trusts what Membase's does
@@ -313,8 +316,8 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 
 
 class _Backend(httpcore.NetworkBackend):
-    """httpcore's sockets, each operation capped at the time left to the attempt it serves: httpcore gives each the
-    whole timeout, every address of a name too, and every socket receive of TLS inside TLS the whole timeout again."""
+    """httpcore's sockets, each operation capped at the time left to the attempt it serves (httpcore gives each the
+    whole timeout, and so every address of a name)."""
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, *options: Any, **named: Any) -> _Bounded:
         if (attempt := _attempt.get()) is not None:
@@ -346,56 +349,10 @@ class _Bounded(httpcore.NetworkStream):
         self._stream.close()
 
     def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: Any = None) -> Any:
-        if self._stream.get_extra_info("ssl_object") is not None:  # Membase's TLS inside an https:// proxy's
-            return _TLSInTLS(self, ssl_context, server_hostname, timeout)
         return _Bounded(self._stream.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout)))
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)
-
-
-class _TLSInTLS(_Bounded):
-    """Membase's TLS inside an https:// proxy's, over ``ssl.MemoryBIO``: each read and write below is capped in turn."""
-
-    def __init__(self, outer: _Bounded, context: ssl.SSLContext, hostname: str | None, timeout: Any) -> None:
-        super().__init__(outer)
-        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._in, self._out, server_hostname=hostname)
-        try:
-            self._io(self._tls.do_handshake, timeout, httpcore.ConnectError)
-        except BaseException:
-            outer.close()  # httpcore keeps a tunnel whose TLS failed in its pool: its socket, at least, ends
-            raise
-
-    def _io(self, step: Callable[[], Any], timeout: float | None, failed: type[Exception]) -> Any:
-        while True:
-            try:
-                return step()
-            except ssl.SSLWantReadError:
-                pass
-            except ssl.SSLError as error:
-                raise failed(str(error)) from error
-            finally:
-                self._stream.write(self._out.read(), timeout)
-            if received := self._stream.read(_CHUNK, timeout):
-                self._in.write(received)
-            else:
-                self._in.write_eof()
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        def step() -> bytes:
-            with contextlib.suppress(ssl.SSLZeroReturnError, ssl.SSLEOFError):  # the end, closed by TLS or not
-                return self._tls.read(max_bytes)
-            return b""
-
-        return bytes(self._io(step, timeout, httpcore.ReadError))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        while buffer:
-            buffer = buffer[self._io(functools.partial(self._tls.write, buffer), timeout, httpcore.WriteError) :]
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._tls if info == "ssl_object" else super().get_extra_info(info)
 
 
 _SOCKETS, _BACKEND = httpcore.SyncBackend(), _Backend()
