@@ -190,9 +190,10 @@ def may_have_arrived(error: BaseException) -> bool:
 
 
 class _Transport(httpx.BaseTransport):
-    """One client's requests, each attempt bounded, sent once more (on ``fresh``) if the resend rule allows it."""
+    """One client's requests, each attempt bounded, sent once more (on ``fresh``) if the resend rule allows it;
+    ``kept``: the idle connections it keeps, at most (none for writes)."""
 
-    def __init__(self, route: Route, kept: int, fresh: httpcore.ConnectionPool | None = None) -> None:  # kept: idle
+    def __init__(self, route: Route, kept: int, fresh: httpcore.ConnectionPool | None = None) -> None:
         self._route, self._write, self.pool = route, not kept, None
         if route.transport is None:  # no cap: a hung request holds a connection of its own, never one others wait for
             options: dict[str, Any] = {"ssl_context": route.tls, "proxy": route.proxy, "max_connections": None}
