@@ -138,9 +138,9 @@ async def test_a_forked_child_sends_its_own_writes_only_never_waiting_for_or_sen
     loopback.on(
         *MEMORIES,
         arrived(running, stall(release, ok_json({"memory_id": "m1"}))),  # the parent's, still running at the fork
-        arrived(failing, stall(fail, raw_answer(500, b'{"error": {"code": "internal"}}'))),  # the parent's, failed
+        arrived(failing, stall(fail, raw_answer(429, b'{"error": {"code": "rate_limited"}}'))),  # the parent's, failed
     )
-    loopback.fake.on(*MEMORIES, loopback.fake.answer, status(500, "internal"))  # what the fake keeps of them
+    loopback.fake.on(*MEMORIES, loopback.fake.answer, status(429, "rate limited"))  # what the fake keeps of them
     store = built_store(loopback, capture=True, write_timeout=LONG)
     try:
         await cancelled_once_sent(store.add("Note one."), running)

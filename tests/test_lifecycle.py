@@ -260,14 +260,14 @@ async def test_a_close_waits_for_a_write_nobody_waits_for_and_says_how_it_ended_
     caplog.set_level(logging.INFO)
     release = gates.new()
     store = capturing(fake)
-    await held_write(fake, store, fake.answer if outcome == "saved" else status(500, "internal"), release)
+    await held_write(fake, store, fake.answer if outcome == "saved" else status(429, "rate limited"), release)
     closing = asyncio.ensure_future(store.aclose() if closer == "aclose" else asyncio.to_thread(store.close))
     assert await until(drain_began(caplog), timeout=LONG)
     release.set()
     await closing
 
     said = [line.split(" | ")[1] for line in lines(caplog, logging.INFO, "membase_strands")]
-    names = ("writes_saved", "writes_lost", "write_errors", "errors.server_error")
+    names = ("writes_saved", "writes_lost", "write_errors", "errors.rate_limited")
     counters = {name: store.counters().get(name, 0) for name in names}
     if outcome == "saved":
         assert said.count(CANCELLED_SAVED) == 1 and fake.saved() == [GREEN_TEA]
@@ -336,7 +336,7 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
     )
     await timed_out_write(fake, notes, fake.answer, gates.new())  # not answered while the hook waits
     failing = capturing(other)
-    await held_write(other, failing, status(500, "internal"), release)
+    await held_write(other, failing, status(429, "rate limited"), release)
 
     hook = asyncio.create_task(asyncio.to_thread(exit_hook))
     assert await until(logged(caplog, f"store=<membase> | {EXITING}"), timeout=LONG)
@@ -345,7 +345,7 @@ async def test_the_exit_hook_names_the_store_never_the_words_and_a_write_failing
 
     assert f"store=<notes> | {EXITING} {BUDGET:g} s for writes still running" in lines(caplog, logging.INFO)
     assert sorted(lines(caplog, logging.WARNING, "membase_strands")) == [
-        f"store=<membase>, reason=<internal> | {CANCELLED_LOST}",  # one line, not two
+        f"store=<membase>, reason=<rate limited> | {CANCELLED_LOST}",  # one line, not two
         f"store=<notes>, writes=<1> | writes still running when closing stopped waiting after {BUDGET:g} s: "
         f"{NOT_FINISHED}",
     ]

@@ -210,8 +210,8 @@ def test_a_server_closing_each_connection_20_ms_after_its_answer_costs_no_recall
 
 async def test_hung_writes_and_one_users_hung_tool_calls_never_keep_fresh_users_recalls_from_membase() -> None:
     """40 users' captured writes and one user's six ``membase_search`` calls hang at Membase. 49 fresh users' recalls
-    (some of whom share the hog's connections) all still reach Membase and return their memory while those hang, and
-    closing an idle store returns without waiting for them."""
+    all still reach Membase and return their memory while those hang, and closing an idle store returns without
+    waiting for them."""
     writers = [f"writer{n:02d}" for n in range(40)]
     fresh = [f"fresh{n:02d}" for n in range(49)]
     hog = "hog"
@@ -432,8 +432,8 @@ def test_a_key_membase_echoes_at_any_offset_leaves_no_8_characters_of_itself_any
                     raise AssertionError("a recall answered with a 400 did not fail")
 
             async def late_recalls() -> None:
-                """Recalls whose callers are cancelled once they are at Membase, six at a time (one key's requests
-                may share six connections); each fails after, and the library logs why."""
+                """Recalls whose callers are cancelled once they are at Membase, six at a time (six stores of one
+                key); each fails after, and the library logs why."""
                 for rounds, first in enumerate(range(0, len(offsets), len(late)), start=1):
                     batch, stores = offsets[first : first + len(late)], late[: len(offsets[first:])]
                     go = threading.Event()

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import membase.client
 import pytest
 
 from membase_strands import MembaseMemoryStore
@@ -25,12 +24,6 @@ OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
 TWO_MEMORIES = [{"id": "ctr_main", "name": "Main"}, {"id": "ctr_x", "name": "Work"}]
 LONE = "\ud800"
 NOT_SEARCHED = "Not searched (these Memories could not answer, so a missing result is not evidence of absence):"
-
-
-@pytest.fixture
-def instant_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the SDK's retry back-off instant (it sleeps 0.25-1.5 s before retrying a timeout)."""
-    monkeypatch.setattr(membase.client, "_backoff", lambda attempt, retry_after=None: 0.0)
 
 
 def read_timeout(request: httpx.Request) -> httpx.Response:
@@ -326,6 +319,8 @@ def test_each_failure_is_its_own_sentence_for_the_model_without_the_key(tool, in
             model = tool_turn(store, ToolCall(tool, arguments))
         [(status_, sentences[failure])] = tool_texts(model)
 
+        if tool == "membase_save" and failure == "500":  # Membase documents no 5xx: it may have stored the note
+            phrases = ("answered 500", "may or may not have been saved")
         assert status_ == "error" and all(phrase in sentences[failure] for phrase in phrases), failure
         assert API_KEY not in str(model.calls)
         default = 3 if tool != "membase_save" else 1

@@ -1,23 +1,22 @@
-"""How a store's requests travel: whole-attempt bounds on dripping answers, bodies of no stated length, more hits than
-asked for, connections of its own per library thread, and TLS and proxy settings read once, when the store is built.
+"""How a store's requests travel: whole-attempt bounds on dripping answers and stalled connects, bodies of no stated
+length, more hits than asked for, connections of each store's own (one answer too many never reaches another user),
+idle connections closed once their keep-alive ends, a name's addresses tried in turn, TLS trust read when the store is
+built, and the resend rule for a write a gateway answered with an error Membase does not document.
 
-Sockets come from the real loopback HTTP server (``httpx.MockTransport`` has none). What a hostile server does to
-users sharing the runtime (cookies, stale connections, the size cap, an echoed key) is in ``test_shared_runtime.py``.
+Sockets come from real loopback servers (``httpx.MockTransport`` has none), certificates from trustme. Proxies are in
+``test_proxies.py``; what a hostile server does to users sharing a process (cookies, stale connections, the size cap,
+an echoed key) is in ``test_shared_runtime.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hashlib
 import logging
-import shutil
 import socket
-import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,12 +30,17 @@ from tests.support.loopback import (
     HANG_UPS,
     FullBacklog,
     LoopbackMembase,
+    SilentTLS,
+    as_usual,
     drip,
     drip_header_lines,
+    half_close,
     hang_up,
-    listen_overflows,
     meet,
+    raw_answer,
+    twice,
 )
+from tests.support.proxy import Certificates
 from tests.support.store_helpers import FACT, LONG, QUESTION, make_agent, result_text, until, wait_until
 
 DEADLINE = 0.5  # request_timeout, for the tests about it
@@ -44,33 +48,11 @@ DRIP_EVERY = 0.1  # well inside httpx's per-read timeout: only the whole-attempt
 DRIP_BOUND = int(10 * DEADLINE / DRIP_EVERY)  # bytes a drip sends in ten deadlines: far more than one attempt takes
 LONG_BODY = b'{"results": [], "pad": "' + b"x" * 500 + b'"}'  # 50 s of drip
 NOTE = "Remember that the ledger runs on Postgres."
+KEEP_ALIVE = 4.0  # how long an idle connection is kept, as docs/servers.md says
 
 
-@pytest.fixture
-def loopback() -> Iterator[LoopbackMembase]:
-    with LoopbackMembase() as server:
-        server.fake.remember(FACT)
-        yield server
-
-
-@pytest.fixture
-def built(loopback: LoopbackMembase) -> Iterator[Any]:
-    """Build stores from the key for the loopback server, as in production; each is closed after the test."""
-    made: list[MembaseMemoryStore] = []
-
-    def build(**options: Any) -> MembaseMemoryStore:
-        made.append(MembaseMemoryStore(api_key=API_KEY, base_url=options.pop("base_url", loopback.url), **options))
-        return made[-1]
-
-    yield build
-    for store in made:
-        store.close()
-
-
-@pytest.fixture
-def instant_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SDK's retry back-off made instant (it sleeps 0.25-1.5 s before retrying a timeout)."""
-    monkeypatch.setattr(membase.client, "_backoff", lambda attempt, retry_after=None: 0.0)
+def recall(store: MembaseMemoryStore) -> list[str]:
+    return [entry.content for entry in asyncio.run(store.search(QUESTION))]
 
 
 def tool_turn(store: MembaseMemoryStore, call: ToolCall) -> tuple[str, str]:
@@ -219,8 +201,8 @@ def test_recall_the_tool_and_search_keep_at_most_their_limit_when_a_server_sends
     assert [e.content for e in entries] == [f"[Main] Passage {i} about the ledger." for i in range(3)]
 
 
-# --- Connections, TLS and proxies -----------------------------------------------------------------
-def test_requests_at_once_each_get_a_connection_kept_alive_for_the_next_turns(loopback, built):
+# --- Connections: each store's own --------------------------------------------------------------------------------
+def test_requests_at_once_each_get_a_connection_their_store_keeps_alive_for_its_next_turns(loopback, built):
     users = 12
     # The server holds each search until all of them are in: twelve requests in flight at once, a socket each.
     together = threading.Barrier(users)
@@ -233,73 +215,107 @@ def test_requests_at_once_each_get_a_connection_kept_alive_for_the_next_turns(lo
 
     assert asyncio.run(recall_all()) == [[f"[Main] {FACT}"]] * users
     assert loopback.connections == users
-    for store in made:  # kept sockets serve the next turns, whoever's they were
-        assert asyncio.run(store.search(QUESTION))
+    for store in made:  # each store's kept socket serves its own next turn
+        assert recall(store) == [f"[Main] {FACT}"]
     assert loopback.open_connections == loopback.connections == users
+    assert len({seen.connection for seen in loopback.seen}) == users
 
 
-@pytest.fixture
-def clean_network_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "NO_PROXY", "ALL_PROXY", "HTTP_PROXY", "HTTPS_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.lower(), raising=False)
-    return monkeypatch
+def key_of(user: str) -> str:
+    return "mb_" + hashlib.sha256(user.encode()).hexdigest()[:32]
 
 
-def self_signed(directory: Path) -> ssl.SSLContext:
-    """A server context with a certificate for 127.0.0.1, made by the ``openssl`` command (``cert.pem`` in
-    ``directory``)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    command += ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"]
-    subprocess.run([*command, "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    return context
+def test_six_users_in_turn_after_one_answer_too_many_each_see_only_their_own_passages():
+    """Something in front of Membase sends every answer twice, in one write: a connection is then one answer behind,
+    and whoever sends the next request on it reads the answer before. Six users recall in turn, twice each, each with
+    a store of their own: every one is shown their own passage only, and no connection ever carried two users' keys."""
+    users = [f"user{n}" for n in range(1, 7)]
+    fake = InMemoryMembase()
+    for user in users:
+        fake.account(key_of(user)).remember(f"The secret of {user} is in vault {user[-1]}.")
+    with LoopbackMembase(fake) as server:
+        server.always("POST", "/v1/search", twice)
+        stores = [MembaseMemoryStore(api_key=key_of(u), base_url=server.url, recall_timeout=LONG) for u in users]
+        try:
+            shown = {user: [] for user in users}  # type: ignore[var-annotated]
+            for _ in range(2):
+                for user, store in zip(users, stores, strict=True):
+                    shown[user].append("\n".join(recall(store)))
+        finally:
+            for store in stores:
+                store.close()
+        keys_of: dict[int, set[str]] = {}
+        for seen in server.seen:
+            keys_of.setdefault(seen.connection, set()).add(seen.key)
+
+    for user in users:
+        others = [other for other in users if other != user]
+        assert all(f"secret of {user} " in text for text in shown[user]), (user, shown[user])
+        assert not [text for text in shown[user] for other in others if f"secret of {other} " in text], shown[user]
+    assert [keys for keys in keys_of.values() if len(keys) > 1] == []
 
 
+@pytest.mark.parametrize("server_side", ["kept open", "closed by the server"])
+def test_no_connection_is_left_open_2_s_after_its_keep_alive_ends(loopback, built, server_side):
+    """Eight recalls at once leave eight idle connections, then nothing more is asked. The library closes each at
+    most 2 s after its keep-alive ends: 4 s after its answer, or at once when the server closed its side (where the
+    client's socket would otherwise sit in CLOSE_WAIT)."""
+    users = 8
+    together = threading.Barrier(users)
+    then = as_usual if server_side == "kept open" else half_close
+    loopback.on("POST", "/v1/search", *[meet(together, then) for _ in range(users)])
+    made = [built(name=f"user-{i}", recall_timeout=LONG) for i in range(users)]
+
+    async def recall_all() -> None:
+        await asyncio.gather(*(store.search(QUESTION) for store in made))
+
+    asyncio.run(recall_all())
+    if server_side == "kept open":
+        assert loopback.wait_for(lambda: loopback.open_connections == 0, KEEP_ALIVE + 2), loopback.open_connections
+    else:
+        assert loopback.wait_for(lambda: len(loopback.hung_up) == users, 2), f"{len(loopback.hung_up)} closed"
+    assert len(loopback.requests("POST", "/v1/search")) == users
+
+
+# --- TLS -------------------------------------------------------------------------------------------------------------
 def test_a_store_trusts_the_certificates_the_environment_named_when_it_was_built(
-    built, clean_network_env, tmp_path, instant_backoff
+    built, clean_network_env, certificates, instant_backoff
 ):
-    with LoopbackMembase(tls=self_signed(tmp_path)) as server:
+    with LoopbackMembase(tls=certificates.server()) as server:
         server.fake.remember(FACT)
         untrusting = built(base_url=server.url, recall_timeout=LONG)
-        clean_network_env.setenv("SSL_CERT_FILE", str(tmp_path / "cert.pem"))
+        clean_network_env.setenv("SSL_CERT_FILE", str(certificates.ca_file))
         trusting = built(base_url=server.url, recall_timeout=LONG)
         clean_network_env.delenv("SSL_CERT_FILE")  # read once, when each store was built
 
-        assert [e.content for e in asyncio.run(trusting.search(QUESTION))] == [f"[Main] {FACT}"]
+        assert recall(trusting) == [f"[Main] {FACT}"]
         assert tool_turn(trusting, ToolCall("membase_search", {"query": "ledger"})) == ("success", search_text())
         with pytest.raises(membase.APIConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
-            asyncio.run(untrusting.search(QUESTION))
+            recall(untrusting)
         assert "could not be reached" in tool_turn(untrusting, ToolCall("membase_search", {"query": "ledger"}))[1]
         assert len(server.fake.sent()) == 2
 
 
-def test_a_stores_recall_and_tools_go_through_the_proxy_the_environment_named_when_it_was_built(
-    loopback, built, clean_network_env
-):
-    """``HTTP_PROXY`` is read once, when a store is built: set after a store was built, it changes neither that
-    store's recall route nor its tools'; a store built while it is set sends both through it, even once it is unset."""
-    with LoopbackMembase(InMemoryMembase()) as proxy:  # answers what it is sent as a proxy from its own memory
-        proxy.fake.remember(f"Through the proxy: {FACT}")
-        through = f"Through the proxy: {FACT}"
-
-        def recalls_and_tool_find(store: MembaseMemoryStore, found: str) -> None:
-            assert [e.content for e in asyncio.run(store.search(QUESTION))] == [f"[Main] {found}"]
-            assert found in tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))[1]
-
-        before = built(recall_timeout=LONG)
-        clean_network_env.setenv("HTTP_PROXY", proxy.url.rsplit("/", 1)[0])
-        proxied = built(recall_timeout=LONG)
-        recalls_and_tool_find(before, FACT)
-        recalls_and_tool_find(proxied, through)
-        clean_network_env.delenv("HTTP_PROXY")
-        recalls_and_tool_find(built(recall_timeout=LONG), FACT)
-        recalls_and_tool_find(proxied, through)
-        assert (len(proxy.fake.sent()), len(loopback.fake.sent())) == (4, 4)
+def test_a_ca_bundle_rotated_in_place_is_trusted_by_the_stores_built_after_it(built, clean_network_env, tmp_path):
+    """SSL_CERT_FILE names a bundle that is then rewritten in place (same path, same file) with a new authority, as
+    certificate rotation does: a store built afterwards trusts the new one, as a plain httpx.Client() built then does,
+    and a store built before keeps what it trusted when it was built."""
+    bundle = tmp_path / "company-ca.pem"
+    clean_network_env.setenv("SSL_CERT_FILE", str(bundle))
+    old = Certificates(bundle)
+    with LoopbackMembase(tls=old.server()) as before_server:
+        before_server.fake.remember(FACT)
+        before = built(base_url=before_server.url, recall_timeout=LONG)
+        assert recall(before) == [f"[Main] {FACT}"]
+        new = Certificates(bundle)  # rotated in place
+        with LoopbackMembase(tls=new.server()) as after_server:
+            after_server.fake.remember(FACT)
+            after = built(base_url=after_server.url, recall_timeout=LONG)
+            assert recall(after) == [f"[Main] {FACT}"]
+            with httpx.Client() as plain:
+                headers = {"Authorization": f"Bearer {API_KEY}"}
+                assert plain.get(f"{after_server.url}/v1/containers", headers=headers).status_code == 200
+        assert recall(before) == [f"[Main] {FACT}"]
 
 
 # --- A save Membase may have read is never sent again ----------------------------------------------------------------
@@ -335,96 +351,86 @@ def test_a_save_membase_read_before_the_connection_ended_is_stored_once_whicheve
     assert len(sent) == len(set(sent)) == 4, sent  # each once: nothing went out twice
 
 
-# --- Proxies, as httpx reads them ------------------------------------------------------------------------------------
-def through_proxy(store: MembaseMemoryStore, proxy: LoopbackMembase, target: str) -> bool:
-    """Whether one recall by ``store``, and one request by a plain ``httpx.Client`` (httpx's own reading of the
-    environment) to ``target``, went through ``proxy``; they must agree."""
-    before = len(proxy.fake.sent())
-    asyncio.run(store.search(QUESTION))
-    ours = len(proxy.fake.sent()) > before
-    with httpx.Client() as plain:
-        plain.post(f"{target}/v1/search", json={"q": QUESTION}, headers={"Authorization": f"Bearer {API_KEY}"})
-    theirs = len(proxy.fake.sent()) > before + ours
-    assert ours == theirs, f"the store went {'through' if ours else 'around'} the proxy, httpx the other way"
-    return ours
+@pytest.mark.parametrize("answer", ["503", "520", "524", "400 without Membase's envelope"])
+def test_a_note_membase_stored_before_a_gateway_answered_an_error_is_stored_once(loopback, built, answer):
+    """Membase reads and stores the note, then what stands in front of it answers with an error Membase does not
+    document: 503 (Envoy, Heroku), 520 or 524 (Cloudflare), or a 4xx page without Membase's error envelope. The note
+    may be stored, so neither the store, nor the manager's retry, nor membase_save sends it again."""
+    code = int(answer.split()[0])
+    page = raw_answer(code, b"<html><body>error code: %d</body></html>" % code)
+    options = {"container": "Main", "capture": True, "write_timeout": LONG, "recall_timeout": LONG}
+    loopback.on("POST", "/v1/memories", page)
+    store = built(name="add", **options)
+    with pytest.raises(membase.APIStatusError, match="may or may not have saved it"):  # said to the manager
+        asyncio.run(store.add(NOTE))
+    assert asyncio.run(store.add(NOTE)) is None  # the manager's retry: nothing is sent
+
+    loopback.on("POST", "/v1/memories", page)
+    tool_agent, model = make_agent(built(name="tool", **options), [ToolCall("membase_save", {"content": FACT}), "ok"])
+    tool_agent("Please remember it.")
+    assert "may or may not have been saved" in model.tool_result_text()
+
+    assert [loopback.fake.saved().count(note) for note in (NOTE, FACT)] == [1, 1]
+    assert len(loopback.requests("POST", "/v1/memories")) == 2
+    assert store.counters()["writes_unknown"] == 1
 
 
-def test_the_proxy_variables_route_a_store_as_they_route_httpx(loopback, built, clean_network_env):
-    with LoopbackMembase() as proxy:
-        address = proxy.url.split("//")[1].split("/")[0]
-        membase_port = loopback.url.split(":")[2].split("/")[0]
-        cases = {  # NO_PROXY as users write it: httpx's reading of each is the route
-            "": True,
-            "127.0.0.1": False,
-            f"127.0.0.1:{membase_port}": False,
-            "127.0.0.1:1": True,  # another port
-            "127.0.0.0/8": True,  # httpx reads a CIDR as its first address only
-            "localhost,*": False,
-            ".0.0.1": False,  # a domain suffix: 127.0.0.1 ends with it
-        }
-        for no_proxy, proxied in cases.items():
-            clean_network_env.setenv("HTTP_PROXY", address)  # no scheme: httpx takes it as http://
-            clean_network_env.setenv("NO_PROXY", no_proxy)
-            assert through_proxy(built(recall_timeout=LONG), proxy, loopback.url) == proxied, no_proxy
-
-
-def test_a_proxy_password_shows_nowhere_and_a_proxy_scheme_httpx_cannot_use_is_refused_when_built(
-    built, clean_network_env, caplog
+# --- Connects that stall, and names with several addresses -------------------------------------------------------
+def test_a_connect_that_stalls_is_one_attempt_per_sdk_attempt_and_a_drip_after_it_ends_with_it(
+    built, instant_backoff, certificates, clean_network_env
 ):
-    caplog.set_level(logging.DEBUG)
-    password = "pr0xy-s3cret-pass"
-    with socket_nobody_answers() as dead:
-        clean_network_env.setenv("HTTP_PROXY", f"http://user:{password}@{dead}")
-        store = built(recall_timeout=LONG, request_timeout=1.0)
-        with pytest.raises(membase.APIConnectionError) as raised:
-            asyncio.run(store.search(QUESTION))
-        agent, model = make_agent(store, [ToolCall("membase_search", {"query": "ledger"}), "done"])
-        agent("go")
-    shown = [str(raised.value), repr(raised.value.__cause__), repr(store), model.tool_result_text(), caplog.text]
-    assert not [text for text in shown if password in text or "s3cret" in text]
-    clean_network_env.setenv("HTTP_PROXY", f"ftp://user:{password}@127.0.0.1:1")
-    with pytest.raises(ValueError, match="scheme 'ftp'") as refused:
-        built()
-    assert password not in str(refused.value)
-
-
-@contextlib.contextmanager
-def socket_nobody_answers() -> Iterator[str]:
-    """``host:port`` of a port that refuses connections (bound, never listening)."""
-    with socket.socket() as bound:
-        bound.bind(("127.0.0.1", 0))
-        yield f"127.0.0.1:{bound.getsockname()[1]}"
-
-
-# --- A connect that stalls ---------------------------------------------------------------------------------------
-needs_linux_counters = pytest.mark.skipif(listen_overflows() is None, reason="counts stalled connects on Linux only")
-
-
-@needs_linux_counters
-def test_a_connect_that_stalls_is_one_attempt_per_sdk_attempt_and_a_drip_after_it_ends_with_it(built, instant_backoff):
-    """A server's listen backlog is full: each connect stalls (its SYN dropped, which the kernel counts; one test, so
-    no other listener of the suite overflows meanwhile). A recall's attempt ends at request_timeout with one connect,
-    and is not tried again past its deadline; a tool's three attempts make three. Then the stalled connect gets
-    through when the kernel sends it again (about a second later) and the server drips header lines: the attempt's
-    deadline ends both, the drip within the attempt's lines."""
-    backlog = FullBacklog()
+    """A server takes every connection and never answers its TLS handshake: the connect stalls (this test's own
+    listener counts the connections). A recall's attempt ends at request_timeout with one connection, and is not tried
+    again past its deadline; a tool's three attempts make three. Then a handshake is answered half an attempt late and
+    the server drips header lines: the attempt's deadline ends both, the drip within the attempt's lines."""
+    clean_network_env.setenv("SSL_CERT_FILE", str(certificates.ca_file))
+    silent = SilentTLS()
     try:
-        store = built(base_url=backlog.url, recall_timeout=LONG, request_timeout=DEADLINE)
-        before = listen_overflows() or 0
+        store = built(base_url=silent.url, recall_timeout=LONG, request_timeout=DEADLINE)
         with pytest.raises(membase.APITimeoutError):
-            asyncio.run(store.search(QUESTION))
-        assert (listen_overflows() or 0) - before == 1
+            recall(store)
+        assert silent.wait_for(lambda: len(silent.taken) >= 1) and len(silent.taken) == 1
         status, text = tool_turn(store, ToolCall("membase_search", {"query": "ledger"}))
         assert status == "error" and "did not answer in time" in text
-        assert (listen_overflows() or 0) - before == 1 + 3  # the SDK's three attempts, one connect each
+        assert silent.wait_for(lambda: len(silent.taken) >= 4) and len(silent.taken) == 1 + 3  # one per SDK attempt
 
         attempt, every = 2.0, 0.1
-        store = built(base_url=backlog.url, recall_timeout=LONG, request_timeout=attempt)
-        serving = backlog.drip_to_next((listen_overflows() or 0) + 1, every)
+        store = built(base_url=silent.url, recall_timeout=LONG, request_timeout=attempt)
+        silent.answer_next(certificates.server(), after=attempt / 2, every=every)
         with pytest.raises(membase.APITimeoutError):
-            asyncio.run(store.search(QUESTION))
-        serving.join(LONG)
-        [dripped] = backlog.dripped
-        assert dripped.hung_up and dripped.lines_within(attempt, every), dripped
+            recall(store)
+        assert silent.wait_for(lambda: len(silent.dripped) == 1)
+        [dripped] = silent.dripped
+        assert dripped.hung_up and dripped.lines_within(attempt / 2, every), dripped
     finally:
-        backlog.close()
+        silent.close()
+
+
+def test_a_name_whose_first_address_stalls_is_served_by_its_next_within_request_timeout(loopback, built, monkeypatch):
+    """The name Membase is reached by has two addresses, as a hosts file giving ``localhost`` both would: ::1 first,
+    where every connect stalls (a listener with a full backlog), then 127.0.0.1, where Membase serves. The recall is
+    served within request_timeout: the first address does not take all of it."""
+    port = int(loopback.url.split(":")[2].split("/")[0])
+    try:
+        stalled = FullBacklog("::1", port)
+    except OSError as error:
+        pytest.skip(f"no IPv6 loopback listener on the port: {error}")
+    resolve = socket.getaddrinfo
+
+    def two_addresses(host: Any, *args: Any, **kwargs: Any) -> Any:  # the hosts file's answer for the name
+        if host != "membase.test":
+            return resolve(host, *args, **kwargs)
+        tcp = (socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+        return [(socket.AF_INET6, *tcp, ("::1", port, 0, 0)), (socket.AF_INET, *tcp, ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    attempt = 3.0
+    try:
+        named = loopback.url.replace("127.0.0.1", "membase.test")
+        store = built(base_url=named, recall_timeout=LONG, request_timeout=attempt)
+        started = time.monotonic()
+        assert recall(store) == [f"[Main] {FACT}"]
+        assert time.monotonic() - started < attempt
+    finally:
+        stalled.close()
+    assert len(loopback.requests("POST", "/v1/search")) == 1

@@ -221,7 +221,7 @@ async def test_concurrent_writes_of_one_batch_send_one_request_and_a_waiting_ret
     fake, make_store, gates
 ):
     gates_of, arrived = [gates.new(), gates.new()], [threading.Event(), threading.Event()]
-    answers = [routed(fake), status(500, "internal")]
+    answers = [routed(fake), status(429, "rate limited")]
     fake.on(*MEMORIES, *(signalling(arrived[n], hang(gates_of[n], then=answers[n])) for n in (0, 1)))
     store = capturing(make_store)
     for n, (old, new) in enumerate([(GREEN_TEA, None), (LISBON, "Call me Sam")]):
@@ -260,7 +260,7 @@ class ThreeFacts:
 
 def test_on_the_extractor_path_only_the_fact_that_failed_is_sent_again(fake, make_store, caplog):
     answers = ByWords(fake)
-    answers.on(FACTS[1], status(500, "internal"))
+    answers.on(FACTS[1], status(429, "rate limited"))
     extractor = ThreeFacts()
     agent, _ = make_agent(capturing(make_store, extraction={"extractor": extractor}), ["Noted.", "Noted too."])
 
@@ -300,7 +300,7 @@ async def test_without_a_context_a_retried_batch_sends_only_what_is_new(fake, ma
     assert await store.add_messages(messages) is None  # the manager's retry: the same message objects
     await store.add_messages([*messages, user(LISBON)])  # a retry with a newer message: only that is sent
     await store.add_messages([user(GREEN_TEA)])  # a new message with the same words: a new thing said
-    fake.on(*MEMORIES, status(500, "internal"))
+    fake.on(*MEMORIES, status(429, "rate limited"))
     failing = [user("Call me Sam")]
     with pytest.raises(membase.MembaseError):
         await store.add_messages(failing)
@@ -320,7 +320,7 @@ def test_a_write_past_its_budget_on_an_agent_built_for_one_request_logs_one_true
     caplog.set_level(logging.DEBUG, logger="membase_strands")
     fake.remember(FACT)
     release = gates.new()
-    fake.on(*MEMORIES, hang(release, then=fake.answer if late == "saved" else status(500, "internal")))
+    fake.on(*MEMORIES, hang(release, then=fake.answer if late == "saved" else status(429, "rate limited")))
     store = capturing(make_store, write_timeout=BUDGET)
     agent, _ = make_agent(store, ["Noted."])  # built for this one request, as a web handler does
 
@@ -382,7 +382,7 @@ async def test_without_a_write_timeout_the_caller_waits_for_the_request(fake, ma
 async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_the_next_attempt_saves_it_once(
     fake, make_store
 ):
-    fake.on(*MEMORIES, status(500, "internal"))
+    fake.on(*MEMORIES, status(429, "rate limited"))
     store = capturing(make_store)
     messages, context = [user(GREEN_TEA), assistant("Noted."), user(LISBON)], batch([0, 1, 2])
 
@@ -391,7 +391,7 @@ async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_t
     assert (fake.notes, store.counters()["writes_saved"], store.counters()["write_errors"]) == ([], 0, 1)
     assert (await store.add_messages(messages, context))["container"] == "ctr_main"
     assert await store.add_messages(messages, context) is None  # a third attempt sends nothing
-    fake.on(*MEMORIES, status(503, "busy"))
+    fake.on(*MEMORIES, status(429, "busy"))
     with pytest.raises(membase.MembaseError):
         await store.add(FACTS[0])
     await store.add(FACTS[0])
@@ -409,7 +409,7 @@ async def test_a_failed_write_raises_to_its_caller_is_never_reported_saved_and_t
 
 def test_a_write_that_fails_late_is_sent_again_by_the_managers_retry_once(fake, make_store, gates, caplog):
     gate = gates.new()
-    fake.on(*MEMORIES, hang(gate, then=status(500, "internal")))
+    fake.on(*MEMORIES, hang(gate, then=status(429, "rate limited")))
     store = capturing(make_store, write_timeout=BUDGET)
     agent, _ = make_agent(store, ["Noted.", "Noted too.", "Fine."])
 
@@ -433,7 +433,7 @@ async def test_a_cancelled_flush_whose_write_then_fails_is_said_lost_in_one_warn
     again. The store does not either (it keeps no batch to send again): the words are lost, and a WARNING says so."""
     caplog.set_level(logging.INFO)
     in_flight, release = threading.Event(), gates.new()
-    fake.on(*MEMORIES, signalling(in_flight, hang(release, then=status(500, "internal"))))
+    fake.on(*MEMORIES, signalling(in_flight, hang(release, then=status(429, "rate limited"))))
     store = capturing(make_store)
     agent, model = make_agent(store, ["Noted."])
 
@@ -454,7 +454,7 @@ async def test_a_cancelled_flush_whose_write_then_fails_is_said_lost_in_one_warn
 
     assert sorted(fake.saved()) == ([LISBON] if then == "next turn" else [])
     assert posted(fake).count(GREEN_TEA) == 1  # the request that failed, once
-    assert counts(store, "write_cancellations", "write_errors", "errors.server_error") == (1, 1, 1)
+    assert counts(store, "write_cancellations", "write_errors", "errors.rate_limited") == (1, 1, 1)
     assert counts(store, "writes_lost") == (1,)
 
 
@@ -468,7 +468,7 @@ async def test_every_cancelled_wait_is_counted_and_words_a_cancelled_retry_never
     too, said once."""
     caplog.set_level(logging.INFO)
     saved, gate, in_flight = first_request == "saved", gates.new(), threading.Event()
-    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(500, "internal"))))
+    fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(429, "rate limited"))))
     store = capturing(make_store)
     old = [user(GREEN_TEA)]
     first = asyncio.create_task(store.add_messages(old, batch([0])))

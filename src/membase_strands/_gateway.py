@@ -316,7 +316,10 @@ class MembaseGateway:
             if wanted is None:
                 return send(client, None)
             was_cached = wanted in self._container_ids
-            container_id = self._looked_up(client, wanted)
+            try:
+                container_id = self._looked_up(client, wanted)
+            except membase.MembaseError as error:  # nothing of ``send`` went out: a copy with no body or chain says so
+                raise type(error)(error.message, status=error.status) from None  # (_http.may_have_arrived)
             try:
                 return send(client, container_id)
             except (membase.PermissionDeniedError, membase.NotFoundError) as error:

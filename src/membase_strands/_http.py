@@ -1,18 +1,10 @@
-"""How stores built from a key reach Membase: one shared ``httpx.Client`` per route, each attempt bounded in its socket.
-
-- A route is read from the environment once, when a store is built: the proxy as httpx chooses it (``HTTP_PROXY``,
-  ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``) and the TLS settings (``SSL_CERT_FILE``, ``SSL_CERT_DIR``). Stores with
-  the same route share one client, which keeps no cookies (a cookie one user's answer sets must never ride on
-  another's) and follows no redirect.
-- One attempt lasts at most ``request_timeout``, headers and body. Below httpcore's connections (its public network
-  backend interface) every connect, read and write waits at most the time left to its attempt, so a stalled connect
-  or a server that drips its answer a byte at a time ends at the deadline, on the caller's own thread. The answer is
-  read up to ``max_response_bytes``; compressed answers are not asked for, so that is the bound in memory.
-- The resend rule, the only place the library sends a request again on its own (once, on a new connection, within the
-  same deadline): a request whose connection could not be made never reached Membase; a read (which changes nothing)
-  may also go again when a kept-alive connection turns out closed before any answer. A write never goes out on a
-  kept-alive connection (each has one of its own), and once it may have been read it is never sent again:
-  :func:`may_have_arrived` tells its callers that its fate is unknown.
+"""How a store built from a key reaches Membase: two ``httpx.Client`` of its own (reads, writes), sharing nothing with
+another store's (an answer meant for one key is never read by another's request), keeping no cookies. httpcore's
+pool does HTTP, proxies and keep-alive; below it, this module's network backend caps every connect, read, write and TLS
+handshake at the time left to the attempt (``request_timeout``, headers and body), and gives each of a name's
+addresses its share of that time. The one resend (once, within the same deadline): a request that never reached
+Membase (no connection, no tunnel, a proxy's refusal); a read also after a kept-alive connection broke. A write, once
+it began to go out, is never sent again (:func:`may_have_arrived` says the rule).
 """
 
 from __future__ import annotations
@@ -21,14 +13,17 @@ import contextlib
 import contextvars
 import functools
 import http.cookiejar
+import importlib.util
 import ipaddress
 import os
+import re
 import socket
 import ssl
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,19 +33,23 @@ import membase
 
 from ._failures import BadResponseError
 
-_KEEP_ALIVE = 4.0  # seconds an idle connection is kept: less than common servers keep theirs (uvicorn, Node: 5 s)
-_KEPT = 32  # idle connections kept for reads, at most
-_WRITE_CHUNK = 64 * 1024  # a body is written in pieces, each within the time left
+KEEP_ALIVE = 4.0  # seconds an idle connection is kept: less than common servers keep theirs (uvicorn, Node: 5 s)
+_KEPT = 32  # idle connections a store keeps for reads, at most
+_CHUNK = 64 * 1024  # a body is written in pieces, each within the time left
 
 
 @dataclass
 class _Attempt:
-    """One send of a request: its deadline; whether a new connection was made (or tried) for it, rather than a
-    kept-alive one taken; whether its answer began."""
+    """One send of a request: its deadline, and how far it went."""
 
     deadline: float
-    connected: bool = False
-    answered: bool = False
+    connected: bool = False  # a new connection was made (or tried) for it
+    sent: bool = False  # the request itself (not a proxy's CONNECT) began to go out
+    answered: bool = False  # its answer began
+
+    def trace(self, event: str, info: dict[str, Any]) -> None:  # httpcore's public ``trace`` extension
+        if event.endswith("send_request_headers.started") and info["request"].method != b"CONNECT":
+            self.sent = True
 
 
 _attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("membase_attempt", default=None)
@@ -61,48 +60,63 @@ class Route:
     """How one store reaches Membase, read from the environment once, when the store is built."""
 
     base_url: str
-    transport: httpx.BaseTransport | None  # the caller's, instead of the network (then no proxy either)
-    proxy: str | None = field(repr=False)  # it may hold a password
-    verify: ssl.SSLContext | None  # httpx's TLS settings under SSL_CERT_FILE / SSL_CERT_DIR as they were
-    seconds: float  # one attempt, headers and body
-    max_bytes: int
+    transport: httpx.BaseTransport | None  # the caller's (the testing kit's), instead of the network
+    proxy: httpcore.Proxy | None = field(repr=False)  # it may hold a password
+    tls: ssl.SSLContext | None  # for an https:// Membase or proxy: httpx's, under SSL_CERT_FILE / SSL_CERT_DIR
+    seconds: float  # one attempt, headers and body (request_timeout)
+    max_bytes: int  # max_response_bytes
 
 
 def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
-    """The route to ``base_url`` under the environment as it is now."""
+    """The route to ``base_url`` under the environment as it is now. ``ValueError`` naming the variable (never its
+    value: it may hold a password) where ``httpx.Client()`` would refuse (a proxy URL or scheme it cannot use, socks5
+    without socksio), and for an https:// proxy to an https:// Membase, whose TLS inside TLS no deadline bounds."""
     if transport is not None:
         return Route(base_url, transport, None, None, seconds, max_bytes)
-    verify = _ssl_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
-    proxy = environment_proxy(httpx.URL(base_url))
-    if proxy is not None and (scheme := httpx.URL(proxy).scheme) not in ("http", "https", "socks5", "socks5h"):
-        raise ValueError(  # not httpx's own error, which quotes the URL, password and all
-            f"the proxy the environment names for {base_url} (HTTP_PROXY, HTTPS_PROXY or ALL_PROXY) has the "
-            f"scheme {scheme!r}; httpx takes http, https, socks5 or socks5h"
-        )
-    return Route(base_url, None, proxy, verify, seconds, max_bytes)
+    chosen = _environment_proxy(url := httpx.URL(base_url))
+    proxy_tls, tls = chosen is not None and chosen.url.scheme == "https", None
+    if proxy_tls and url.scheme == "https":  # httpcore's TLS in TLS gives every socket receive the whole timeout again
+        why = "an https:// proxy to an https:// Membase (TLS inside TLS) cannot be held to request_timeout"
+        raise ValueError(f"HTTPS_PROXY or ALL_PROXY: {why}; give its http:// address (CONNECT keeps TLS end to end)")
+    if url.scheme == "https" or proxy_tls:  # httpx's settings, read from SSL_CERT_FILE or SSL_CERT_DIR
+        tls = _trust(*(_file(os.environ.get(name) or "") for name in ("SSL_CERT_FILE", "SSL_CERT_DIR")))
+    proxy = None  # else as httpx.HTTPTransport hands it to httpcore; its TLS trusts what Membase's does
+    if chosen is not None:
+        proxy = httpcore.Proxy(_core(chosen.url), auth=chosen.raw_auth, ssl_context=tls if proxy_tls else None)
+    return Route(base_url, None, proxy, tls, seconds, max_bytes)
 
 
-def environment_proxy(url: httpx.URL) -> str | None:
-    """The proxy httpx would send a request to ``url`` through, from the environment (its rules, read as it reads
-    them): ``NO_PROXY`` names hosts (``.example.com``, ``example.com``, ``localhost``), IP addresses (a CIDR is its
-    first address) or ``*``; a proxy given without a scheme is ``http://``."""
+def _core(url: httpx.URL) -> httpcore.URL:
+    return httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path)
+
+
+def _environment_proxy(url: httpx.URL) -> httpx.Proxy | None:
+    """The proxy a plain ``httpx.Client()`` sends a request for ``url`` through. A copy of httpx's private rules
+    (``httpx._utils.get_environment_proxies`` and ``URLPattern``; the client's mounts, each parsed when it is built,
+    tried most specific first); a test compares the two side by side through real proxies."""
     found = urllib.request.getproxies()
-    rules: dict[str, str | None] = {}
+    mounts: dict[str, str | None] = {}
     for scheme in ("http", "https", "all"):
-        if found.get(scheme):
-            rules[f"{scheme}://"] = found[scheme] if "://" in found[scheme] else f"http://{found[scheme]}"
+        if value := found.get(scheme):
+            mounts[f"{scheme}://"] = value if "://" in value else f"http://{value}"
     for host in (host.strip() for host in found.get("no", "").split(",")):
         if host == "*":
             return None
-        if "://" in host:
-            rules[host] = None
-        elif host:
-            rules[f"all://{_bypass_host(host)}"] = None
-    matching = [(_priority(pattern), proxy) for pattern, proxy in rules.items() if _matches(pattern, url)]
-    return min(matching, key=lambda match: match[0])[1] if matching else None
+        if host:  # a URL pattern as it is; an IP address, localhost; else a domain and the names under it
+            mounts[host if "://" in host else f"all://{_bypass(host)}"] = None
+    matching = []
+    for index, (key, value) in enumerate(mounts.items()):
+        rule, proxy = _parsed(key, value)
+        host, scheme = "" if rule.host == "*" else rule.host, "" if rule.scheme == "all" else rule.scheme
+        at = f"^{re.escape(host)}$" if host else ""
+        if host.startswith("*"):
+            at = f"^.+\\.{re.escape(host[2:])}$" if host.startswith("*.") else f"^(.+\\.)?{re.escape(host[1:])}$"
+        if scheme in ("", url.scheme) and rule.port in (None, url.port) and re.match(at, url.host):
+            matching.append(((rule.port is None, -len(host), -len(scheme)), index, proxy))
+    return min(matching)[2] if matching else None
 
 
-def _bypass_host(host: str) -> str:
+def _bypass(host: str) -> str:
     for kind, form in ((ipaddress.IPv4Address, "{}"), (ipaddress.IPv6Address, "[{}]")):
         with contextlib.suppress(ValueError):
             kind(host.split("/")[0])
@@ -110,95 +124,85 @@ def _bypass_host(host: str) -> str:
     return host if host.lower() == "localhost" else f"*{host}"
 
 
-def _matches(pattern: str, url: httpx.URL) -> bool:
-    rule = httpx.URL(pattern)
-    if rule.scheme != "all" and rule.scheme != url.scheme:
-        return False
-    if rule.port is not None and rule.port != url.port:
-        return False
-    host = rule.host
-    if host.startswith("*."):
-        return url.host.endswith(host[1:]) and len(url.host) > len(host) - 1
-    if host.startswith("*"):
-        return url.host == host[1:] or url.host.endswith(f".{host[1:]}")
-    return host in ("", url.host)
+def _parsed(key: str, value: str | None) -> tuple[httpx.URL, httpx.Proxy | None]:
+    """One mount's pattern and proxy, as httpx parses them; ``ValueError`` naming the variable where it cannot."""
+    try:
+        rule, proxy = httpx.URL(key), (None if value is None else httpx.Proxy(value))
+    except (httpx.InvalidURL, ValueError):  # their text quotes the URL, password and all
+        scheme = (value or key).partition("://")[0].lower()
+        why = f"the scheme {scheme!r} is not one httpx takes (http, https, socks5, socks5h)"
+        if scheme in ("http", "https", "socks5", "socks5h", "all"):
+            why = "httpx cannot parse it (a '#', '/' or '?' in a password must be percent-encoded)"
+    else:
+        if proxy is None or proxy.url.scheme in ("http", "https") or importlib.util.find_spec("socksio"):
+            return rule, proxy
+        why = "a socks5 proxy needs the socksio package (pip install 'httpx[socks]'), which is not installed"
+    variable = "NO_PROXY" if value is None else f"{key[:-3].upper()}_PROXY"
+    raise ValueError(f"{variable}: {why}; its value is not shown here, as it may hold a password")
 
 
-def _priority(pattern: str) -> tuple[int, int, int]:
-    rule = httpx.URL(pattern)  # a port first, then the longer host, then the longer scheme
-    return (rule.port is None, -len(rule.host), -len("" if rule.scheme == "all" else rule.scheme))
+def _file(path: str) -> tuple[Any, ...]:
+    with contextlib.suppress(OSError):
+        stat = os.stat(path)
+        return path, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+    return (path,)
 
 
-_clients: dict[Route, httpx.Client] = {}
-_clients_lock = threading.Lock()
-
-
-def client_for(route: Route) -> httpx.Client:
-    """This process's shared client for ``route``; for a caller's transport, a client of its own (the transport is the
-    caller's to keep alive, not this process's)."""
-    with _clients_lock:
-        client = _clients.get(route)
-    if client is None:
-        client = httpx.Client(
-            base_url=route.base_url,
-            transport=MembaseTransport(route),
-            timeout=route.seconds,  # each connect, read and write; the network backend bounds the attempt
-            headers={"Accept-Encoding": "identity"},
-            cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
-        )
-        if route.transport is None:
-            with _clients_lock:
-                client = _clients.setdefault(route, client)
-    return client
-
-
-def _forget_clients() -> None:
-    _clients.clear()  # a forked child builds its own: the parent's pools hold the parent's sockets
-
-
-os.register_at_fork(after_in_child=_forget_clients)
+@functools.lru_cache(maxsize=8)
+def _trust(*files: tuple[Any, ...]) -> ssl.SSLContext:
+    """Built once per files as they are: a bundle rotated in place gets a new one, stores on one unchanged share it."""
+    return httpx.create_ssl_context()
 
 
 def clients(route: Route) -> tuple[httpx.Client, httpx.Client]:
-    """Stand-in until the transport's rewrite lands: a store's own clients."""
-    made = []
-    for _ in range(2):
-        made.append(
-            httpx.Client(
-                base_url=route.base_url,
-                transport=MembaseTransport(route),
-                timeout=route.seconds,
-                headers={"Accept-Encoding": "identity"},
-                cookies=http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[])),
-            )
-        )
-    return made[0], made[1]
+    """(reads, writes): the clients of one store, for the caller to keep and close. Reads keep connections alive for
+    :data:`KEEP_ALIVE` s; every write goes out on a fresh connection of its own (so a server closing an idle one can
+    never make a write's fate unclear). The client a request goes through says whether it is a read or a write."""
+    writes = _Transport(route, kept=0)
+    return _client(route, _Transport(route, kept=_KEPT, fresh=writes.pool)), _client(route, writes)
+
+
+def _client(route: Route, transport: _Transport) -> httpx.Client:
+    jar = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))  # it keeps none
+    # Compressed answers are not asked for (max_bytes bounds memory); the network backend caps each timeout.
+    headers, seconds = {"Accept-Encoding": "identity"}, route.seconds
+    return httpx.Client(base_url=route.base_url, transport=transport, timeout=seconds, headers=headers, cookies=jar)
 
 
 def may_have_arrived(error: BaseException) -> bool:
-    """Whether the request that failed with ``error`` (or an error chained to it) may have been read by Membase:
-    ``False`` when its connection could not be made, or Membase answered; ``True`` when it broke off after it was
-    sent, or a gateway in front of Membase answered that Membase did not answer it in time (502, 504)."""
+    """The one rule: whether Membase may have read (and stored) the request that failed with ``error``. ``False`` when
+    Membase answered with one of its documented errors (a 4xx carrying its error envelope: ``code`` set), or when the
+    request never reached Membase (no connection, no tunnel, a proxy's refusal, anywhere in the error's chain);
+    ``True`` when it went out and no answer of Membase's came back (a timeout or a broken connection after sending, a
+    5xx, an answer without Membase's error shape)."""
     seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, membase.APIStatusError):
-            return seen.status in (502, 504)
-        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout)):
+    for _ in range(32):  # the chain as Python shows it; a cycle is not followed
+        if isinstance(seen, membase.APIStatusError) and (seen.body is not None or seen.__cause__ is None):
+            return seen.body is not None and not (400 <= (seen.status or 0) < 500 and seen.code)  # no body: not sent
+        if isinstance(seen, (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError)):
             return False
         if isinstance(seen, httpx.TransportError):
             return True
-        seen = seen.__cause__
-    return isinstance(error, membase.APIConnectionError)
+        if seen is None or (seen.__cause__ is None and seen.__suppress_context__):
+            break
+        seen = seen.__cause__ or seen.__context__  # a status error of this library's own stands for its cause
+    return getattr(error, "status", None) is not None  # an answer that could not be read (else: nothing was sent)
 
 
-class MembaseTransport(httpx.BaseTransport):
-    """Sends an attempt within its deadline and its size bound, once more if the resend rule allows. Reads reuse
-    kept-alive connections, the last freed first (a read never waits for one: it makes a new one)."""
+class _Transport(httpx.BaseTransport):
+    """One client's requests, each attempt bounded, sent once more (on ``fresh``) if the resend rule allows it;
+    ``kept``: the idle connections it keeps, at most (none for writes)."""
 
-    def __init__(self, route: Route) -> None:
-        self._route = route
-        self._idle: list[httpcore.HTTPConnection] = []
-        self._idle_lock = threading.Lock()
+    def __init__(self, route: Route, kept: int, fresh: httpcore.ConnectionPool | None = None) -> None:
+        self._route, self._write, self.pool = route, not kept, None
+        if route.transport is None:  # no cap: a hung request holds a connection of its own, never one others wait for
+            options: dict[str, Any] = {"ssl_context": route.tls, "proxy": route.proxy, "max_connections": None}
+            self.pool = httpcore.ConnectionPool(
+                max_keepalive_connections=kept, keepalive_expiry=KEEP_ALIVE, network_backend=_BACKEND, **options
+            )
+        if kept and self.pool is not None:
+            _pools.add(weakref.ref(self.pool, _pools.discard))
+        self._fresh = fresh or self.pool
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         deadline = time.monotonic() + self._route.seconds
@@ -206,81 +210,38 @@ class MembaseTransport(httpx.BaseTransport):
             attempt = _Attempt(deadline)
             token = _attempt.set(attempt)
             try:
-                status, headers, content = self._exchange(request, attempt, fresh=last)
-                return httpx.Response(status, headers=headers, content=content, request=request)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
+                return self._send(request, attempt, self._fresh if last else self.pool)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ProxyError):  # it never reached Membase
                 if last or time.monotonic() >= deadline:
                     raise
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-                if last or not _is_read(request) or attempt.connected or attempt.answered:
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):  # a broken kept-alive connection?
+                if last or self._write or attempt.connected or attempt.answered:
                     raise
             finally:
                 _attempt.reset(token)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    def _exchange(self, request: httpx.Request, attempt: _Attempt, *, fresh: bool) -> tuple[int, httpx.Headers, bytes]:
-        """One send of ``request`` and its answer, read whole within the bounds: a read goes on a kept-alive
-        connection unless ``fresh``, a write always on a connection of its own."""
-        if self._route.transport is not None:
+    def _send(self, request: httpx.Request, attempt: _Attempt, pool: httpcore.ConnectionPool | None) -> httpx.Response:
+        if pool is None:  # the caller's transport: the bounds on its answer still hold
             attempt.connected = True  # for all this library knows
-            with contextlib.closing(self._route.transport.handle_request(request)) as response:
-                chunks = response.iter_bytes()  # identity-encoded: the raw body, or a mock's, already read
-                status, headers = response.status_code, response.headers
-                return status, headers, self._body(status, headers, chunks, attempt.deadline)
-        url = request.url
-        target = httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path)
-        sending = httpcore.Request(request.method, target, headers=request.headers.raw, content=request.stream)
-        sending.extensions = request.extensions  # its timeouts
-        reused = self._take() if _is_read(request) and not fresh else None
-        connection = reused or self._connection(sending.url.origin)
-        with _as_httpx(request):
+            with contextlib.closing(self._route.transport.handle_request(request)) as given:  # type: ignore[union-attr]
+                return self._read(request, given.status_code, given.headers, given.iter_bytes(), attempt)
+        sending = httpcore.Request(request.method, _core(request.url), headers=request.headers.raw)
+        sending.stream, sending.extensions = request.stream, {**request.extensions, "trace": attempt.trace}
+        with _as_httpx(request, attempt), contextlib.closing(pool.handle_request(sending)) as answer:
+            attempt.answered = True
+            response = self._read(request, answer.status, httpx.Headers(answer.headers), answer.iter_stream(), attempt)
+        if pool is not self._fresh and _sweeping.acquire(blocking=False):  # a connection idles in the pool now
             try:
-                with contextlib.closing(connection.handle_request(sending)) as answer:
-                    attempt.answered = True
-                    headers = httpx.Headers(answer.headers)
-                    body = self._body(answer.status, headers, answer.iter_stream(), attempt.deadline)
-            except BaseException:
-                connection.close()
-                raise
-        if _is_read(request) and isinstance(connection, httpcore.HTTPConnection):
-            self._give_back(connection)
-        else:
-            connection.close()
-        return answer.status, headers, body
+                threading.Thread(target=_sweep, name="membase-sweeper", daemon=True).start()
+            except RuntimeError:  # no thread to be had now: the next read tries again
+                _sweeping.release()
+        return response
 
-    def _connection(self, origin: httpcore.Origin) -> httpcore.HTTPConnection | httpcore.ConnectionPool:
-        """A new connection to Membase; through a proxy, a pool of one (httpcore's pool knows proxies), not kept."""
-        if self._route.proxy is None:
-            return httpcore.HTTPConnection(
-                origin, ssl_context=self._route.verify, keepalive_expiry=_KEEP_ALIVE, network_backend=_BoundedBackend()
-            )
-        given = httpx.Proxy(self._route.proxy)
-        return httpcore.ConnectionPool(
-            ssl_context=self._route.verify,
-            proxy=httpcore.Proxy(str(given.url), auth=given.raw_auth, ssl_context=given.ssl_context),
-            max_keepalive_connections=0,
-            network_backend=_BoundedBackend(),
-        )
-
-    def _take(self) -> httpcore.HTTPConnection | None:
-        """The kept-alive connection freed last that can still be used; the ones that cannot are closed."""
-        while True:
-            with self._idle_lock:
-                connection = self._idle.pop() if self._idle else None
-            if connection is None or (connection.is_available() and not connection.has_expired()):
-                return connection
-            connection.close()
-
-    def _give_back(self, connection: httpcore.HTTPConnection) -> None:
-        with self._idle_lock:
-            kept = connection.is_idle() and len(self._idle) < _KEPT
-            if kept:
-                self._idle.append(connection)
-        if not kept:
-            connection.close()
-
-    def _body(self, status: int, headers: httpx.Headers, chunks: Iterator[bytes], deadline: float) -> bytes:
-        """The whole body, read within the deadline and the size bound."""
+    def _read(
+        self, request: httpx.Request, status: int, headers: httpx.Headers, chunks: Iterator[bytes], attempt: _Attempt
+    ) -> httpx.Response:
+        """The whole answer, its body read within the deadline and up to ``max_bytes`` (httpx reads any size)."""
         limit, encoding = self._route.max_bytes, headers.get("content-encoding", "identity")
         if encoding.lower() != "identity":
             why = f"Membase answered with a body compressed as {encoding!r}, which was not asked for"
@@ -296,65 +257,85 @@ class MembaseTransport(httpx.BaseTransport):
             size += len(chunk)
             if size > limit:
                 break
-            overdue = time.monotonic() > deadline and (length is None or size < length)
+            overdue = time.monotonic() > attempt.deadline and (length is None or size < length)
         if size > limit or (length or 0) > limit:
             raise BadResponseError(
                 f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status
             )
-        return body[0] if len(body) == 1 else b"".join(body)
+        content = body[0] if len(body) == 1 else b"".join(body)
+        return httpx.Response(status, headers=headers, content=content, request=request)
 
-
-def _is_read(request: httpx.Request) -> bool:
-    return request.method == "GET" or (request.method == "POST" and request.url.path.endswith("/v1/search"))
+    def close(self) -> None:  # requests in flight go on (a write still running is still saved); idle connections end
+        for connection in self.pool.connections if self.pool is not None else ():
+            if connection.is_idle():
+                connection.close()
 
 
 @contextlib.contextmanager
-def _as_httpx(request: httpx.Request) -> Iterator[None]:
-    """httpcore's errors raised as httpx's of the same name, as ``httpx.HTTPTransport`` maps them (the SDK knows
-    httpx's)."""
+def _as_httpx(request: httpx.Request, attempt: _Attempt) -> Iterator[None]:
+    """httpcore's errors as httpx's (the SDK knows those); one before the request began to go out as a connect error."""
     try:
         yield
     except Exception as error:
-        kinds = (kind for kind in type(error).__mro__ if kind.__module__.startswith("httpcore"))
-        same = next((getattr(httpx, kind.__name__) for kind in kinds if hasattr(httpx, kind.__name__)), None)
-        if same is None:
+        kind = type(error)
+        if not kind.__module__.startswith("httpcore") or not hasattr(httpx, kind.__name__):
             raise
-        raise same(str(error), request=request) from error
+        if not attempt.sent and not isinstance(error, (httpcore.ConnectError, httpcore.ProxyError)):
+            kind = httpcore.ConnectTimeout if isinstance(error, httpcore.TimeoutException) else httpcore.ConnectError
+        raise getattr(httpx, kind.__name__)(str(error), request=request) from error
 
 
-class _BoundedBackend(httpcore.NetworkBackend):
-    """httpcore's own socket backend, each operation capped at the time left to its attempt (:data:`_deadline`)."""
+_pools: set[weakref.ref[httpcore.ConnectionPool]] = set()  # the stores' kept-alive pools, while they live
+_sweeping = threading.Lock()  # held by the sweeper thread, while one runs
 
-    def __init__(self) -> None:
-        self._backend = httpcore.SyncBackend()
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        # Each address in turn within what is left (socket.create_connection would give each the whole timeout).
-        # Resolving the name is the one step no timeout reaches: the standard library takes none.
-        try:
+def _sweep() -> None:
+    """Close idle connections past their keep-alive, which httpcore does only when their pool is next used; started by
+    a read that leaves a connection idle, it ends once no pool holds an idle connection."""
+    while True:
+        time.sleep(0.5)
+        idle = [c for ref in list(_pools) for c in getattr(ref(), "connections", ()) if c.is_idle()]
+        if not idle:
+            _sweeping.release()  # then one more look: a read that found the lock held may have left a connection
+            if not any(c.is_idle() for ref in list(_pools) for c in getattr(ref(), "connections", ())):
+                return
+            if not _sweeping.acquire(blocking=False):
+                return  # another sweeper took over
+        for connection in idle:
+            if connection.has_expired():
+                connection.close()  # its pool drops it, closed, when next used
+
+
+def _forget_sweeper() -> None:  # a forked child has no sweeper thread, nor any pool of the parent's
+    _pools.clear()
+    if _sweeping.locked():
+        _sweeping.release()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forget_sweeper)
+
+
+class _Backend(httpcore.NetworkBackend):
+    """httpcore's sockets, each operation capped at the time left to the attempt it serves (httpcore gives each the
+    whole timeout, and so every address of a name)."""
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, *options: Any, **named: Any) -> _Bounded:
+        if (attempt := _attempt.get()) is not None:
+            attempt.connected = True  # a request on this connection never went out on a kept-alive one
+        try:  # resolving the name is the one step no timeout reaches: the standard library takes none
             *others, last = [str(row[4][0]) for row in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
         except OSError as error:
             raise httpcore.ConnectError(str(error)) from error
-        for address in others:
-            with contextlib.suppress(httpcore.ConnectError):
-                return self._connect(address, port, timeout, local_address, socket_options)
-        return self._connect(last, port, timeout, local_address, socket_options)
-
-    def _connect(self, address: str, port: int, timeout: float | None, *options: Any) -> httpcore.NetworkStream:
-        left = _left(timeout, httpcore.ConnectTimeout)
-        if (attempt := _attempt.get()) is not None:
-            attempt.connected = True  # a request on this connection never went out on a kept-alive one
-        return _BoundedStream(self._backend.connect_tcp(address, port, left, *options))
+        for index, address in enumerate(others):  # each address but the last gets its share of the time left
+            with contextlib.suppress(httpcore.ConnectError, httpcore.ConnectTimeout):
+                share = _left(timeout, httpcore.ConnectTimeout)
+                share = share and share / (len(others) + 1 - index)
+                return _Bounded(_SOCKETS.connect_tcp(address, port, share, *options, **named))
+        return _Bounded(_SOCKETS.connect_tcp(last, port, _left(timeout, httpcore.ConnectTimeout), *options, **named))
 
 
-class _BoundedStream(httpcore.NetworkStream):
+class _Bounded(httpcore.NetworkStream):
     def __init__(self, stream: httpcore.NetworkStream) -> None:
         self._stream = stream
 
@@ -362,20 +343,20 @@ class _BoundedStream(httpcore.NetworkStream):
         return self._stream.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        for start in range(0, len(buffer), _WRITE_CHUNK):
-            self._stream.write(buffer[start : start + _WRITE_CHUNK], _left(timeout, httpcore.WriteTimeout))
+        for start in range(0, len(buffer), _CHUNK):
+            self._stream.write(buffer[start : start + _CHUNK], _left(timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
         self._stream.close()
 
-    def start_tls(
-        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
-    ) -> httpcore.NetworkStream:
-        left = _left(timeout, httpcore.ConnectTimeout)
-        return _BoundedStream(self._stream.start_tls(ssl_context, server_hostname, left))
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: Any = None) -> Any:
+        return _Bounded(self._stream.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout)))
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)
+
+
+_SOCKETS, _BACKEND = httpcore.SyncBackend(), _Backend()
 
 
 def _left(timeout: float | None, expired: type[httpcore.TimeoutException]) -> float | None:
@@ -387,9 +368,3 @@ def _left(timeout: float | None, expired: type[httpcore.TimeoutException]) -> fl
     if left <= 0:
         raise expired("the attempt's deadline has passed")
     return left if timeout is None else min(timeout, left)
-
-
-@functools.lru_cache(maxsize=8)
-def _ssl_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    """httpx's default TLS settings, which it reads from these two variables (as set now), built once (about 1 MiB)."""
-    return httpx.create_ssl_context()

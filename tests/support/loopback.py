@@ -7,14 +7,14 @@ one key's requests on it) with a raw action on the socket (:func:`drip`, :func:`
 records every request it reads (``seen``) and every answer it finished (``answered``); :meth:`LoopbackMembase.wait_for`
 waits on those records, and on the ends of drips and streams, without polling.
 
-Each server's URL is one no earlier server in this process had (a path of its own on a fresh port): the library
-keeps one connection pool per base URL for the life of the process, so a server that happens to get the port of an
-earlier one must not inherit its pool. Every wait in here is bounded, the server binds to loopback only, and its
-threads are daemons.
+Each server's URL is one no earlier server in this process had (a path of its own on a fresh port), and each request
+it reads is recorded with the connection it came on. :class:`FullBacklog` and :class:`SilentTLS` are listeners whose
+connects stall. Every wait in here is bounded, the servers bind to loopback only, and their threads are daemons.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -43,13 +43,15 @@ _SERVERS = itertools.count(1)
 
 @dataclass(frozen=True)
 class Seen:
-    """One request the server read: its route, the key it carried, its ``Cookie`` header and its JSON body."""
+    """One request the server read: its route, the key it carried, its ``Cookie`` header, its JSON body, and the
+    connection it came on (numbered from 1, in the order the server took them)."""
 
     method: str
     path: str
     key: str
     cookie: str | None
     body: Any
+    connection: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class LoopbackMembase:
         self.latency = 0.0  # seconds the server waits before each answer it gives as the fake
         self.drips: list[Dripped] = []  # each drip that ended, in order
         self.streams: list[Streamed] = []  # each endless or huge answer that ended, in order
+        self.hung_up: list[int] = []  # connections the client closed after :func:`half_close` closed the server side
         self.seen: list[Seen] = []  # every request read, in order, before any raw action
         self.answered: list[Seen] = []  # the requests whose whole answer was written, in order
         self.cookie_for: Callable[[str], str | None] | None = None
@@ -167,12 +170,15 @@ class LoopbackMembase:
             into.append(entry)
             self._changed.notify_all()
 
-    def _count(self, opened: int = 0, serving: int = 0) -> None:
-        with self._lock:
+    def _count(self, opened: int = 0, serving: int = 0) -> int:
+        with self._changed:
             self.connections += opened > 0
             self.open_connections += opened
             self.in_flight += serving
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            if opened < 0:
+                self._changed.notify_all()  # a wait on open_connections
+            return self.connections
 
 
 class _Server(ThreadingHTTPServer):
@@ -195,12 +201,13 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     answer: httpx.Response  # the fake's answer to the request being served
     seen: Seen  # the request being served, as the server recorded it
+    number: int  # this connection's, among the server's
     timeout = LIMIT  # an idle keep-alive connection is dropped after this, so no handler thread lives forever
 
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.owner._count(+1)
+        self.number = self.server.owner._count(+1)
 
     def finish(self) -> None:
         try:
@@ -248,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        self.seen = Seen(self.command, path, key, self.headers.get("Cookie"), parsed)
+        self.seen = Seen(self.command, path, key, self.headers.get("Cookie"), parsed, self.number)
         owner._record(owner.seen, self.seen)
         answer = owner.fake.handle(request)  # recorded by the fake, faults and all, before any raw action
         self.answer = answer
@@ -469,61 +476,104 @@ def huge(length: int, stop: threading.Event | None = None) -> RawAction:
     return lambda handler: _stream(handler, start, (_CHUNK[: length - sent] for sent in sizes), stop)
 
 
-def listen_overflows() -> int | None:
-    """How many connections this machine's listeners have refused for a full backlog so far (Linux; else ``None``)."""
-    try:
-        lines = open("/proc/net/netstat", encoding="ascii").read().splitlines()
-    except OSError:
-        return None
-    for names, values in zip(lines[::2], lines[1::2], strict=False):
-        if names.startswith("TcpExt:"):
-            return dict(zip(names.split()[1:], map(int, values.split()[1:]), strict=True)).get("ListenOverflows")
-    return None
+def twice(handler: _Handler) -> None:
+    """The fake's answer and, right behind it in the same write, a copy of it: one answer more than was asked for, as
+    a misbehaving proxy or gateway sends, so a client that reuses the connection reads it as its next answer."""
+    answer, body = handler.answer, handler.answer.read()
+    head = f"HTTP/1.1 {answer.status_code} OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    handler.wfile.write((head.encode() + body) * 2)
+    handler.server.owner._record(handler.server.owner.answered, handler.seen)
+
+
+def half_close(handler: _Handler) -> None:
+    """Answer as usual, then close the server's side of the connection (as a server whose keep-alive ran out) and wait
+    for the client to close its own, recorded in :attr:`LoopbackMembase.hung_up` (the client's socket sits in
+    CLOSE_WAIT meanwhile)."""
+    as_usual(handler)
+    handler.close_connection = True
+    handler.connection.shutdown(socket.SHUT_WR)
+    handler.connection.settimeout(LIMIT)
+    with contextlib.suppress(OSError):
+        while handler.connection.recv(65536):
+            pass
+        owner = handler.server.owner
+        owner._record(owner.hung_up, handler.number)
 
 
 class FullBacklog:
-    """A listener on 127.0.0.1 whose backlog is full: a connect to :attr:`url` stalls (its SYN is dropped) until
-    :meth:`drip_to_next` frees it; each stalled connect counts once in :func:`listen_overflows`."""
+    """A listener on ``host`` whose backlog is full: a connect to it stalls (its SYN is dropped) while it lives."""
 
-    def __init__(self) -> None:
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._listener.bind((host, port))
         self._listener.listen(0)  # room for one waiting connection: the filler's
-        self._filler = socket.create_connection(self._listener.getsockname())
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self.dripped: list[Dripped] = []
-
-    def drip_to_next(self, overflows: int, every: float = 0.1) -> threading.Thread:
-        """Once ``overflows`` connects have stalled here, free the backlog, take the next connection, read its
-        request and drip header lines to it until it hangs up (recorded in :attr:`dripped`)."""
-
-        def serve() -> None:
-            deadline = time.monotonic() + LIMIT
-            while (listen_overflows() or 0) < overflows and time.monotonic() < deadline:
-                time.sleep(0.01)  # the kernel's counter has no event to wait on
-            waiting, _ = self._listener.accept()  # the filler: its place is free now
-            waiting.close()
-            self._listener.settimeout(LIMIT)
-            connection, _ = self._listener.accept()  # the stalled connect, sent again by its kernel
-            with connection:
-                received = b""
-                while b"\r\n\r\n" not in received:
-                    received += connection.recv(65536)
-                lines, hung_up = 0, False
-                try:
-                    connection.sendall(_OK)
-                    while time.monotonic() < deadline:
-                        time.sleep(every)
-                        connection.sendall(f"X-Drip-{lines}: still coming\r\n".encode())
-                        lines += 1
-                except OSError:
-                    hung_up = True
-                self.dripped.append(Dripped(lines, hung_up))
-
-        thread = threading.Thread(target=serve, name="full-backlog", daemon=True)
-        thread.start()
-        return thread
+        self._filler = socket.create_connection(self._listener.getsockname()[:2])
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}" if ":" not in host else f"http://[{host}]:{self.port}"
 
     def close(self) -> None:
         self._filler.close()
         self._listener.close()
+
+
+class SilentTLS:
+    """A listener on 127.0.0.1 that takes every connection and never answers its TLS handshake, so a connect (TCP,
+    then TLS) to :attr:`url` stalls; it counts the connections it took (:attr:`taken`). After :meth:`answer_next`, the
+    next one's handshake is answered ``after`` s late, and header lines drip to it until it hangs up
+    (:attr:`dripped`)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"https://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.taken: list[socket.socket] = []
+        self.dripped: list[Dripped] = []
+        self._plan: tuple[ssl.SSLContext, float, float] | None = None
+        self._changed = threading.Condition()
+        threading.Thread(target=self._accept, name="silent-tls", daemon=True).start()
+
+    def answer_next(self, tls: ssl.SSLContext, after: float, every: float) -> None:
+        with self._changed:
+            self._plan = (tls, after, every)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = LIMIT) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout)
+
+    def close(self) -> None:
+        self._listener.close()
+        for taken in self.taken:
+            taken.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                taken, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._changed:
+                self.taken.append(taken)
+                plan, self._plan = self._plan, None
+                self._changed.notify_all()
+            if plan is not None:
+                threading.Thread(target=self._answer_late, args=(taken, *plan), daemon=True).start()
+
+    def _answer_late(self, taken: socket.socket, tls: ssl.SSLContext, after: float, every: float) -> None:
+        time.sleep(after)  # the server's own delay, not a wait for anything
+        lines, hung_up = 0, False
+        try:
+            with tls.wrap_socket(taken, server_side=True) as connection:
+                connection.settimeout(LIMIT)
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += connection.recv(65536)
+                connection.sendall(_OK)
+                deadline = time.monotonic() + LIMIT
+                while time.monotonic() < deadline:
+                    time.sleep(every)
+                    connection.sendall(f"X-Drip-{lines}: still coming\r\n".encode())
+                    lines += 1
+        except OSError:
+            hung_up = True
+        with self._changed:
+            self.dripped.append(Dripped(lines, hung_up))
+            self._changed.notify_all()
