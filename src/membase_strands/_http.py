@@ -1,11 +1,7 @@
-"""How a store built from a key reaches Membase: two ``httpx.Client`` of its own (reads, writes), sharing nothing with
-another store's (an answer meant for one key is never read by another's request), keeping no cookies. httpcore's
-pool does HTTP, proxies and keep-alive; below it, this module's network backend caps every connect, read, write and TLS
-handshake at the time left to the attempt (``request_timeout``, headers and body), and gives each of a name's
-addresses its share of that time. The one resend (once, within the same deadline): a request that never reached
-Membase (no connection, no tunnel, a proxy's refusal); a read also after a kept-alive connection broke. A write, once
-it began to go out, is never sent again (:func:`may_have_arrived` says the rule).
-"""
+"""How a store built from a key reaches Membase: two ``httpx.Client`` of its own (reads, writes; no cookies, nothing
+shared with another store) over httpcore's pool, whose every socket operation this module's network backend caps at
+the time left to the attempt (``request_timeout``). Sent once more, within that deadline: a request that never reached
+Membase, or a read after a kept-alive connection broke; never a write once it went out (:func:`may_have_arrived`)."""
 
 from __future__ import annotations
 
@@ -68,9 +64,8 @@ class Route:
 
 
 def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
-    """The route to ``base_url`` under the environment as it is now. ``ValueError`` naming the variable (never its
-    value: it may hold a password) where ``httpx.Client()`` would refuse (a proxy URL or scheme it cannot use, socks5
-    without socksio), and for an https:// proxy to an https:// Membase, whose TLS inside TLS no deadline bounds."""
+    """The route to ``base_url`` under the environment as it is now; ``ValueError`` naming the variable (never its
+    value) where ``httpx.Client()`` would refuse, and for an https:// proxy to an https:// Membase (TLS inside TLS)."""
     if transport is not None:
         return Route(base_url, transport, None, None, seconds, max_bytes)
     chosen = _environment_proxy(url := httpx.URL(base_url))
@@ -91,9 +86,8 @@ def _core(url: httpx.URL) -> httpcore.URL:
 
 
 def _environment_proxy(url: httpx.URL) -> httpx.Proxy | None:
-    """The proxy a plain ``httpx.Client()`` sends a request for ``url`` through. A copy of httpx's private rules
-    (``httpx._utils.get_environment_proxies`` and ``URLPattern``; the client's mounts, each parsed when it is built,
-    tried most specific first); a test compares the two side by side through real proxies."""
+    """The proxy a plain ``httpx.Client()`` sends a request for ``url`` through, by a copy of httpx's private rules
+    (``get_environment_proxies``, ``URLPattern``: each mount parsed, the most specific first; tested side by side)."""
     found = urllib.request.getproxies()
     mounts: dict[str, str | None] = {}
     for scheme in ("http", "https", "all"):
@@ -155,9 +149,8 @@ def _trust(*files: tuple[Any, ...]) -> ssl.SSLContext:
 
 
 def clients(route: Route) -> tuple[httpx.Client, httpx.Client]:
-    """(reads, writes): the clients of one store, for the caller to keep and close. Reads keep connections alive for
-    :data:`KEEP_ALIVE` s; every write goes out on a fresh connection of its own (so a server closing an idle one can
-    never make a write's fate unclear). The client a request goes through says whether it is a read or a write."""
+    """(reads, writes): one store's clients, for the caller to keep and close. Reads keep connections alive for
+    :data:`KEEP_ALIVE` s; each write gets a fresh one (a server closing an idle one never makes its fate unclear)."""
     writes = _Transport(route, kept=0)
     return _client(route, _Transport(route, kept=_KEPT, fresh=writes.pool)), _client(route, writes)
 
@@ -171,10 +164,9 @@ def _client(route: Route, transport: _Transport) -> httpx.Client:
 
 def may_have_arrived(error: BaseException) -> bool:
     """The one rule: whether Membase may have read (and stored) the request that failed with ``error``. ``False`` when
-    Membase answered with one of its documented errors (a 4xx carrying its error envelope: ``code`` set), or when the
-    request never reached Membase (no connection, no tunnel, a proxy's refusal, anywhere in the error's chain);
-    ``True`` when it went out and no answer of Membase's came back (a timeout or a broken connection after sending, a
-    5xx, an answer without Membase's error shape)."""
+    it answered one of its documented errors (a 4xx with its error envelope: ``code`` set) or the request never reached
+    it (no connection, no tunnel, a proxy's refusal, anywhere in the chain); ``True`` when it went out and no answer of
+    Membase's came back (a timeout or broken connection after sending, a 5xx, an answer without its error shape)."""
     seen: BaseException | None = error
     for _ in range(32):  # the chain as Python shows it; a cycle is not followed
         if isinstance(seen, membase.APIStatusError) and (seen.body is not None or seen.__cause__ is None):
@@ -259,9 +251,8 @@ class _Transport(httpx.BaseTransport):
                 break
             overdue = time.monotonic() > attempt.deadline and (length is None or size < length)
         if size > limit or (length or 0) > limit:
-            raise BadResponseError(
-                f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)", status=status
-            )
+            why = f"Membase's answer is larger than max_response_bytes ({limit:,} bytes)"
+            raise BadResponseError(why, status=status)
         content = body[0] if len(body) == 1 else b"".join(body)
         return httpx.Response(status, headers=headers, content=content, request=request)
 
@@ -290,8 +281,7 @@ _sweeping = threading.Lock()  # held by the sweeper thread, while one runs
 
 
 def _sweep() -> None:
-    """Close idle connections past their keep-alive, which httpcore does only when their pool is next used; started by
-    a read that leaves a connection idle, it ends once no pool holds an idle connection."""
+    """Until no connection is idle, close those past their keep-alive (httpcore does only on their pool's next use)."""
     while True:
         time.sleep(0.5)
         idle = [c for ref in list(_pools) for c in getattr(ref(), "connections", ()) if c.is_idle()]
@@ -317,8 +307,7 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 
 
 class _Backend(httpcore.NetworkBackend):
-    """httpcore's sockets, each operation capped at the time left to the attempt it serves (httpcore gives each the
-    whole timeout, and so every address of a name)."""
+    """httpcore's sockets, each operation held to its attempt's time left (httpcore gives each the whole timeout)."""
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, *options: Any, **named: Any) -> _Bounded:
         if (attempt := _attempt.get()) is not None:

@@ -1,10 +1,8 @@
-"""The setup check: does Membase answer this key, and what may the key do?
+"""The setup check (``membase-strands check``, or :func:`run_check`): does Membase answer this key, what may it do?
 
-Run it as ``membase-strands check`` (``--json`` for scripts) or call :func:`run_check`. It never prints the key
-and saves nothing: it tries saving an empty note, which Membase refuses (403 if the key may not write, else 400).
-For local Membase it saves and searches a note in a scratch directory, to show the engine's LLM and embeddings
-providers work, and then opens the user's directory without writing to it.
-"""
+It never prints the key and saves nothing: it tries saving an empty note, which Membase refuses (403 if the key may
+not write, else 400). For local Membase it saves and searches a note in a scratch directory (do the engine's LLM and
+embeddings providers work?), then opens the user's directory without writing to it."""
 
 import argparse
 import contextlib
@@ -106,13 +104,13 @@ def run_check(
         The report: ``report.ok``, whether everything needed works; ``to_text()``; ``to_dict()``.
     """
     options = dict(locals())  # run_check's keywords, as main() passes them
-    local = options["local"]
     if local is not None and not Path(local).expanduser().exists():  # not made here: nothing is left behind
         found = [Step("directory", True, "none yet; made at first use", required=False), _engine_step()]
         return CheckReport(f"local Membase in {os.fspath(local)}", found)
     try:
         if not is_finite_number(timeout) or timeout <= 0:
-            raise ValueError(f"timeout=SECONDS must be a positive number, got {_number(timeout)}")
+            shown = f"{timeout:g}" if is_finite_number(timeout) else repr(timeout)
+            raise ValueError(f"timeout=SECONDS must be a positive number, got {shown}")
         where = {option: options[option] for option in ("client", "api_key", "base_url", "local")}
         gateway = MembaseGateway(**where, request_timeout=timeout, store_name="check")
     except (ValueError, RuntimeError, membase.MembaseError) as error:
@@ -127,10 +125,6 @@ def run_check(
         for step in _steps(gateway, report, container, _advice(report.target, timeout, options, gateway.redact)):
             report.steps.append(replace(step, detail=gateway.redact(step.detail), required=needed.get(step.name, True)))
     return report
-
-
-def _number(value: Any) -> str:
-    return f"{value:g}" if is_finite_number(value) else repr(value)
 
 
 def _engine_step() -> Step:

@@ -5,8 +5,7 @@
   :func:`rate_limited`); key levels, the profile tick and hosted answers (``InMemoryMembase(level=..., hosted=True)``).
 - :class:`ScriptedModel`: a Strands model that replays turns (text or :class:`ToolCall`) and records what it was sent.
 
-README.md's "Testing your own agent" shows them at work (that example runs in this project's tests).
-"""
+README.md's "Testing your own agent" shows them at work."""
 
 from ._membase import API_KEY, InMemoryMembase, Note, Recorded, Responder, hang, rate_limited, refuse_connection, status
 from ._model import ScriptedModel, Step, ToolCall

@@ -73,8 +73,7 @@ class InMemoryMembase:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         self.key, self.level, self.profile, self.hosted = key, level, profile, hosted
         self.sources, self.revoked = True, False
-        # The Memories in reach, as Membase lists them: at first one, "Main" (id "ctr_main").
-        self.containers: list[dict[str, Any]] = [{"id": "ctr_main", "name": "Main"}]
+        self.containers: list[dict[str, Any]] = [{"id": "ctr_main", "name": "Main"}]  # the Memories in reach
         self.notes: list[Note] = []  # the notes in its Memories, seeded ones too
         self.forgotten: list[Note] = []  # the notes forgotten through the API
         self.standing: list[str] = []  # the profile's standing facts

@@ -29,8 +29,7 @@ class ScriptedModel(Model):
     """Replays scripted turns (see :data:`Step`) and records each call's messages, deep-copied, in :attr:`calls`.
 
     A function step can depend on what was recalled, or on the id ``membase_search`` just returned. Past the
-    script's end it answers ``"ok"``. The README's "Testing your own agent" shows it at work.
-    """
+    script's end it answers ``"ok"``."""
 
     def __init__(self, script: list[Step] | None = None) -> None:
         self.script = list(script or [])
