@@ -160,7 +160,6 @@ class MembaseMemoryStore:
         )
         self._tools: list[AgentTool] | None = None
         self._setup_check: Call[None] | None = None  # the latest check of the Memories in reach
-        self._setup_waited_out = False  # an agent waited its whole budget for that check
         self._closed = False
         self._closing: Call[None] | None = None  # once closing began
         self._turns_not_captured = 0  # recalls since the last captured batch, when extraction hands the batches
@@ -179,8 +178,7 @@ class MembaseMemoryStore:
 
     async def initialize(self) -> None:
         """Check a pinned ``container`` (or capture) against the Memories in reach when an agent is built, within
-        ``recall_timeout``; past it, the check goes on in the background (agents built meanwhile do not wait for it
-        again) and first use checks the Memory too.
+        ``recall_timeout``; past it, the check goes on in the background and first use checks the Memory too.
 
         Raises:
             ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
@@ -193,19 +191,13 @@ class MembaseMemoryStore:
         with self._lock:
             check = self._setup_check
             if check is None or (check.outcome is not None and isinstance(check.outcome.error, membase.MembaseError)):
-                self._setup_waited_out = False
                 check = self._setup_check = gateway.new_call(
                     lambda: gateway.check_setup(container), name=f"membase-check[{self.name}]"
                 ).start()
-            elif self._setup_waited_out and not check.done():
-                return  # building an agent per request during an outage must not cost every request that wait
         outcome = await check.wait(self._recall_timeout or _options.WAIT_WITHOUT_BUDGET, owner=False)
         unlisted = "could not list the Memories in reach; checking again at first use"
         if outcome is None:
-            with self._lock:
-                first, self._setup_waited_out = not self._setup_waited_out, True
-            if first:
-                self._log.log(logging.WARNING, unlisted, reason="no answer in time")
+            self._log.log(logging.WARNING, unlisted, reason="no answer in time")
         elif isinstance(outcome.error, ValueError):
             with self._lock:
                 self._setup_check = None  # the next agent lists the Memories again: they may have changed
