@@ -1,11 +1,9 @@
-"""Automatic recall: time-boxed, fail-open, and never piling up on a waking memory.
+"""Automatic recall: time-boxed, fail-open, and never piling up on a waking memory (docs/recall.md).
 
-The first search after a quiet spell can take up to a minute while the memory wakes. A recall's search runs as a
-``Call`` while the turn waits at most ``recall_timeout``; past it (or when the turn is cancelled) the search goes on
-in the background, waking the memory, and until it ends (one attempt at most: ``request_timeout``) later recalls are
-skipped at once rather than sent too: not a failure, logged at DEBUG only, so a long stall writes no warning per
-turn. With ``recall_profile``, the profile's standing facts are read beside the search, within the same budget, at
-most once per ``profile_ttl``: a profile that fails or is late costs no passage.
+A recall's search runs as a ``Call`` while the turn waits at most ``recall_timeout``; past it (or cancelled) the search
+goes on in the background, waking the memory, and until it ends (at most ``request_timeout``) later recalls are
+skipped at once, at DEBUG only. With ``recall_profile``, the standing facts are read beside the search, within the same
+budget, at most once per ``profile_ttl``: a profile that fails or is late costs no passage.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from .errors import MembaseAccessError, MembaseRecallTimeout
 
 class Recall:
     """One store's automatic recall: the budget, the skip while a late search runs, the pause after a 403 and the
-    standing facts read for it. ``request_timeout``: how long a late search may hold recall back at most;
-    ``profile_ttl``: ``None`` for no profile."""
+    standing facts read for it (``profile_ttl``: ``None`` for none)."""
 
     def __init__(
         self,
@@ -55,9 +52,8 @@ class Recall:
         self._late_search = self._profile_read = None  # their threads are the parent's
 
     async def run(self, query: str, limit: int) -> list[MemoryEntry]:
-        """The entries for ``query``: the standing facts (if asked for), up to ``limit`` passages best first, a notice
-        per Memory that could not answer; ``[]`` while recall is skipped. ``MembaseRecallTimeout`` when the budget runs
-        out (the search goes on); the search's failure raised (a 403 as ``MembaseAccessError``)."""
+        """The entries for ``query`` (standing facts, ``limit`` passages, notices), ``[]`` while recall is skipped.
+        Raises ``MembaseRecallTimeout`` past the budget, or the search's failure (a 403 as ``MembaseAccessError``)."""
         if skip := self._skip_reason():
             self._log.count("recall_skipped")
             self._log.annotate(outcome="skipped")
@@ -155,8 +151,7 @@ class Recall:
 
     def _read_profile(self) -> Call[Any] | None:
         """The read of the standing facts this recall waits for, when none is fresh or running; ``None``: use what was
-        read (one that an earlier recall started and is still running is not waited for again: a profile that hangs
-        costs one recall its wait, not every one)."""
+        read (a read that hangs costs one recall its wait, not every one)."""
         if self._profile_ttl is None or time.monotonic() - self._profile[0] < self._profile_ttl:
             return None
         if self._profile_read is not None and not self._profile_read.done():

@@ -1,17 +1,10 @@
-"""Captured writes: time-boxed, stored at most once, never lost without a word.
+"""Captured writes: time-boxed, stored at most once, never lost without a word (docs/writes.md: the resend rule).
 
-A captured write runs as a ``Call`` while its caller waits at most ``write_timeout``; past it the write goes on in the
-background and may still succeed, and the manager retries a write that raised. So the record keeps a store's writes
-by identity. A retry of a part saved sends nothing; of a part being sent, waits for that request; of a part whose
-request failed for sure (Membase answered with an error, or the request never reached it), sends it again. A part
-whose request may have arrived (it went out and no answer of Membase's came back) is never sent again: Membase may
-have stored it, and a note sent twice is stored twice. It is logged once, and retries of it send nothing.
-
-A write whose caller stopped waiting reports how it ended when it ends: saved, of unknown fate, or failed. The store
-never sends a failed write again itself: the manager retries a batch whose write ran out of time (if its agent lives
-on), and counts a cancelled flush as handled, so that one is lost, and a WARNING says so. Closing waits up to
-``close_timeout`` for the writes still running, and says how many were still running when it stopped waiting; so does
-interpreter exit.
+A write runs as a ``Call`` while its caller waits at most ``write_timeout``; past it the write goes on in the
+background, and the manager retries a write that raised. So the record keeps a store's writes by identity: a retry
+of a part saved (or that may have arrived) sends nothing, of a part being sent waits for that request, of a part that
+failed for sure sends it again. A write nobody waits for any more logs how it ended; closing and interpreter exit
+wait up to ``close_timeout`` for the writes still running.
 """
 
 from __future__ import annotations
@@ -106,7 +99,6 @@ class WriteRecord:
         self._running: dict[Hashable, Call[Any]] = {}  # parts being sent, and the call sending them
         self._started: weakref.WeakSet[Call[Any]] = weakref.WeakSet()  # for closing to wait for: each until done
         self._awaited: set[Hashable] = set()  # the newest late save's parts, whose manager retry may be on its way
-        self._thread_name = f"membase-write[{self._log.store_name}]"
         _records.add(self)
         reset_in_forked_child(self)
 
@@ -115,8 +107,7 @@ class WriteRecord:
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
         """Send the parts not sent yet as one request, within the budget; what ``send`` returned, or ``None`` when
-        every part was saved (or sent with an unknown fate) already. Raises ``MembaseWriteTimeout`` when the budget
-        runs out (the request goes on in the background), or the write's failure."""
+        none needed sending. Raises ``MembaseWriteTimeout`` past the budget (the request goes on), or its failure."""
         keys = {part.key for part in parts}
         deadline = None if self._budget is None else time.monotonic() + self._budget
         while True:
@@ -172,7 +163,7 @@ class WriteRecord:
         """The call that sends ``todo``, its parts marked as being sent (lock held; started outside it)."""
         call = self._gateway.new_call(
             lambda: send(todo),
-            name=self._thread_name,
+            name=f"membase-write[{self._log.store_name}]",
             on_end=lambda outcome: self._ended(todo, outcome),
             on_late_end=lambda outcome, why: self._ended_late(todo, outcome, why),
         )
@@ -227,11 +218,10 @@ class WriteRecord:
     def _ended(self, todo: list[Part], outcome: Outcome[Any]) -> None:
         """Put how a write ended on record (on its thread, before anyone waiting for it hears)."""
         with self._lock:
+            now = time.monotonic()
             for part in todo:
                 self._running.pop(part.key, None)
-            if outcome.kind in (ANSWERED, MAY_HAVE_ARRIVED):  # kept past the bounds until the next write evicts
-                now = time.monotonic()
-                for part in todo:
+                if outcome.kind in (ANSWERED, MAY_HAVE_ARRIVED):  # kept past the bounds until the next write evicts
                     self._saved[part.key] = _Saved(part.block, part.block_bytes, now)
         if outcome.kind == ANSWERED:
             self._log.count("writes_saved", amount=len(todo))
@@ -257,8 +247,7 @@ class WriteRecord:
             self._log.log(logging.WARNING, f"{what} failed; it is not saved, and nothing sends it again", error=error)
 
     def _evict(self) -> None:
-        """Forget saved parts past their time, then the oldest past the size and byte bounds, but not the newest late
-        save's: the manager's retry of a batch whose write ran out of time is the one to stop (lock held)."""
+        """Forget saved parts past their time, then the oldest past the bounds, but the newest late save's (locked)."""
         cutoff = time.monotonic() - RECORD_SECONDS
         excess = len(self._saved) - RECORD_SIZE
         excess_bytes = sum(saved.block_bytes for saved in self._saved.values()) - RECORD_BYTES
@@ -271,8 +260,7 @@ class WriteRecord:
 
 @atexit.register  # after logging's own hook (logging is imported first): atexit runs last in, first out
 def _wait_at_exit() -> None:
-    """At interpreter exit, wait for the writes still running of every store, each up to its ``close_timeout`` from
-    one start (the waits overlap, they do not add up)."""
+    """Wait for every store's writes still running, each up to its ``close_timeout`` from one start (they overlap)."""
     started = time.monotonic()
     for record in list(_records):
         if record._running_calls():

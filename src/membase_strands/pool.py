@@ -1,8 +1,7 @@
 """One store per user, each built from that user's own credential, for apps that serve many people.
 
-The bound on kept stores never breaks a turn: to make room the pool drops the least recently used store without
-closing it, so whoever holds it (an agent mid-turn, a running write) keeps using it until it is collected.
-Until then the pool remembers it weakly: the same user coming back gets that same store, never a second one.
+To make room the pool drops the least recently used store without closing it: whoever holds it (an agent mid-turn, a
+running write) keeps using it, and the same user coming back meanwhile gets that same store, never a second one.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 
 import membase
 
-from ._calls import reset_in_forked_child
+from ._calls import Call, reset_in_forked_child
 from ._gateway import looks_like_path
 from ._log import StoreLog
 from .store import MembaseMemoryStore, begin_closing, share_counts
@@ -29,11 +28,8 @@ Credential = str | os.PathLike[str]
 
 
 class MembaseStorePool:
-    """Hands out one :class:`MembaseMemoryStore` per user id, reusing each user's store; thread-safe.
-
-    Each store has connections of its own: no user's request goes out on a connection that carried another user's.
-    There is no shared or fallback key.
-    """
+    """Hands out one :class:`MembaseMemoryStore` per user id, reusing each user's store; thread-safe. Each store has
+    connections of its own (no user's request goes out on one that carried another user's); no key is shared."""
 
     def __init__(
         self, credential_for: Callable[[str], Credential], *, max_stores: int = 1000, **store_options: Any
@@ -84,10 +80,9 @@ class MembaseStorePool:
 
         Raises:
             ValueError: ``user_id`` is blank, or the credential function failed or gave nothing usable (the
-                message names the user, never the credential): this user has no Membase here.
-            RuntimeError: The pool was closed, or the user's memory cannot be opened in this process now (their
-                local directory is held by another process, or local Membase cannot run here); the message names
-                the user.
+                message names the user, never the credential).
+            RuntimeError: The pool was closed, or the user's memory cannot be opened in this process (another process
+                holds their local directory, or local Membase cannot run here); the message names the user.
         """
         if not isinstance(user_id, str) or not user_id.strip():
             raise ValueError(f"user_id must be a non-blank string, got {user_id!r}")
@@ -108,18 +103,13 @@ class MembaseStorePool:
         return self._totals.snapshot()
 
     def close(self) -> None:
-        """Close every store the pool built that is still alive; safe to call twice.
-
-        Each closes as :meth:`MembaseMemoryStore.close` does (up to ``close_timeout`` for its writes), side by side,
-        so this returns within about ``close_timeout``. From async code, use :meth:`aclose` (or ``async with``).
-        """
-        closing = [begin_closing(store) for store in self._close_pool()]
-        _warn_failed(each.wait_blocking(None, owner=False) for each in closing)
+        """Close every store the pool built that is still alive, side by side, as :meth:`MembaseMemoryStore.close`
+        does: within about ``close_timeout``; safe to call twice. From async code, use :meth:`aclose`."""
+        _warn_failed(closing.wait_blocking(None, owner=False) for closing in self._begin_closing())
 
     async def aclose(self) -> None:
         """:meth:`close` for async code, without blocking the loop: each store's ``aclose()``, side by side."""
-        closing = [begin_closing(store) for store in self._close_pool()]
-        _warn_failed([await each.wait(None, owner=False) for each in closing])
+        _warn_failed([await closing.wait(None, owner=False) for closing in self._begin_closing()])
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -133,17 +123,16 @@ class MembaseStorePool:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _close_pool(self) -> list[MembaseMemoryStore]:
-        """Refuse new stores; the stores handed out that are still alive, for the caller to close."""
+    def _begin_closing(self) -> list[Call[None]]:
+        """Refuse new stores and begin closing every store handed out that is still alive, side by side."""
         with self._lock:
             self._closed = True
             alive = list(self._alive.values())  # before dropping the kept ones, which may be their only holder
             self._stores.clear()
-            return alive
+        return [begin_closing(store) for store in alive]
 
     def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
-        """The user's store still alive, else ``built``, now the most recently used (``None``: neither). Past the
-        bound the least recently used is dropped outside the lock: collected, a store lets go of its connections."""
+        """The user's store still alive, else ``built``, now the most recently used (``None``: neither)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("MembaseStorePool is closed")
@@ -156,7 +145,7 @@ class MembaseStorePool:
             if len(self._stores) > self._max_stores:
                 old_user, dropped = self._stores.popitem(last=False)
                 logger.debug("user=<%s> | pool full; dropping the least recently used store", old_user)
-        del dropped  # outside the lock
+        del dropped  # outside the lock: collected, a store lets go of its connections
         return store
 
     def _build(self, user_id: str) -> MembaseMemoryStore:

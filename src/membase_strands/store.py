@@ -1,9 +1,8 @@
 """``MembaseMemoryStore``: a Strands ``MemoryStore`` over a person's Membase memory.
 
-Recall, captured writes, the set-up check and closing each run Membase's blocking calls as a ``_calls.Call`` on a
-library thread while the caller waits within its budget, so a slow or unreachable Membase costs a turn at most its
-budget; the tools run theirs on the thread Strands gives them. Every attempt ends at ``request_timeout`` in its socket
-(``_http``).
+Recall, captured writes, the set-up check and closing run Membase's blocking calls as a ``_calls.Call`` on a library
+thread, the caller waiting at most its budget (each attempt ends at ``request_timeout`` in ``_http``); the tools run
+theirs on the thread Strands gives them.
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ class MembaseMemoryStore:
         """Create a store; building it makes no network call.
 
         Args:
-            client: A ready ``membase.Membase``, used as it is and never closed; one that writes (``capture``, the
-                ``"save"`` tool) must be built with ``max_retries=0``.
+            client: A ready ``membase.Membase``, used as is and never closed; built with ``max_retries=0`` if it writes.
             api_key: The key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
             base_url: The Membase host (default: ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``).
             local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``); one process each.
@@ -85,13 +83,12 @@ class MembaseMemoryStore:
             max_search_results: Passages per search when the caller gives no number (1-50; default 5).
             max_recall_chars: The most passage text a search shows: whole passages, best first; ``None``: no cap.
             min_score: Leave out passages scored below this (an entry's ``metadata["score"]`` shows its score).
-            recall_timeout: Seconds a recall may hold the turn, which then goes on without memory (``None``: as long
-                as the SDK waits, retries too).
+            recall_timeout: Seconds a recall may hold the turn (``None``: the SDK's whole wait, retries too).
             write_timeout: Seconds a captured write may hold its caller (``None``: one whole attempt).
             request_timeout: Seconds one attempt of a request may take, headers and body (the tools try up to 3 times).
             max_response_bytes: The largest answer read from Membase; a larger one fails the call unread.
-            access_cooldown: Seconds automatic recall pauses after a 403 (the tools still try), and an action Membase
-                refused as above the key's level (saving, forgetting, the profile) stays disabled; ``None``: never.
+            access_cooldown: Seconds recall pauses after a 403, and an action refused as above the key's level stays
+                disabled; ``None``: never.
             close_timeout: Seconds closing waits for captured writes still running (gunicorn's grace period: 30 s).
             capture: Let the manager write to Membase (its ``add_memory`` tool, extraction).
             extraction: The manager's extraction config (``True`` for its defaults); needs ``capture=True``.
@@ -160,7 +157,6 @@ class MembaseMemoryStore:
         )
         self._tools: list[AgentTool] | None = None
         self._setup_check: Call[None] | None = None  # the latest check of the Memories in reach
-        self._setup_waited_out = False  # an agent waited its whole budget for that check
         self._closed = False
         self._closing: Call[None] | None = None  # once closing began
         self._turns_not_captured = 0  # recalls since the last captured batch, when extraction hands the batches
@@ -179,8 +175,7 @@ class MembaseMemoryStore:
 
     async def initialize(self) -> None:
         """Check a pinned ``container`` (or capture) against the Memories in reach when an agent is built, within
-        ``recall_timeout``; past it, the check goes on in the background (agents built meanwhile do not wait for it
-        again) and first use checks the Memory too.
+        ``recall_timeout``; past it, the check goes on in the background and first use checks the Memory too.
 
         Raises:
             ValueError: The pinned Memory is unknown or ambiguous, or capture is on with several Memories in reach
@@ -193,19 +188,13 @@ class MembaseMemoryStore:
         with self._lock:
             check = self._setup_check
             if check is None or (check.outcome is not None and isinstance(check.outcome.error, membase.MembaseError)):
-                self._setup_waited_out = False
                 check = self._setup_check = gateway.new_call(
                     lambda: gateway.check_setup(container), name=f"membase-check[{self.name}]"
                 ).start()
-            elif self._setup_waited_out and not check.done():
-                return  # building an agent per request during an outage must not cost every request that wait
         outcome = await check.wait(self._recall_timeout or _options.WAIT_WITHOUT_BUDGET, owner=False)
         unlisted = "could not list the Memories in reach; checking again at first use"
         if outcome is None:
-            with self._lock:
-                first, self._setup_waited_out = not self._setup_waited_out, True
-            if first:
-                self._log.log(logging.WARNING, unlisted, reason="no answer in time")
+            self._log.log(logging.WARNING, unlisted, reason="no answer in time")
         elif isinstance(outcome.error, ValueError):
             with self._lock:
                 self._setup_check = None  # the next agent lists the Memories again: they may have changed
@@ -218,9 +207,8 @@ class MembaseMemoryStore:
         """Recall passages for ``query`` within ``recall_timeout`` (the manager calls this before each turn).
 
         Returns:
-            ``[Memory name] text`` per passage, best first, then a notice per Memory that could not answer (with
-            ``recall_profile``, the standing facts first); ``[]`` for a blank query, or while recall is skipped (an
-            earlier search still runs late, or after a 403).
+            ``[Memory name] text`` per passage, best first (with ``recall_profile``, the standing facts first), then a
+            notice per Memory that could not answer; ``[]`` for a blank query or while recall is skipped.
 
         Raises:
             MembaseRecallTimeout: The budget ran out; the search goes on in the background.
@@ -248,11 +236,9 @@ class MembaseMemoryStore:
             Membase's answer, or ``None`` when this store has saved the same note already.
 
         Raises:
-            ValueError: Capture is off, the content is blank or larger than Membase takes (32 MiB), or a metadata
-                flag has the wrong type.
+            ValueError: Capture is off, the content is blank or over 32 MiB, or a metadata flag has the wrong type.
             MembaseWriteTimeout: The budget ran out; the request goes on in the background, never sent twice.
-            MembaseAccessError: Membase refused the key (403); while saving is disabled after a refusal above the
-                key's level, at once, with no request.
+            MembaseAccessError: Membase refused the key (403), or saving is disabled after a refusal (no request).
             membase.MembaseError: Any other failure, so the manager keeps the write for a retry.
         """
         self._require_capture("add")
@@ -272,9 +258,8 @@ class MembaseMemoryStore:
         each line starting with its role when both are captured.
 
         Returns:
-            Membase's answer, or ``None`` when no text was left to send, all of it was saved already, or it was not
-            sent: larger than Membase takes (32 MiB; a WARNING says so), or while saving is disabled after a refusal
-            above the key's level (a DEBUG line; counted in ``writes_refused``).
+            Membase's answer, or ``None`` when nothing was left to send, or it was not sent: over 32 MiB (a WARNING),
+            or while saving is disabled after a refusal (counted in ``writes_refused``).
 
         Raises:
             ValueError: Capture is off.
@@ -295,11 +280,8 @@ class MembaseMemoryStore:
         return await self._writes.write(parts, lambda todo: gateway.save("\n".join(p.text for p in todo), container))
 
     def counters(self) -> dict[str, int]:
-        """A snapshot of what this store has done since it was built, for logs or metrics; safe from any thread.
-
-        The standard counters (``recalls``, ``writes_saved``, ...) are always present, the others (``errors.<kind>``,
-        ``tool_calls.<tool>``, ...) once they happen: docs/observability.md says what each one counts.
-        """
+        """A snapshot of what this store has done since it was built, by counter (docs/observability.md); safe from
+        any thread. The standard counters are always present, the others (``errors.<kind>``, ...) once they happen."""
         return self._log.snapshot()
 
     def get_tools(self) -> list[AgentTool]:
@@ -311,9 +293,8 @@ class MembaseMemoryStore:
 
     def close(self) -> None:
         """Close the store, blocking (from async code, use :meth:`aclose`); safe to call twice, a client passed in is
-        left open. Waits up to ``close_timeout`` for captured writes still running; each outcome waited for is logged
-        and counted when this returns, and writes still running then are logged by count. A second caller waits for
-        the first, up to ``close_timeout``."""
+        left open. Waits up to ``close_timeout`` for captured writes still running (then logged by count); a second
+        caller waits for the first, up to ``close_timeout``."""
         closing, first = self._begin_closing()
         closing.wait_blocking(None if first else self._close_timeout, owner=False)
 
@@ -340,8 +321,7 @@ class MembaseMemoryStore:
         return self.max_search_results or _options.DEFAULT_SEARCH_RESULTS  # a plain attribute: a user may set None
 
     def _begin_closing(self) -> tuple[Call[None], bool]:
-        """The store's closing, started by its first caller (whether this is it): it waits for the captured writes,
-        then lets go of the connections and local engine once no call runs."""
+        """The store's closing, started by its first caller, and whether this is it."""
         writes, gateway, log, unflushed = self._writes, self._gateway, self._log, self._turns_not_captured
 
         def close() -> None:  # not self: a store dropped while it closes must be collectable
@@ -352,13 +332,9 @@ class MembaseMemoryStore:
 
         with self._lock:
             self._closed, first = True, self._closing is None
-            if first:
-                self._closing = gateway.new_call(close, name=f"membase-close[{self.name}]")
-            closing = self._closing
-        assert closing is not None
-        if first:
-            closing.start()
-        return closing, first
+            if self._closing is None:
+                self._closing = gateway.new_call(close, name=f"membase-close[{self.name}]").start()
+            return self._closing, first
 
     def _check_open(self) -> None:
         if self._closed:
@@ -373,8 +349,7 @@ class MembaseMemoryStore:
             )
 
     def _saving_disabled(self, parts: int) -> Any:
-        """The refusal that keeps saving disabled (above the key's level, said once at WARNING), counting the
-        ``parts`` not sent; None when saving is allowed."""
+        """The refusal that keeps saving disabled, counting the ``parts`` not sent; None when saving is allowed."""
         if (refused := self._gateway.disabled(SAVE)) is not None:
             self._log.count("writes_refused", amount=parts)
             self._log.log(logging.DEBUG, "captured write not sent: saving is disabled, so its words are not saved")
