@@ -150,7 +150,14 @@ def pieces(secret: str) -> set[str]:
 
 
 def shown_anywhere(error: BaseException) -> str:
-    return "".join(traceback.format_exception(error)) + repr(error) + str(error)
+    """What ``error`` and every error chained to it say (not the traceback's file paths: a checkout's own path may
+    hold three characters of a password)."""
+    said: list[str] = []
+    seen: BaseException | None = error
+    while seen is not None and len(said) < 64:
+        said += [*traceback.format_exception_only(seen), repr(seen)]
+        seen = seen.__cause__ or seen.__context__
+    return "".join(said)
 
 
 @pytest.mark.parametrize("password", ["Xk9#pa/ss?w0rd", "Xk9#p4ss", "Xk9/p4ss", "Xk9?p4ss"])
