@@ -1,12 +1,10 @@
-"""The one door to Membase: every call the library makes goes through a store's :class:`MembaseGateway`, which holds
-the SDK clients, looks Memory names up as ids, says what a refusal means, and runs each call as a ``_calls.Call``.
+"""The one door to Membase: a store's :class:`MembaseGateway` holds the SDK clients, looks Memory names up as ids,
+says what a refusal means, and runs each call as a ``_calls.Call``.
 
-From a key, the store's own connections (``_http.clients``: none shared with another store, so with another key):
-reads go through one client, writes through the other, and three SDK clients over them: one that retries as the SDK
-does (the tools, which should wait out a waking memory), one that makes a single attempt (recall, whose late request
-must hold recall back for one attempt, not three), and one for writes, a single attempt on a fresh connection (a POST
-that timed out may be stored already). A client passed in (``client=``) is used as it is, and must not retry if it
-writes. The connections are let go of once the store is closed and no call runs.
+From a key, three SDK clients over the store's own connections (``_http.clients``): the tools' retries as the SDK does
+(to wait out a waking memory); recall's makes one attempt (a late request holds recall back for one attempt, not
+three); writes' makes one attempt on a fresh connection (a POST that timed out may be stored already). A ``client=``
+is used as it is, and must not retry if it writes. The connections go once the store is closed and no call runs.
 """
 
 from __future__ import annotations
@@ -60,9 +58,8 @@ _OWNER = "Its owner can change that on the key's page in the Membase app (Connec
 
 
 class MembaseGateway:
-    """One store's access to one person's Membase. ``hosted``: reached with a key, not a local engine; ``local``: the
-    local directory, if any; ``location``: where, for messages and ``repr`` (never the key); ``log``: the store's
-    counters and log lines."""
+    """One store's access to one person's Membase. ``hosted``: reached with a key; ``local``: the local directory, if
+    any; ``location``: where, for messages and ``repr`` (never the key); ``log``: the store's counters and log lines."""
 
     def __init__(
         self,
@@ -78,7 +75,7 @@ class MembaseGateway:
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
-        self._given, secret, self.base_url = client, "", ""
+        self._given, self._secret, self.base_url = client, "", ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -86,7 +83,7 @@ class MembaseGateway:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
-            secret, self.base_url = client.api_key or "", str(client.base_url)
+            self._secret, self.base_url = client.api_key or "", str(client.base_url)
         elif local is not None:
             if any(option is not None for option in (api_key, base_url, transport)):
                 raise ValueError(
@@ -98,14 +95,13 @@ class MembaseGateway:
             if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
-                secret = _checked_key(key)
+                self._secret = _checked_key(key)
                 url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
                 self._route = _http.route(url, transport, request_timeout, max_response_bytes)
                 self.base_url = url
-        self._secret = secret
-        self.hosted = bool(secret)
+        self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        self.key_hint, self.redact, self.mask = masking(secret)
+        self.key_hint, self.redact, self.mask = masking(self._secret)
         self.log = StoreLog(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
         self._disabled: dict[str, tuple[float, Refused]] = {}  # verb -> (until when, its refusal); one dict step each
@@ -129,8 +125,7 @@ class MembaseGateway:
     def new_call(
         self, call: Callable[[], T], *, name: str, on_end: OnEnd | None = None, on_late_end: OnLateEnd | None = None
     ) -> Call[T]:
-        """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to
-        ``start()``."""
+        """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to start."""
 
         def ended(outcome: Outcome[Any]) -> None:
             self._call_ended()
@@ -201,8 +196,7 @@ class MembaseGateway:
         return self._ask(SAVE, self._resolved(container, send), use="write", container=container)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
-        """The profile: standing facts and recent changes (each as text, masked: all of it may be shown) and, with
-        ``topic``, relevant results (masked as they are shown)."""
+        """The profile: standing facts and recent changes (as text, masked) and, with ``topic``, relevant results."""
         body = self._ask(PROFILE, lambda client: client.profile(q=sendable(topic) if topic else None), use=_use(retry))
         if not isinstance(body, dict):
             raise BadResponseError("the profile answer is not an object")
@@ -210,8 +204,7 @@ class MembaseGateway:
         return {**body, **masked}
 
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
-        """Forget the passage ``passage_id`` names (as ``_formatting.passage_id`` gives it); without ``confirm``,
-        Membase only says what would be forgotten."""
+        """Forget the passage ``_formatting.passage_id`` named; unconfirmed, Membase says what it would forget."""
 
         def forget(client: membase.Membase) -> Any:
             if passage_id.startswith("document:"):
@@ -230,8 +223,7 @@ class MembaseGateway:
         return [Container(container.id, self.redact(container.name)) for container in listed]
 
     def container_id(self, name: str) -> str | None:
-        """The id of the Memory ``name`` names (``ValueError`` if none or several; ``None``: a local Memory its first
-        save makes), cached after the first lookup."""
+        """The id of the Memory ``name`` names (see :meth:`_looked_up`); ``ValueError`` if none or several."""
         return self._ask("list_containers", lambda client: self._looked_up(client, name), use="tools")
 
     def check_setup(self, container: str | None) -> None:
@@ -284,7 +276,6 @@ class MembaseGateway:
             }
         if self.local is not None:
             engine = _local.open_engine(self.local)  # it makes one attempt
-            opened.engine = True
             return dict.fromkeys(("tools", "recall", "write"), engine)
         assert self._given is not None
         if self._given_used_before_fork:
@@ -366,25 +357,23 @@ class MembaseGateway:
 
 
 class _Opened:
-    """What a gateway opened in this process: its SDK clients, its httpx clients, its use of a local engine."""
+    """What a gateway opened in this process: its SDK clients, its httpx clients, and, with clients, a local engine."""
 
     def __init__(self, local: Path | None) -> None:
         self.local = local
         self.clients: dict[str, membase.Membase] | None = None
         self.http: tuple[httpx.Client, ...] = ()
-        self.engine = False
 
     def forget(self) -> None:
         """Drop all of it unclosed (in a forked child: the sockets and the engine are the parent's)."""
-        self.clients, self.http, self.engine = None, (), False
+        self.clients, self.http = None, ()
 
     def close(self) -> None:
-        self.clients = None
+        clients, self.clients = self.clients, None
         http, self.http = self.http, ()
         for client in http:
             client.close()
-        if self.engine and self.local is not None:
-            self.engine = False
+        if clients is not None and self.local is not None:
             _local.close_engine(self.local)
 
 
