@@ -96,9 +96,8 @@ class MembaseGateway:
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
                 self._secret = _checked_key(key)
-                url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
-                self._route = _http.route(url, transport, request_timeout, max_response_bytes)
-                self.base_url = url
+                self.base_url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
+                self._route = _http.route(self.base_url, transport, request_timeout, max_response_bytes)
         self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
         self.key_hint, self.redact, self.mask = masking(self._secret)
@@ -121,7 +120,6 @@ class MembaseGateway:
         self._opened.forget()
         self._lock, self._running = threading.Lock(), 0
 
-    # --- Running calls ---------------------------------------------------------------------------------------------
     def new_call(
         self, call: Callable[[], T], *, name: str, on_end: OnEnd | None = None, on_late_end: OnLateEnd | None = None
     ) -> Call[T]:
@@ -160,7 +158,6 @@ class MembaseGateway:
         if idle:
             self._opened.close()
 
-    # --- What Membase is asked ---------------------------------------------------------------------------------------
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
         ``ValueError`` when ``container`` names no Memory in reach, or several."""
@@ -174,8 +171,7 @@ class MembaseGateway:
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (``static``: a standing fact), in one attempt. A 2xx whose body cannot be read counts as
-        saved (``None``). ``ValueError``: larger than Membase takes (nothing is sent)."""
+        """Save one note in one attempt; a 2xx whose body cannot be read counts as saved (``None``)."""
         if too_large([content]):
             raise ValueError(f"the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); nothing was sent")
 
@@ -237,7 +233,6 @@ class MembaseGateway:
                 "the one to write to"
             )
 
-    # --- Refusals ------------------------------------------------------------------------------------------------
     def disabled(self, verb: str) -> Refused | None:
         """The refusal that disables ``verb`` (or :data:`RECALL`) for now, so that nothing is sent for it; or None."""
         until, refused = self._disabled.get(verb, (0.0, None))
@@ -254,7 +249,6 @@ class MembaseGateway:
         self._disabled[verb] = entry
         return news
 
-    # --- Inside -----------------------------------------------------------------------------------------------------
     def _client(self, use: str) -> membase.Membase:
         """The SDK client for ``use``: ``"tools"`` (retries), ``"recall"`` (one attempt) or ``"write"``."""
         opened = self._opened
@@ -266,8 +260,7 @@ class MembaseGateway:
 
     def _build(self, opened: _Opened) -> dict[str, membase.Membase]:
         if self._route is not None:
-            opened.http = _http.clients(self._route)
-            reads, writes = opened.http
+            reads, writes = opened.http = _http.clients(self._route)
             key, url = self._secret, self.base_url
             return {
                 "tools": membase.Membase(api_key=key, base_url=url, http_client=reads),
@@ -287,8 +280,7 @@ class MembaseGateway:
         return dict.fromkeys(("tools", "recall", "write"), self._given)
 
     def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str | None:
-        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``; ``None``
-        for a local Memory not made yet (local Membase makes a Memory at its first save)."""
+        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
         if again:
             self._container_ids.pop(name, None)
         if (container_id := self._container_ids.get(name)) is None:
@@ -299,9 +291,8 @@ class MembaseGateway:
         return container_id
 
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
-        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (404, or a 403
-        but one above the key's level: the Memory was renamed or made anew) is looked up once more and, if the name
-        now names another, sent again."""
+        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (404, or a 403 not
+        about the key's level: the Memory was renamed or made anew) is looked up again and, if it changed, resent."""
 
         def call(client: membase.Membase) -> T:
             if wanted is None:
@@ -322,9 +313,8 @@ class MembaseGateway:
         return call
 
     def _ask(self, verb: str, call: Callable[[membase.Membase], T], *, use: str, container: str | None = None) -> T:
-        """``call`` (Membase's ``verb``) with the SDK client for ``use`` (see :meth:`_client`), unless the verb is
-        disabled: a 403 becomes a :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's
-        error is masked."""
+        """``call`` (Membase's ``verb``) with the client for ``use``, unless the verb is disabled: a 403 becomes a
+        :class:`Refused`, a 2xx body that cannot be read a Membase error; a Memory name's error is masked."""
         if (refused := self.disabled(verb)) is not None:
             raise refused
         client = self._client(use)
