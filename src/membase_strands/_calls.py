@@ -1,12 +1,9 @@
 """One way to call Membase: a :class:`Call` runs a blocking SDK call on a library thread while its caller waits within
-a budget, and ends in one :class:`Outcome`; a caller that stops waiting leaves it running, and its late outcome is
-reported once.
-
-A call that outlives its caller's budget must go on (a waking memory, a write Membase may be storing), so it runs on a
-daemon thread that nothing joins (not ``asyncio.run``, not interpreter exit), bounded by ``request_timeout`` in its
-socket. An idle thread takes the next call, else a new one starts (as costly as a recall's work); one idle for
-:data:`IDLE_SECONDS` ends. After ``os.fork()``, what holds calls or locks drops them (:func:`reset_in_forked_child`).
-"""
+a budget, and ends in one :class:`Outcome`. A call that outlives its caller's budget goes on (a waking memory, a write
+Membase may be storing) on a daemon thread nothing joins (not ``asyncio.run``, not interpreter exit), bounded by
+``request_timeout`` in its socket, and its late outcome is reported once. An idle thread takes the next call, else a new
+one starts (as costly as a recall's work); one idle for :data:`IDLE_SECONDS` ends. After ``os.fork()``, what holds
+calls or locks drops them (:func:`reset_in_forked_child`)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ says what a refusal means, and runs each call as a ``_calls.Call``.
 From a key, three SDK clients over the store's own connections (``_http.clients``): the tools' retries as the SDK does
 (to wait out a waking memory); recall's makes one attempt (a late request holds recall back for one attempt, not
 three); writes' makes one attempt on a fresh connection (a POST that timed out may be stored already). A ``client=``
-is used as it is, and must not retry if it writes. The connections go once the store is closed and no call runs.
-"""
+is used as it is, and must not retry if it writes."""
 
 from __future__ import annotations
 

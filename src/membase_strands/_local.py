@@ -2,8 +2,7 @@
 
 The engine keeps its search index in memory and writes it back: two engines on one directory (in one process or two)
 overwrite each other's index, and saved notes stop being found. So a process opens a directory once for all its
-stores, locked (the file :data:`LOCK_NAME` in it) while any uses it; the lock goes when the process ends, crash or not.
-"""
+stores, locked (the file :data:`LOCK_NAME` in it) while any uses it; the lock goes when the process ends, or crashes."""
 
 from __future__ import annotations
 
