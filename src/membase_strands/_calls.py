@@ -1,16 +1,9 @@
 """One way to call Membase: a :class:`Call` runs a blocking SDK call on a library thread while its caller waits within
-a budget, and ends in one :class:`Outcome`.
-
-The SDK is synchronous, and a call that outlives its caller's budget must go on (a waking memory, a write Membase may
-be storing), so each call runs on a daemon thread: nothing joins one, neither ``asyncio.run`` at the end of a
-synchronous agent call nor interpreter exit. Every call gets a thread at once (an idle one, else a new one: starting a
-thread costs a recall as much as the rest of its work), and one idle for :data:`IDLE_SECONDS` ends. Each attempt of a
-call ends at ``request_timeout`` in its socket (``_http``), so no thread outlives its requests for long. A caller that
-stops waiting leaves the call running, and the call then hands its late outcome to whoever started it, once.
-
-After ``os.fork()`` the child has none of the parent's threads: objects that hold calls (or locks) register with
-:func:`reset_in_forked_child` and drop them there, as ``logging`` re-creates its handlers' locks.
-"""
+a budget, and ends in one :class:`Outcome`. A call that outlives its caller's budget goes on (a waking memory, a write
+Membase may be storing) on a daemon thread nothing joins (not ``asyncio.run``, not interpreter exit), bounded by
+``request_timeout`` in its socket, and its late outcome is reported once. An idle thread takes the next call, else a new
+one starts (as costly as a recall's work); one idle for :data:`IDLE_SECONDS` ends. After ``os.fork()``, what holds
+calls or locks drops them (:func:`reset_in_forked_child`)."""
 
 from __future__ import annotations
 
@@ -113,9 +106,8 @@ class Call(Generic[T]):
         return self._outcome
 
     async def wait(self, budget: float | None, *, owner: bool = True) -> Outcome[T] | None:
-        """The outcome, or ``None`` once ``budget`` seconds have passed with the call still running (``None``: no
-        limit). The ``owner`` (the caller that started it) stopping (time out or cancelled) is what makes the call
-        report its late end; another waiter just leaves."""
+        """The outcome, or ``None`` after ``budget`` seconds (``None``: no limit) with the call still running. The
+        ``owner`` (who started it) stopping, timed out or cancelled, makes the call report its late end; others go."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()  # this loop's: made for this wait
 
@@ -124,18 +116,17 @@ class Call(Generic[T]):
                 loop.call_soon_threadsafe(_settle, ended)
 
         with self._lock:
-            running = not self._ended.is_set()
-            if running:
-                self._wake_waiters.append(wake)
-        if running:
-            try:
-                await asyncio.wait_for(ended, budget)
-            except asyncio.TimeoutError:
-                return self._give_up("timeout", owner)
-            except asyncio.CancelledError:
-                if (outcome := self._give_up("cancelled", owner)) is not None and owner and self._on_late_end:
-                    self._on_late_end(outcome, "cancelled")  # it ended just before: nobody else reports it
-                raise
+            if self._ended.is_set():
+                return self._outcome
+            self._wake_waiters.append(wake)
+        try:
+            await asyncio.wait_for(ended, budget)
+        except asyncio.TimeoutError:
+            return self._give_up("timeout", owner)
+        except asyncio.CancelledError:
+            if (outcome := self._give_up("cancelled", owner)) is not None and owner and self._on_late_end:
+                self._on_late_end(outcome, "cancelled")  # it ended just before: nobody else reports it
+            raise
         return self._outcome
 
     def wait_blocking(self, budget: float | None, *, owner: bool = True) -> Outcome[T] | None:
@@ -145,8 +136,7 @@ class Call(Generic[T]):
         return self._outcome
 
     def _give_up(self, why: str, owner: bool) -> Outcome[T] | None:
-        """The caller stops waiting: the outcome if the call has just ended, else ``None`` (an owner's ``why`` is
-        handed to ``on_late_end`` when the call ends)."""
+        """Stop waiting: the outcome if the call has just ended, else ``None`` (an owner's ``why``: for on_late_end)."""
         with self._lock:
             if self._outcome is None and owner:
                 self._given_up = why

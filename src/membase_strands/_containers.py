@@ -1,8 +1,5 @@
-"""The Memories in a key's reach: read from ``containers.list()`` and matched by name.
-
-Membase calls a Memory a container; users know it by name, the API wants the id. A name matches in any case (an exact
-id also matches); the gateway caches the id, and looks the name up once more before it believes a refusal of it.
-"""
+"""The Memories in a key's reach, read from ``containers.list()`` and matched by name: Membase calls a Memory a
+container; users know it by name, the API wants the id (the gateway caches it)."""
 
 from __future__ import annotations
 
@@ -24,10 +21,10 @@ def parse_containers(body: Any) -> list[Container]:
     rows = body.get("containers") if isinstance(body, dict) else None
     if not isinstance(rows, list):
         raise BadResponseError("the container list has no 'containers' list")
-    rows = [row for row in rows if isinstance(row, dict) and isinstance(row.get("id"), str) and row["id"]]
     return [
         Container(row["id"], row["name"] if isinstance(row.get("name"), str) and row["name"] else row["id"])
         for row in rows
+        if isinstance(row, dict) and isinstance(row.get("id"), str) and row["id"]
     ]
 
 
@@ -46,9 +43,7 @@ def match(wanted: str, containers: list[Container], *, local: bool = False) -> C
     if hits:
         listed = ", ".join(f"'{clip(c.name, 80)}' (id {c.id})" for c in hits)
         raise ValueError(f"container '{clip(wanted, 80)}' matches several Memories: {listed}; pass the id instead")
-    where = (
-        "local Membase has no Memory of that name; its Memories"
-        if local
-        else ("no Memory of that name is in this key's reach; Memories in reach")
-    )
+    where = "no Memory of that name is in this key's reach; Memories in reach"
+    if local:
+        where = "local Membase has no Memory of that name; its Memories"
     raise ValueError(f"container '{clip(wanted, 80)}': {where}: {names_in_reach(containers)}")

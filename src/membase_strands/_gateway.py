@@ -1,13 +1,10 @@
-"""The one door to Membase: every call the library makes goes through a store's :class:`MembaseGateway`, which holds
-the SDK clients, looks Memory names up as ids, says what a refusal means, and runs each call as a ``_calls.Call``.
+"""The one door to Membase: a store's :class:`MembaseGateway` holds the SDK clients, looks Memory names up as ids,
+says what a refusal means, and runs each call as a ``_calls.Call``.
 
-From a key, the store's own connections (``_http.clients``: none shared with another store, so with another key):
-reads go through one client, writes through the other, and three SDK clients over them: one that retries as the SDK
-does (the tools, which should wait out a waking memory), one that makes a single attempt (recall, whose late request
-must hold recall back for one attempt, not three), and one for writes, a single attempt on a fresh connection (a POST
-that timed out may be stored already). A client passed in (``client=``) is used as it is, and must not retry if it
-writes. The connections are let go of once the store is closed and no call runs.
-"""
+From a key, three SDK clients over the store's own connections (``_http.clients``): the tools' retries as the SDK does
+(to wait out a waking memory); recall's makes one attempt (a late request holds recall back for one attempt, not
+three); writes' makes one attempt on a fresh connection (a POST that timed out may be stored already). A ``client=``
+is used as it is, and must not retry if it writes."""
 
 from __future__ import annotations
 
@@ -60,9 +57,8 @@ _OWNER = "Its owner can change that on the key's page in the Membase app (Connec
 
 
 class MembaseGateway:
-    """One store's access to one person's Membase. ``hosted``: reached with a key, not a local engine; ``local``: the
-    local directory, if any; ``location``: where, for messages and ``repr`` (never the key); ``log``: the store's
-    counters and log lines."""
+    """One store's access to one person's Membase. ``hosted``: reached with a key; ``local``: the local directory, if
+    any; ``location``: where, for messages and ``repr`` (never the key); ``log``: the store's counters and log lines."""
 
     def __init__(
         self,
@@ -78,7 +74,7 @@ class MembaseGateway:
         store_name: str = "membase",
     ) -> None:
         """Check the options and start a local engine, if any; no network call. ``ValueError``: bad options."""
-        self._given, secret, self.base_url = client, "", ""
+        self._given, self._secret, self.base_url = client, "", ""
         self._route: _http.Route | None = None
         self.local: Path | None = None
         if client is not None:
@@ -86,7 +82,7 @@ class MembaseGateway:
                 raise ValueError("client: pass either a ready client or api_key/base_url/local/transport, not both")
             if not isinstance(client, membase.Membase):
                 raise ValueError(f"client must be a membase.Membase, got {type(client).__name__}")
-            secret, self.base_url = client.api_key or "", str(client.base_url)
+            self._secret, self.base_url = client.api_key or "", str(client.base_url)
         elif local is not None:
             if any(option is not None for option in (api_key, base_url, transport)):
                 raise ValueError(
@@ -98,14 +94,12 @@ class MembaseGateway:
             if key is None and (env := os.environ.get("MEMBASE_LOCAL", "").strip()):  # the SDK's convention
                 self.local = _local.directory_of(True if env.lower() in ("1", "true", "yes") else env)
             else:
-                secret = _checked_key(key)
-                url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
-                self._route = _http.route(url, transport, request_timeout, max_response_bytes)
-                self.base_url = url
-        self._secret = secret
-        self.hosted = bool(secret)
+                self._secret = _checked_key(key)
+                self.base_url = _checked_url(base_url or os.environ.get("MEMBASE_BASE_URL") or DEFAULT_BASE_URL)
+                self._route = _http.route(self.base_url, transport, request_timeout, max_response_bytes)
+        self.hosted = bool(self._secret)
         self.location = f"local={os.fspath(self.local)!r}" if self.local is not None else f"base_url={self.base_url!r}"
-        self.key_hint, self.redact, self.mask = masking(secret)
+        self.key_hint, self.redact, self.mask = masking(self._secret)
         self.log = StoreLog(store_name, self.redact, self.key_hint)
         self._cooldown = access_cooldown
         self._disabled: dict[str, tuple[float, Refused]] = {}  # verb -> (until when, its refusal); one dict step each
@@ -125,12 +119,10 @@ class MembaseGateway:
         self._opened.forget()
         self._lock, self._running = threading.Lock(), 0
 
-    # --- Running calls ---------------------------------------------------------------------------------------------
     def new_call(
         self, call: Callable[[], T], *, name: str, on_end: OnEnd | None = None, on_late_end: OnLateEnd | None = None
     ) -> Call[T]:
-        """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to
-        ``start()``."""
+        """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to start."""
 
         def ended(outcome: Outcome[Any]) -> None:
             self._call_ended()
@@ -165,7 +157,6 @@ class MembaseGateway:
         if idle:
             self._opened.close()
 
-    # --- What Membase is asked ---------------------------------------------------------------------------------------
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
         ``ValueError`` when ``container`` names no Memory in reach, or several."""
@@ -179,8 +170,7 @@ class MembaseGateway:
         return parse_search(answer, limit, self.redact)
 
     def save(self, content: str, container: str | None, *, static: bool = False, title: str = "") -> Any:
-        """Save one note (``static``: a standing fact), in one attempt. A 2xx whose body cannot be read counts as
-        saved (``None``). ``ValueError``: larger than Membase takes (nothing is sent)."""
+        """Save one note in one attempt; a 2xx whose body cannot be read counts as saved (``None``)."""
         if too_large([content]):
             raise ValueError(f"the note is larger than Membase takes ({MAX_NOTE_BYTES // 2**20} MiB); nothing was sent")
 
@@ -201,8 +191,7 @@ class MembaseGateway:
         return self._ask(SAVE, self._resolved(container, send), use="write", container=container)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
-        """The profile: standing facts and recent changes (each as text, masked: all of it may be shown) and, with
-        ``topic``, relevant results (masked as they are shown)."""
+        """The profile: standing facts and recent changes (as text, masked) and, with ``topic``, relevant results."""
         body = self._ask(PROFILE, lambda client: client.profile(q=sendable(topic) if topic else None), use=_use(retry))
         if not isinstance(body, dict):
             raise BadResponseError("the profile answer is not an object")
@@ -210,8 +199,7 @@ class MembaseGateway:
         return {**body, **masked}
 
     def forget(self, passage_id: str, *, confirm: bool) -> dict[str, Any]:
-        """Forget the passage ``passage_id`` names (as ``_formatting.passage_id`` gives it); without ``confirm``,
-        Membase only says what would be forgotten."""
+        """Forget the passage ``_formatting.passage_id`` named; unconfirmed, Membase says what it would forget."""
 
         def forget(client: membase.Membase) -> Any:
             if passage_id.startswith("document:"):
@@ -230,8 +218,7 @@ class MembaseGateway:
         return [Container(container.id, self.redact(container.name)) for container in listed]
 
     def container_id(self, name: str) -> str | None:
-        """The id of the Memory ``name`` names (``ValueError`` if none or several; ``None``: a local Memory its first
-        save makes), cached after the first lookup."""
+        """The id of the Memory ``name`` names (see :meth:`_looked_up`); ``ValueError`` if none or several."""
         return self._ask("list_containers", lambda client: self._looked_up(client, name), use="tools")
 
     def check_setup(self, container: str | None) -> None:
@@ -245,7 +232,6 @@ class MembaseGateway:
                 "the one to write to"
             )
 
-    # --- Refusals ------------------------------------------------------------------------------------------------
     def disabled(self, verb: str) -> Refused | None:
         """The refusal that disables ``verb`` (or :data:`RECALL`) for now, so that nothing is sent for it; or None."""
         until, refused = self._disabled.get(verb, (0.0, None))
@@ -262,7 +248,6 @@ class MembaseGateway:
         self._disabled[verb] = entry
         return news
 
-    # --- Inside -----------------------------------------------------------------------------------------------------
     def _client(self, use: str) -> membase.Membase:
         """The SDK client for ``use``: ``"tools"`` (retries), ``"recall"`` (one attempt) or ``"write"``."""
         opened = self._opened
@@ -274,8 +259,7 @@ class MembaseGateway:
 
     def _build(self, opened: _Opened) -> dict[str, membase.Membase]:
         if self._route is not None:
-            opened.http = _http.clients(self._route)
-            reads, writes = opened.http
+            reads, writes = opened.http = _http.clients(self._route)
             key, url = self._secret, self.base_url
             return {
                 "tools": membase.Membase(api_key=key, base_url=url, http_client=reads),
@@ -284,7 +268,6 @@ class MembaseGateway:
             }
         if self.local is not None:
             engine = _local.open_engine(self.local)  # it makes one attempt
-            opened.engine = True
             return dict.fromkeys(("tools", "recall", "write"), engine)
         assert self._given is not None
         if self._given_used_before_fork:
@@ -296,8 +279,7 @@ class MembaseGateway:
         return dict.fromkeys(("tools", "recall", "write"), self._given)
 
     def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str | None:
-        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``; ``None``
-        for a local Memory not made yet (local Membase makes a Memory at its first save)."""
+        """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
         if again:
             self._container_ids.pop(name, None)
         if (container_id := self._container_ids.get(name)) is None:
@@ -308,9 +290,8 @@ class MembaseGateway:
         return container_id
 
     def _resolved(self, wanted: str | None, send: Callable[[membase.Membase, str | None], T]) -> Callable[..., T]:
-        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (404, or a 403
-        but one above the key's level: the Memory was renamed or made anew) is looked up once more and, if the name
-        now names another, sent again."""
+        """``send`` with the id of the Memory ``wanted`` names (or None). A cached id Membase refuses (404, or a 403 not
+        about the key's level: the Memory was renamed or made anew) is looked up again and, if it changed, resent."""
 
         def call(client: membase.Membase) -> T:
             if wanted is None:
@@ -331,9 +312,8 @@ class MembaseGateway:
         return call
 
     def _ask(self, verb: str, call: Callable[[membase.Membase], T], *, use: str, container: str | None = None) -> T:
-        """``call`` (Membase's ``verb``) with the SDK client for ``use`` (see :meth:`_client`), unless the verb is
-        disabled: a 403 becomes a :class:`Refused`, a 2xx body that cannot be read a Membase error, a Memory name's
-        error is masked."""
+        """``call`` (Membase's ``verb``) with the client for ``use``, unless the verb is disabled: a 403 becomes a
+        :class:`Refused`, a 2xx body that cannot be read a Membase error; a Memory name's error is masked."""
         if (refused := self.disabled(verb)) is not None:
             raise refused
         client = self._client(use)
@@ -366,25 +346,23 @@ class MembaseGateway:
 
 
 class _Opened:
-    """What a gateway opened in this process: its SDK clients, its httpx clients, its use of a local engine."""
+    """What a gateway opened in this process: its SDK clients, its httpx clients, and, with clients, a local engine."""
 
     def __init__(self, local: Path | None) -> None:
         self.local = local
         self.clients: dict[str, membase.Membase] | None = None
         self.http: tuple[httpx.Client, ...] = ()
-        self.engine = False
 
     def forget(self) -> None:
         """Drop all of it unclosed (in a forked child: the sockets and the engine are the parent's)."""
-        self.clients, self.http, self.engine = None, (), False
+        self.clients, self.http = None, ()
 
     def close(self) -> None:
-        self.clients = None
+        clients, self.clients = self.clients, None
         http, self.http = self.http, ()
         for client in http:
             client.close()
-        if self.engine and self.local is not None:
-            self.engine = False
+        if clients is not None and self.local is not None:
             _local.close_engine(self.local)
 
 

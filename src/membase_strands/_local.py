@@ -1,10 +1,8 @@
 """Local Membase: one engine per directory in a process, and one process per directory.
 
-The engine keeps its search index in memory and writes it back to the directory: two engines on one directory, in
-two processes or in one, overwrite each other's index, and notes they saved stop being found. So a process opens a
-directory once for all its stores, and holds an exclusive lock on it (the file :data:`LOCK_NAME` in it) while any
-store uses it. The operating system lets go of the lock when the process ends, so a crash leaves none behind.
-"""
+The engine keeps its search index in memory and writes it back: two engines on one directory (in one process or two)
+overwrite each other's index, and saved notes stop being found. So a process opens a directory once for all its
+stores, locked (the file :data:`LOCK_NAME` in it) while any uses it; the lock goes when the process ends, or crashes."""
 
 from __future__ import annotations
 

@@ -54,8 +54,7 @@ class StoreLog:
         return kind
 
     def log(self, level: int, message: str, *, error: BaseException | None = None, **fields: Any) -> None:
-        """Log ``message`` at ``level`` as ``store=<name>, key=<hint>, <fields>, reason=<the error's text> |
-        message``."""
+        """Log ``store=<name>, key=<hint>, <fields>, reason=<the error's text> | message`` at ``level``."""
         if logger.isEnabledFor(level):
             named = {"store": self.store_name, "key": self.key_hint or None, **fields}
             if error is not None:
@@ -69,8 +68,7 @@ class StoreLog:
             return dict(self._counts)
 
     def annotate(self, **attributes: Any) -> None:
-        """Set ``membase.<name>`` attributes (but ``None`` ones), with the store's name and key hint, on the current
-        span (Strands' own, such as ``memory.search`` or a tool's), if it records."""
+        """Set ``membase.<name>`` attributes (not ``None`` ones), store and key hint too, on the current span."""
         span = trace.get_current_span()
         if span.is_recording():
             named = {"store": self.store_name, "key": self.key_hint or None, **attributes}

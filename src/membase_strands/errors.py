@@ -1,8 +1,6 @@
-"""The exceptions this library raises besides the Membase SDK's own (``membase.MembaseError`` and subclasses).
-
-They subclass ``PermissionError`` and ``TimeoutError``, so code (and the Strands ``MemoryManager``, which skips a
-failing store and keeps a failed write for a retry) treats them like any other refusal or timeout.
-"""
+"""The exceptions this library raises besides the Membase SDK's own (``membase.MembaseError`` and subclasses): as
+``PermissionError`` and ``TimeoutError``, code (and the Strands ``MemoryManager``, which skips a failing store and keeps
+a failed write for a retry) treats them like any other refusal or timeout."""
 
 
 class MembaseAccessError(PermissionError):
