@@ -29,11 +29,9 @@ from ._options import passages_wanted, query_text
 from ._text import clip
 
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
-_TIMED_OUT = "Membase did not answer in time"
-_BROKE_OFF = "The connection to Membase broke off after the note was sent"
 _MAYBE_SAVED = (
-    "so the note may or may not have been saved; try again in a minute, after checking with membase_search that it "
-    "is not already there."
+    "No answer came back from Membase after the note was sent, so the note may or may not have been saved; try again "
+    "in a minute, after checking with membase_search that it is not already there."
 )
 _DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
 _QUEUED = " Membase learns it in the background, so a search right away may not find it yet."
@@ -246,14 +244,7 @@ class StoreTools:
                     ok=False,
                 )
         failed = self._failed("membase_save", error, container_named=target is not None)
-        if not sent or outcome.kind != MAY_HAVE_ARRIVED:
-            return failed
-        lead = _BROKE_OFF
-        if isinstance(error, membase.APITimeoutError):
-            lead = _TIMED_OUT
-        elif isinstance(error, membase.APIStatusError):  # something in front of Membase answered for it
-            lead = f"A gateway in front of Membase answered {error.status} after the note was sent"
-        return _reply(f"{lead}, {_MAYBE_SAVED}", ok=False)
+        return _reply(_MAYBE_SAVED, ok=False) if sent and outcome.kind == MAY_HAVE_ARRIVED else failed
 
     def _failed(
         self, tool: str, error: BaseException, *, container_named: bool = False, level: int = logging.WARNING
