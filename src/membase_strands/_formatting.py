@@ -77,8 +77,7 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer; :func:`arrange` sets the ``min_score`` it applied, and how many passages it left out below it
-    or as copies of a passage shown (``duplicates_merged``)."""
+    """A search answer; :func:`arrange` adds the ``min_score`` it applied and how many passages it left out."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]

@@ -210,8 +210,7 @@ class StoreTools:
         return _reply(f"Forgotten, with the user's approval: {clip(reason['content'], 200)}")
 
     def _remember(self, passages: list[Passage]) -> None:
-        """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest
-        (each step one dict operation: safe from any thread)."""
+        """Keep the newest passages membase_search showed with an id (each step one dict operation: thread-safe)."""
         for passage in passages:
             if known := passage_id(passage.metadata):
                 self.shown.pop(known, None)
