@@ -420,12 +420,10 @@ def check_tool(o: Outcome) -> None:
         assert o.status == "success"
         assert o.path != "membase_save" or o.text == "Saved to Membase."
         assert len(o.text) <= RECALL_CHARS + 1_000, f"{len(o.text)} characters reached the model"
-    elif o.path == "membase_save" and fate_unknown(o.fault):  # sent, then no answer from Membase: fate unknown
-        said = "broke off after the note was sent" if o.fault.id.startswith("reset_") else "A gateway in front of"
-        assert o.status == "error" and said in o.text and "may or may not have been saved" in o.text, o.text
+    elif o.path == "membase_save" and (fate_unknown(o.fault) or kind == "timeout"):  # sent, no answer: fate unknown
+        assert o.status == "error" and "may or may not have been saved" in o.text, o.text
     else:
         assert o.status == "error" and KINDS[kind][0] in o.text and o.text.endswith("."), o.text
-        assert o.path != "membase_save" or kind != "timeout" or "may or may not have been saved" in o.text
     assert o.counters[f"tool_calls.{o.path}"] == 1
     assert not o.fault.kind or o.counters[f"errors.{o.fault.kind}"] == (2 if o.pinned else 1)  # a set-up check too
 
@@ -520,7 +518,8 @@ def test_a_tools_sentences_tell_kinds_of_fault_apart_and_name_their_status() -> 
         assert set(by_kind) >= {"timeout", "connection", "server_error", "rate_limited", "access", "bad_request"}
         for first in by_kind:
             for second in set(by_kind) - {first}:
-                assert not by_kind[first] & by_kind[second], f"{tool}: {first} and {second} read the same"
+                shared = by_kind[first] & by_kind[second]  # membase_save: one sentence for every note of unknown fate
+                assert all("may or may not have been saved" in text for text in shared), f"{tool}: {first}, {second}"
     texts = {code: outcome("membase_search", code).text for code in ("500", "502", "503")}
     assert all(f"({code}: " in text for code, text in texts.items()) and len(set(texts.values())) == 3
 

@@ -319,13 +319,14 @@ def test_each_failure_is_its_own_sentence_for_the_model_without_the_key(tool, in
             model = tool_turn(store, ToolCall(tool, arguments))
         [(status_, sentences[failure])] = tool_texts(model)
 
-        if tool == "membase_save" and failure == "500":  # Membase documents no 5xx: it may have stored the note
-            phrases = ("answered 500", "may or may not have been saved")
+        if tool == "membase_save" and failure in ("timeout", "500"):  # sent, then no answer (Membase documents no 5xx)
+            phrases = ("may or may not have been saved", "try again in a minute")
         assert status_ == "error" and all(phrase in sentences[failure] for phrase in phrases), failure
         assert API_KEY not in str(model.calls)
         default = 3 if tool != "membase_save" else 1
         assert len(fake.sent(method, path)) == requests.get(failure, default), failure
-    assert len(set(sentences.values())) == len(FAILURES), sentences
+    maybe_saved = 1 if tool == "membase_save" else 0  # its timeout and its 500 both say the note may have been saved
+    assert len(set(sentences.values())) == len(FAILURES) - maybe_saved, sentences
 
 
 # --- Which tools the model gets, built once per store ------------------------------------------------------

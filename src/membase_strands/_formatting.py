@@ -1,9 +1,8 @@
 """What the model reads: Membase answers turned into memory entries and tool text.
 
-Everything from Membase is data: names stay on one line inside the brackets that frame them, passages lose control
-characters and unpaired surrogates, and the key is masked in what is shown (a server may echo it). The work is bounded
-by what can be shown: cleaning maps each character on its own, so a passage is cleaned (and masked) only as far as it
-takes to show it or to tell it from the others.
+Everything from Membase is data: names stay on one line inside their brackets, passages lose control characters and
+unpaired surrogates, the key is masked in what is shown (a server may echo it). Cleaning maps each character on its
+own, so a passage is cleaned (and masked) only as far as it takes to show it or to tell it from the others.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import functools
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from strands.memory import MemoryEntry
@@ -48,16 +47,10 @@ class Passage:
         """Everything of the passage the model or a span may see that came from Membase."""
         return [self.content, self.memory, *self.also_in, *(v for v in self.metadata.values() if isinstance(v, str))]
 
-    def masked(self, redact: Callable[[str], str]) -> dict[str, Any]:
-        """The passage's fields, each text passed through ``redact``."""
+    def masked(self, redact: Callable[[str], str]) -> Passage:
+        """The passage with each of its texts passed through ``redact``."""
         metadata = {key: redact(value) if isinstance(value, str) else value for key, value in self.metadata.items()}
-        also_in = tuple(redact(memory) for memory in self.also_in)
-        return {
-            "memory": redact(self.memory),
-            "content": redact(self.content),
-            "metadata": metadata,
-            "also_in": also_in,
-        }
+        return Passage(redact(self.memory), redact(self.content), metadata, tuple(map(redact, self.also_in)))
 
     @property
     def label(self) -> str:
@@ -84,8 +77,7 @@ class Unsearched:
 
 @dataclass(frozen=True)
 class SearchAnswer:
-    """A search answer; :func:`arrange` sets the ``min_score`` it applied, and how many passages it left out below it
-    or as copies of a passage shown (``duplicates_merged``)."""
+    """A search answer; :func:`arrange` adds the ``min_score`` it applied and how many passages it left out."""
 
     passages: list[Passage]
     unsearched: list[Unsearched]
@@ -106,9 +98,8 @@ def _label_of(name: str) -> str:
 
 
 def parse_search(body: Any, limit: int, redact: Callable[[str], str] = str) -> SearchAnswer:
-    """A ``client.search()`` answer for ``limit`` passages: its passages in Membase's order, their text unread
-    (arrange() drops blank ones, and masks what it shows), and its Memories that report an ``error``, masked with
-    ``redact``. No ``results`` list: BadResponseError."""
+    """A ``client.search()`` answer read for ``limit`` passages: its passages in Membase's order, their text unread
+    (arrange() drops blank ones and masks what it shows), and its Memories that report an ``error``, masked."""
     results = body.get("results") if isinstance(body, dict) else None
     if not isinstance(results, list):
         raise BadResponseError("the search answer has no 'results' list")
@@ -218,12 +209,11 @@ def _fit(readings: list[_Reading], budget: int | None, redact: Callable[[str], s
     shown = "\x00".join(text for passage in kept for text in passage.texts())
     if redact(shown) is shown:  # nothing to mask: one look at all of it, the common case
         return kept
-    return [replace(passage, **passage.masked(redact)) for passage in kept]
+    return [passage.masked(redact) for passage in kept]
 
 
 def _shown(reading: _Reading, text: str, **extra: Any) -> Passage:
-    """A passage as the model is shown it: ``text``, the Memories that returned it, and only the plain values of its
-    hit's fields (a field that holds a list or an object is left out)."""
+    """A passage as the model is shown it: ``text``, the Memories that returned it, its hit's plain fields."""
     memory, *others = reading.memories
     plain = {key: value for key, value in reading.passage.metadata.items() if isinstance(value, _PLAIN)}
     return Passage(memory, text, {**plain, **extra}, tuple(others))
@@ -271,9 +261,8 @@ def search_text(query: str, answer: SearchAnswer, *, ids: bool = False) -> str:
 
 
 def profile_text(body: Any, topic: str | None, limit: int | None = None, redact: Callable[[str], str] = str) -> str:
-    """The ``membase_profile`` tool's answer: standing facts, recent changes and the first 50 results on
-    ``topic``, fitted to ``limit`` as by :func:`arrange` in the profile's order (masked by ``redact``), and cut at a
-    line past it."""
+    """The ``membase_profile`` tool's answer: standing facts, recent changes and the first 50 results on ``topic``,
+    fitted to ``limit`` as by :func:`arrange` in the profile's order, masked, and cut at a line past ``limit``."""
     standing, recent = _bulleted(standing_facts(body)), _bulleted(facts(body.get("dynamic")))
     results = parse_search({"results": _as_list(body.get("results"))}, 50).passages if topic else []
     topical = _numbered(_fit(_readings(results, limit), limit, redact))

@@ -1,10 +1,7 @@
-"""The model's Membase tools: ``membase_search``, ``membase_save``, ``membase_profile`` and, opt-in,
-``membase_forget``.
+"""The model's Membase tools: ``membase_search``, ``membase_save``, ``membase_profile`` and, opt-in, ``membase_forget``.
 
 A Membase failure never raises out of a tool: the model reads a sentence it can relay, with status ``"error"``.
-``membase_forget`` never forgets on the model's word: it asks Membase what would be forgotten, then raises a Strands
-interrupt for the application to ask the user (naming the passage as ``membase_search`` showed it, and Membase's own
-``how``), and forgets only when the answer to it is ``True``.
+``membase_forget`` forgets only after a Strands interrupt, for the application to ask the user, is answered ``True``.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from strands import tool
 from strands.tools.decorator import DecoratedFunctionTool
 from strands.types.tools import AgentTool, ToolContext
 
-from ._calls import MAY_HAVE_ARRIVED, REFUSED, Outcome
+from ._calls import MAY_HAVE_ARRIVED, Outcome
 from ._containers import names_in_reach
 from ._failures import LEVEL, Refused, describe_failure
 from ._formatting import Passage, arrange, memory_label, passage_id, profile_text, search_text
@@ -32,11 +29,9 @@ from ._options import passages_wanted, query_text
 from ._text import clip
 
 CLOSED_SENTENCE = "Membase is not available: this memory store was closed by the application."
-_TIMED_OUT = "Membase did not answer in time"
-_BROKE_OFF = "The connection to Membase broke off after the note was sent"
 _MAYBE_SAVED = (
-    "so the note may or may not have been saved; try again in a minute, after checking with membase_search that it "
-    "is not already there."
+    "No answer came back from Membase after the note was sent, so the note may or may not have been saved; try again "
+    "in a minute, after checking with membase_search that it is not already there."
 )
 _DECLINED = "The user did not approve forgetting it, so nothing was forgotten."
 _QUEUED = " Membase learns it in the background, so a search right away may not find it yet."
@@ -92,10 +87,9 @@ class StoreTools:
 
     @_tool
     def membase_search(self, query: str, container: str | None = None, limit: int | None = None) -> dict[str, Any]:
-        """Search the user's Membase memory: their Memories of earlier conversations, notes and documents. Use it
-        when the answer may depend on something the user said or saved before. Results come best first and name the
-        Memory (or Memories) each passage came from; Memories listed under 'Not searched' could not answer, so a
-        missing result from them is not evidence that the fact is unknown.
+        """Search the user's Membase memory (earlier conversations, notes, documents) when the answer may depend on
+        something the user said or saved before. Results come best first, each naming its Memory (or Memories); Memories
+        under 'Not searched' could not answer, so a missing result from them is not evidence the fact is unknown.
 
         Args:
             query: What to look for, in plain words.
@@ -113,7 +107,7 @@ class StoreTools:
         if isinstance(searched.error, ValueError):
             return _reply(f"Nothing was searched: {searched.error}.", ok=False)
         if searched.error is not None:
-            return self._failed("membase_search", searched, container_named=target is not None)
+            return self._failed("membase_search", searched.error, container_named=target is not None)
         answer = searched.result()
         shown = arrange(answer, count, min_score=self.min_score, budget=self.max_recall_chars, redact=gateway.redact)
         reply = search_text(text, shown, ids=self.ids)
@@ -127,9 +121,8 @@ class StoreTools:
     @_tool
     def membase_save(self, content: str, container: str | None = None, standing_fact: bool = False) -> dict[str, Any]:
         """Save a note to the user's Membase memory. Only save when the user asked you to remember something, and
-        save it in the user's own words. Set standing_fact=true for a lasting fact about the user (it goes to their
-        profile). If several Memories are in reach and none is named, the tool lists them so you can ask the user
-        which one.
+        save it in the user's own words. Set standing_fact=true for a lasting fact about the user (kept in their
+        profile). If several Memories are in reach and none is named, the tool lists them so you can ask which one.
 
         Args:
             content: What to remember, in the user's own words.
@@ -140,7 +133,7 @@ class StoreTools:
             return _reply("Nothing was saved: the content was empty.", ok=False)
         target, gateway = None if standing_fact else (container or self.container), self.gateway
         if (refused := gateway.disabled(SAVE)) is not None:  # not even the Memory is looked up
-            return self._failed("membase_save", Outcome(REFUSED, error=refused))
+            return self._failed("membase_save", refused)
         if target is not None:  # found first, so a lookup that failed is known to have saved nothing
             looked_up = gateway.run(lambda: gateway.container_id(target))
             if looked_up.error is not None:
@@ -166,7 +159,7 @@ class StoreTools:
         wanted, gateway = query_text(topic) if topic and topic.strip() else None, self.gateway
         read = gateway.run(lambda: gateway.profile(wanted))
         if read.error is not None:
-            return self._failed("membase_profile", read)
+            return self._failed("membase_profile", read.error)
         return _reply(profile_text(read.result(), wanted, self.max_recall_chars, gateway.redact))
 
     @_tool
@@ -185,7 +178,7 @@ class StoreTools:
         asked = gateway.run(lambda: gateway.forget(wanted, confirm=False))  # what would be forgotten; nothing is yet
         if asked.error is not None:
             guessed = shown is None and isinstance(asked.error, membase.NotFoundError)  # an id the model made up
-            return self._failed("membase_forget", asked, level=logging.INFO if guessed else logging.WARNING)
+            return self._failed("membase_forget", asked.error, level=logging.INFO if guessed else logging.WARNING)
         preview = asked.result()
         if preview.get("status") != "confirmation_required":
             status = clip(str(preview.get("status")), 40)
@@ -212,13 +205,12 @@ class StoreTools:
             return _reply(_DECLINED)
         forgotten = gateway.run(lambda: gateway.forget(wanted, confirm=True))
         if forgotten.error is not None:
-            return self._failed("membase_forget", forgotten)
+            return self._failed("membase_forget", forgotten.error)
         self.shown.pop(wanted, None)
         return _reply(f"Forgotten, with the user's approval: {clip(reason['content'], 200)}")
 
     def _remember(self, passages: list[Passage]) -> None:
-        """Keep what membase_search showed of each passage with an id, for membase_forget to name it; the newest
-        (each step one dict operation: safe from any thread)."""
+        """Keep the newest passages membase_search showed with an id (each step one dict operation: thread-safe)."""
         for passage in passages:
             if known := passage_id(passage.metadata):
                 self.shown.pop(known, None)
@@ -239,6 +231,7 @@ class StoreTools:
     ) -> dict[str, Any]:
         """What the model is told of a note not saved, or maybe saved (``sent``: the note itself went out)."""
         error = outcome.error
+        assert error is not None
         if isinstance(error, ValueError):
             return _reply(f"Nothing was saved: {error}.", ok=False)
         if isinstance(error, membase.BadRequestError) and target is None and not standing:
@@ -249,23 +242,14 @@ class StoreTools:
                     "which one, then call membase_save again with container set to its name.",
                     ok=False,
                 )
-        failed = self._failed("membase_save", outcome, container_named=target is not None)
-        if not sent or outcome.kind != MAY_HAVE_ARRIVED:
-            return failed
-        lead = _BROKE_OFF
-        if isinstance(error, membase.APITimeoutError):
-            lead = _TIMED_OUT
-        elif isinstance(error, membase.APIStatusError):  # something in front of Membase answered for it
-            lead = f"A gateway in front of Membase answered {error.status} after the note was sent"
-        return _reply(f"{lead}, {_MAYBE_SAVED}", ok=False)
+        failed = self._failed("membase_save", error, container_named=target is not None)
+        return _reply(_MAYBE_SAVED, ok=False) if sent and outcome.kind == MAY_HAVE_ARRIVED else failed
 
     def _failed(
-        self, tool: str, outcome: Outcome[Any], *, container_named: bool = False, level: int = logging.WARNING
+        self, tool: str, error: BaseException, *, container_named: bool = False, level: int = logging.WARNING
     ) -> dict[str, Any]:
         """Count and log a failed Membase call, and tell the model why (a refusal above the key's level at DEBUG: the
         gateway says it once)."""
-        error = outcome.error
-        assert error is not None
         failure = describe_failure(error, container_named=container_named, redact=self.gateway.redact)
         said_once = isinstance(error, Refused) and error.refusal == LEVEL
         self.log.annotate(outcome="error", error_kind=self.log.failed(error))

@@ -32,9 +32,8 @@ def injection_config(
     trigger: InjectionTriggerPredicate | None = None,
     query: InjectionQuery | None = None,
 ) -> MemoryInjectionConfig:
-    """The ``MemoryManager``'s injection config (``MemoryManager(stores=[store], injection=injection_config())``),
-    with a memory block framed as reference data: ``<memory>``, :data:`DATA_FRAME`, one ``<entry source="...">`` per
-    passage, ``</memory>`` (the README shows one).
+    """The ``MemoryManager``'s injection config (``MemoryManager(stores=[store], injection=injection_config())``):
+    ``<memory>``, :data:`DATA_FRAME`, one escaped ``<entry source="...">`` per passage, ``</memory>``.
 
     Args:
         max_entries: Entries to retrieve and inject per model call (the manager's default: 5).
