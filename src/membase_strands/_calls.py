@@ -152,18 +152,21 @@ class Call(Generic[T]):
         self._end(outcome)
 
     def _end(self, outcome: Outcome[T]) -> None:
-        if self._on_end is not None:  # first: whoever waits finds the outcome on record
-            self._on_end(outcome)
-        with self._lock:
-            self._outcome = outcome
-            given_up = self._given_up
-        if given_up is not None and self._on_late_end is not None:
-            self._on_late_end(outcome, given_up)
-        with self._lock:  # done once its late end is reported too: a close that waits for it returns after that
-            wake_waiters, self._wake_waiters = self._wake_waiters, []
-            self._ended.set()
-        for wake in wake_waiters:
-            wake()
+        try:
+            if self._on_end is not None:  # first: whoever waits finds the outcome on record
+                self._on_end(outcome)
+        finally:
+            with self._lock:
+                self._outcome, given_up = outcome, self._given_up
+        try:
+            if given_up is not None and self._on_late_end is not None:
+                self._on_late_end(outcome, given_up)
+        finally:  # done once its late end is reported too (a close that waits for it returns after that), come what may
+            with self._lock:
+                wake_waiters, self._wake_waiters = self._wake_waiters, []
+                self._ended.set()
+            for wake in wake_waiters:
+                wake()
 
 
 def _settle(ended: asyncio.Future[None]) -> None:
