@@ -12,12 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import membase
 import pytest
 
 from membase_strands import MembaseMemoryStore
 from membase_strands._tools import CLOSED_SENTENCE
 from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
 from tests.support.agents import ALL_TOOLS, entries, resume, tool_texts, tool_turn
+from tests.support.loopback import LoopbackMembase, as_usual, stall
 from tests.support.store_helpers import make_agent, result_text, sized
 
 OUR_TOOLS = ["membase_search", "membase_save", "membase_profile"]
@@ -269,6 +271,30 @@ def test_save_tells_whether_the_note_may_have_been_saved(
 
     assert len(fake.sent("POST", "/v1/memories")) == posts
     assert said in text and ("may or may not" in text) == (responder == "hang")
+
+
+def test_a_store_given_a_client_sends_a_save_once_and_refuses_a_client_that_would_send_it_again(gates):
+    """Issue 38 (5): Membase reads the note and answers after the client's own timeout. A client built with
+    max_retries=0 sends it once (the model hears it may or may not be saved); one that retries (the SDK's default)
+    is refused when the store is built, naming what would send it again."""
+    release = gates.new()
+    with LoopbackMembase() as server:
+        server.on("POST", "/v1/memories", stall(release, then=as_usual))  # stored as it is read, answered late
+        http = httpx.Client(base_url=server.url, timeout=0.5)  # the client's own timeout holds (http_client=)
+        client = membase.Membase(api_key=API_KEY, base_url=server.url, max_retries=0, http_client=http)
+        save = ToolCall("membase_save", {"content": "I prefer tea."})
+        try:
+            [(status_, text)] = tool_texts(tool_turn(MembaseMemoryStore(client=client, recall_timeout=30.0), save))
+        finally:
+            release.set()
+        assert len(server.fake.sent("POST", "/v1/memories")) == 1 and server.fake.saved() == ["I prefer tea."]
+        assert status_ == "error" and "may or may not have been saved" in text
+
+        retrying = membase.Membase(api_key=API_KEY, base_url=server.url, http_client=http)  # max_retries=2
+        for options, named in [({}, "the membase_save tool"), ({"capture": True, "tools": ()}, "capture=True")]:
+            with pytest.raises(ValueError, match=f"client: it retries .* stored again by {named}.*max_retries=0"):
+                MembaseMemoryStore(client=retrying, **options)
+        MembaseMemoryStore(client=retrying, tools=("search", "profile")).close()  # a reading store takes it as it is
 
 
 def test_profile_gives_standing_facts_recent_changes_and_a_topic(fake, make_store):
