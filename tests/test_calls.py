@@ -63,15 +63,15 @@ def test_a_call_runs_on_a_daemon_thread_named_after_it_and_ends_in_one_outcome(m
     escaped: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
     where = threading.current_thread
-    ran = call(lambda: (where().name, where().daemon, where() is threading.main_thread())).wait_blocking(LONG)
-    assert ran == Outcome(ANSWERED, ("membase-test[unit]", True, False))
+    ran = call(lambda: (where().name, where().daemon, where() is threading.main_thread()))
+    assert ran.wait_blocking(LONG, owner=True) == Outcome(ANSWERED, ("membase-test[unit]", True, False))
 
-    failed = call(lambda: 1 / 0).wait_blocking(LONG)
+    failed = call(lambda: 1 / 0).wait_blocking(LONG, owner=True)
     assert failed is not None and failed.kind == FAILED and isinstance(failed.error, ZeroDivisionError)
     with pytest.raises(ZeroDivisionError):
         failed.result()
     refused = call(lambda: (_ for _ in ()).throw(Refused("This Membase key may not save notes.", "level")))
-    assert refused.wait_blocking(LONG).kind == REFUSED  # type: ignore[union-attr]
+    assert refused.wait_blocking(LONG, owner=True).kind == REFUSED  # type: ignore[union-attr]
     assert escaped == []  # every error went to the outcome, and nowhere else
 
 
@@ -83,7 +83,7 @@ def test_what_membase_answered_is_told_from_what_may_have_reached_it(fake):
     def outcome_of(responder: Responder) -> str:
         fake.on("POST", "/v1/memories", responder)
         client = sdk_client(fake)
-        return call(lambda: client.memories.add("I like green tea.")).wait_blocking(LONG).kind  # type: ignore[union-attr]
+        return call(lambda: client.memories.add("I like green tea.")).wait_blocking(LONG, owner=True).kind  # type: ignore[union-attr]
 
     def connect_refused(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
@@ -109,10 +109,10 @@ def test_every_call_gets_a_thread_at_once_however_many_others_hang(gates):
 
     busy = [call(lambda g=gate, r=running[n]: held(g, r), f"membase-test[busy-{n}]") for n, gate in enumerate(gates_of)]
     assert all(event.wait(LONG) for event in running)  # each got a thread of its own while the others hung
-    assert call(lambda: "ran").wait_blocking(LONG) == Outcome(ANSWERED, "ran")
+    assert call(lambda: "ran").wait_blocking(LONG, owner=True) == Outcome(ANSWERED, "ran")
     for gate in gates_of:
         gate.set()
-    assert all(each.wait_blocking(LONG) == Outcome(ANSWERED, True) for each in busy)
+    assert all(each.wait_blocking(LONG, owner=True) == Outcome(ANSWERED, True) for each in busy)
 
 
 def test_a_call_whose_thread_cannot_start_ends_at_once_as_failed(monkeypatch):
@@ -127,16 +127,23 @@ def test_a_call_whose_thread_cannot_start_ends_at_once_as_failed(monkeypatch):
     assert ends.told == [("end", FAILED, None)]
 
 
-def test_an_idle_thread_takes_the_next_call_and_ends_once_idle_for_long(monkeypatch):
-    monkeypatch.setattr(_calls, "IDLE_SECONDS", 0.2)
+def test_an_idle_thread_takes_the_next_call(monkeypatch):
+    monkeypatch.setattr(_calls, "IDLE_SECONDS", LONG)  # a slow machine cannot see it retire between the two calls
     monkeypatch.setattr(_calls, "_threads", _calls._Threads())
     where = threading.current_thread
-    first = call(where, "membase-test[first]").wait_blocking(LONG)
+    first = call(where, "membase-test[first]").wait_blocking(LONG, owner=True)
     assert first is not None and wait_until(lambda: first.value.name == IDLE_NAME, timeout=LONG)  # type: ignore[union-attr]
-    second = call(lambda: (where(), where().name), "membase-test[second]").wait_blocking(LONG)
+    second = call(lambda: (where(), where().name), "membase-test[second]").wait_blocking(LONG, owner=True)
     assert second is not None and second.value == (first.value, "membase-test[second]")  # type: ignore[union-attr]
-    first.value.join(LONG)  # type: ignore[union-attr]
-    assert not first.value.is_alive()  # type: ignore[union-attr]
+
+
+def test_an_idle_thread_ends_once_idle_for_long(monkeypatch):
+    monkeypatch.setattr(_calls, "IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(_calls, "_threads", _calls._Threads())
+    ran = call(threading.current_thread, "membase-test[once]").wait_blocking(LONG, owner=True)
+    assert ran is not None
+    ran.value.join(LONG)  # type: ignore[union-attr]
+    assert not ran.value.is_alive()  # type: ignore[union-attr]
 
 
 # --- Waiting for a call from an event loop -------------------------------------------------------
@@ -144,14 +151,16 @@ def test_one_call_is_awaited_from_any_loop_and_a_call_that_ended_is_given_at_onc
     gate = gates.new()
     shared = call(lambda: gate.wait(LONG) and "shared")
     results: list[object] = []
-    waiters = [threading.Thread(target=lambda: results.append(asyncio.run(shared.wait(LONG)))) for _ in "ab"]
+    wait = shared.wait
+    waiters = [threading.Thread(target=lambda: results.append(asyncio.run(wait(LONG, owner=False)))) for _ in "ab"]
     for thread in waiters:
         thread.start()
     gate.set()
     for thread in waiters:
         thread.join(LONG)
     assert results == [Outcome(ANSWERED, "shared")] * 2  # two loops waited for one call at once
-    assert asyncio.run(shared.wait(0.001)) == Outcome(ANSWERED, "shared")  # ended: at once, whatever the budget
+    # Ended: given at once, whatever the budget.
+    assert asyncio.run(shared.wait(0.001, owner=True)) == Outcome(ANSWERED, "shared")
 
 
 def test_an_owner_that_stops_waiting_leaves_the_call_running_and_hears_of_its_end_once(gates, caplog, monkeypatch):
@@ -160,7 +169,8 @@ def test_an_owner_that_stops_waiting_leaves_the_call_running_and_hears_of_its_en
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
     gate, ends = gates.new(), Ends()
     late = call(lambda: gate.wait(LONG) and "late", ends=ends)
-    assert asyncio.run(late.wait(BUDGET)) is None  # asyncio.run returned while the call runs: no wait for its thread
+    # asyncio.run returns while the call runs: nothing waits for its thread.
+    assert asyncio.run(late.wait(BUDGET, owner=True)) is None
     assert not late.done()
     assert asyncio.run(late.wait(BUDGET, owner=False)) is None  # another waiter that leaves changes nothing
 
@@ -170,13 +180,13 @@ def test_an_owner_that_stops_waiting_leaves_the_call_running_and_hears_of_its_en
         loop.set_exception_handler(lambda _, context: problems.append(context))
         later_ends = Ends()
         later = call(lambda: gate.wait(LONG) and "later", ends=later_ends)
-        waiting = asyncio.create_task(later.wait(LONG))
+        waiting = asyncio.create_task(later.wait(LONG, owner=True))
         await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         gate.set()  # both end now: one whose waiter's loop has closed, one whose waiter was cancelled on this loop
-        assert await later.wait(LONG) == Outcome(ANSWERED, "later")
+        assert await later.wait(LONG, owner=True) == Outcome(ANSWERED, "later")
         assert await asyncio.to_thread(later_ends.late.wait, LONG)
         assert later_ends.told == [("end", ANSWERED, None), ("late", ANSWERED, "cancelled")]
         await asyncio.sleep(0)
@@ -191,8 +201,9 @@ def test_an_owner_that_stops_waiting_leaves_the_call_running_and_hears_of_its_en
 def test_a_call_that_ends_as_its_budget_runs_out_gives_its_outcome_to_its_caller_not_to_a_late_report():
     ends = Ends()
     ended = call(lambda: "in time", ends=ends)
-    assert ended.wait_blocking(LONG) == Outcome(ANSWERED, "in time")
-    assert asyncio.run(ended.wait(0)) == Outcome(ANSWERED, "in time")  # a budget that ran out at once changes nothing
+    assert ended.wait_blocking(LONG, owner=True) == Outcome(ANSWERED, "in time")
+    # A budget that ran out at once changes nothing.
+    assert asyncio.run(ended.wait(0, owner=True)) == Outcome(ANSWERED, "in time")
     assert ends.told == [("end", ANSWERED, None)]
 
 

@@ -105,7 +105,7 @@ class Call(Generic[T]):
         """How the call ended; ``None`` while it runs."""
         return self._outcome
 
-    async def wait(self, budget: float | None, *, owner: bool = True) -> Outcome[T] | None:
+    async def wait(self, budget: float | None, *, owner: bool) -> Outcome[T] | None:
         """The outcome, or ``None`` after ``budget`` seconds (``None``: no limit) with the call still running. The
         ``owner`` (who started it) stopping, timed out or cancelled, makes the call report its late end; others go."""
         loop = asyncio.get_running_loop()
@@ -129,7 +129,7 @@ class Call(Generic[T]):
             raise
         return self._outcome
 
-    def wait_blocking(self, budget: float | None, *, owner: bool = True) -> Outcome[T] | None:
+    def wait_blocking(self, budget: float | None, *, owner: bool) -> Outcome[T] | None:
         """:meth:`wait`, blocking this thread."""
         if not self._ended.wait(budget):
             return self._give_up("timeout", owner)
@@ -155,18 +155,18 @@ class Call(Generic[T]):
         try:
             if self._on_end is not None:  # first: whoever waits finds the outcome on record
                 self._on_end(outcome)
-        finally:
+        finally:  # come what may in a callback: the call ends, and its waiters wake
             with self._lock:
                 self._outcome, given_up = outcome, self._given_up
-        try:
-            if given_up is not None and self._on_late_end is not None:
-                self._on_late_end(outcome, given_up)
-        finally:  # done once its late end is reported too (a close that waits for it returns after that), come what may
-            with self._lock:
-                wake_waiters, self._wake_waiters = self._wake_waiters, []
-                self._ended.set()
-            for wake in wake_waiters:
-                wake()
+            try:
+                if given_up is not None and self._on_late_end is not None:
+                    self._on_late_end(outcome, given_up)
+            finally:  # done once its late end is reported too: a close that waits for it returns after that
+                with self._lock:
+                    wake_waiters, self._wake_waiters = self._wake_waiters, []
+                    self._ended.set()
+                for wake in wake_waiters:
+                    wake()
 
 
 def _settle(ended: asyncio.Future[None]) -> None:
@@ -205,9 +205,9 @@ class _Threads:
                 continue  # a call was handed over as the wait ended: it is in the inbox
             work()
             del work  # nothing of a call outlives it here
-            thread.name = IDLE_NAME
-            with self._lock:
+            with self._lock:  # named idle once it can be handed the next call
                 self._idle.append(inbox)
+                thread.name = IDLE_NAME
 
 
 _threads = _Threads()

@@ -67,7 +67,7 @@ class Recall:
         ).start()
         profile = self._read_profile()
         try:
-            outcome = await search.wait(self._budget)
+            outcome = await search.wait(self._budget, owner=True)
         except asyncio.CancelledError:
             self._late_search = (search, started)
             self._log.count("recall_cancelled")
@@ -89,7 +89,7 @@ class Recall:
             self._failed(outcome)
         if profile is not None:  # the standing facts, within what is left of the budget
             left = None if self._budget is None else max(0.0, started + self._budget - time.monotonic())
-            if (read := await profile.wait(left)) is None or read.error is not None:
+            if (read := await profile.wait(left, owner=False)) is None or read.error is not None:
                 self._log.log(logging.DEBUG, "profile not read for recall", error=read.error if read else None)
         return self._entries(outcome.result(), limit)
 
