@@ -146,6 +146,20 @@ def test_an_idle_thread_ends_once_idle_for_long(monkeypatch):
     assert not ran.value.is_alive()  # type: ignore[union-attr]
 
 
+def test_a_callback_that_raises_still_ends_the_call_and_wakes_its_waiters(monkeypatch):
+    escaped: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+
+    def broken(outcome: Outcome[Any]) -> None:
+        raise RuntimeError("a bug in a callback")
+
+    broken_call = Call(threading.current_thread, name="membase-test[broken]", mask=lambda error: error, on_end=broken)
+    outcome = broken_call.start().wait_blocking(LONG, owner=True)
+    assert outcome is not None and outcome.kind == ANSWERED
+    outcome.value.join(LONG)  # the bug surfaces on the call's thread, as any error a thread does not catch
+    assert [str(error) for error in escaped] == ["a bug in a callback"]
+
+
 # --- Waiting for a call from an event loop -------------------------------------------------------
 def test_one_call_is_awaited_from_any_loop_and_a_call_that_ended_is_given_at_once(gates):
     gate = gates.new()

@@ -125,9 +125,11 @@ class MembaseGateway:
         """``call`` (this gateway's blocking work) as a :class:`~._calls.Call` on a thread named ``name``, to start."""
 
         def ended(outcome: Outcome[Any]) -> None:
-            self._call_ended()
-            if on_end is not None:
-                on_end(outcome)
+            try:
+                if on_end is not None:
+                    on_end(outcome)
+            finally:
+                self._call_ended()
 
         with self._lock:
             self._running += 1
@@ -145,17 +147,22 @@ class MembaseGateway:
     def _call_ended(self) -> None:
         with self._lock:
             self._running -= 1
-            idle_and_closed = self._closed and not self._running
-        if idle_and_closed:
-            self._opened.close()
+            opened = self._opened.taken() if self._closed and not self._running else None
+        self._let_go(opened)
 
     def close(self) -> None:
         """Let go of the connections and the local engine: now, or once the calls still running have ended."""
         with self._lock:
             self._closed = True
-            idle = not self._running
-        if idle:
-            self._opened.close()
+            opened = None if self._running else self._opened.taken()
+        self._let_go(opened)
+
+    def _let_go(self, opened: _Opened | None) -> None:
+        try:
+            if opened is not None:
+                opened.close()
+        except Exception as error:  # nothing the user trusted is in a connection by now: say so, and go on
+            self.log.log(logging.WARNING, "connections or the local engine did not close cleanly", error=error)
 
     def search(self, query: str, limit: int, container: str | None, *, retry: bool) -> SearchAnswer:
         """Search one Memory (a name or id) or every one in reach; ``retry``: let the SDK retry (the tools).
@@ -251,11 +258,11 @@ class MembaseGateway:
     def _client(self, use: str) -> membase.Membase:
         """The SDK client for ``use``: ``"tools"`` (retries), ``"recall"`` (one attempt) or ``"write"``."""
         opened = self._opened
-        if opened.clients is None:
-            with self._lock:
-                if opened.clients is None:
-                    opened.clients = self._build(opened)
-        return opened.clients[use]
+        if (clients := opened.clients) is None:
+            with self._lock:  # one build, and none while a close takes what was open
+                if (clients := opened.clients) is None:
+                    clients = opened.clients = self._build(opened)
+        return clients[use]
 
     def _build(self, opened: _Opened) -> dict[str, membase.Membase]:
         if self._route is not None:
@@ -357,12 +364,19 @@ class _Opened:
         """Drop all of it unclosed (in a forked child: the sockets and the engine are the parent's)."""
         self.clients, self.http = None, ()
 
+    def taken(self) -> _Opened:
+        """What is open, moved to an ``_Opened`` of its own to close; this one is left empty."""
+        taken = _Opened(self.local)
+        taken.clients, taken.http = self.clients, self.http
+        self.forget()
+        return taken
+
     def close(self) -> None:
-        clients, self.clients = self.clients, None
-        http, self.http = self.http, ()
+        opened, http = self.clients is not None, self.http
+        self.forget()
         for client in http:
             client.close()
-        if clients is not None and self.local is not None:
+        if opened and self.local is not None:
             _local.close_engine(self.local)
 
 
