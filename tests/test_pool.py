@@ -241,7 +241,8 @@ def test_past_max_stores_the_pool_lets_go_of_the_least_recently_used_without_clo
 
 def test_a_write_running_on_a_store_let_go_of_and_collected_is_saved_once_and_counted_by_the_pool(fake, users, gates):
     """Issue 26 (7): ``pool.counters()`` sums every store the pool built, one it let go of and that was collected
-    too; the store is collected while its write runs, and the write still ends saved, once."""
+    too; the store is collected while its write runs, the write still ends saved, once, and the pool's close waits
+    for it."""
     release, alice = gates.new(), users["alice"]
     alice.on(*MEMORIES, hang(release, then=alice.answer))
     options = dict(capture=True, extraction=True, recall_timeout=LONG, write_timeout=0.5)
@@ -257,10 +258,12 @@ def test_a_write_running_on_a_store_let_go_of_and_collected_is_saved_once_and_co
         totals = pool.counters()  # alice's store is gone, its counts are not
         assert [totals[name] for name in ("recalls", "recall_hits", "write_timeouts", "writes_saved")] == [2, 2, 1, 0]
 
+        closing = in_thread(pool.close)  # waits for the write of a store that is gone, too
+        assert not wait_until(closing.done, timeout=0.5)  # the write is held, and so is the close
         release.set()
-        assert wait_until(lambda: alice.saved() == [QUESTION], timeout=LONG)
-        # Its write ends after the store was collected: that outcome counts too.
-        assert wait_until(lambda: pool.counters()["writes_saved"] == 1, timeout=5.0)
+        closing.result(timeout=LONG)
+        # Once the close returned, the write has ended, after its store was collected: that outcome counts too.
+        assert alice.saved() == [QUESTION] and pool.counters()["writes_saved"] == 1
         assert pool.counters()["write_errors"] == 0
     assert len(alice.sent(*MEMORIES)) == 1
 

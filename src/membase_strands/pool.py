@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -19,7 +20,8 @@ import membase
 from ._calls import Call, reset_in_forked_child
 from ._gateway import looks_like_path
 from ._log import StoreLog
-from .store import MembaseMemoryStore, begin_closing, share_counts
+from ._writes import WriteRecord
+from .store import MembaseMemoryStore, begin_closing, join_pool
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class MembaseStorePool:
         # Every store handed out, by user, while it lives: kept, or let go of and still in use.
         self._alive: weakref.WeakValueDictionary[str, MembaseMemoryStore] = weakref.WeakValueDictionary()
         self._totals = StoreLog("pool")  # counts what every store it built counts, as it counts it
+        self._writes: weakref.WeakSet[WriteRecord] = weakref.WeakSet()  # of every store built, alive or still writing
         self._closed, self._lock = False, threading.Lock()
         reset_in_forked_child(self)
 
@@ -104,12 +107,13 @@ class MembaseStorePool:
 
     def close(self) -> None:
         """Close every store the pool built that is still alive, side by side, as :meth:`MembaseMemoryStore.close`
-        does: within about ``close_timeout``; safe to call twice. From async code, use :meth:`aclose`."""
-        _warn_failed(closing.wait_blocking(None, owner=False) for closing in self._begin_closing())
+        does, and wait for the writes of stores dropped and gone: within about ``close_timeout``; safe to call twice.
+        From async code, use :meth:`aclose`."""
+        self._begin_closing().wait_blocking(None, owner=False)
 
     async def aclose(self) -> None:
-        """:meth:`close` for async code, without blocking the loop: each store's ``aclose()``, side by side."""
-        _warn_failed([await closing.wait(None, owner=False) for closing in self._begin_closing()])
+        """:meth:`close` for async code, without blocking the loop."""
+        await self._begin_closing().wait(None, owner=False)
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -123,13 +127,22 @@ class MembaseStorePool:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _begin_closing(self) -> list[Call[None]]:
+    def _begin_closing(self) -> Call[None]:
         """Refuse new stores and begin closing every store handed out that is still alive, side by side."""
         with self._lock:
             self._closed = True
             alive = list(self._alive.values())  # before dropping the kept ones, which may be their only holder
             self._stores.clear()
-        return [begin_closing(store) for store in alive]
+            records = set(self._writes)
+        started, closings = time.monotonic(), [begin_closing(store) for store in alive]
+        gone = records - {writes for _, writes in closings}  # of stores dropped and collected, still writing
+
+        def close() -> None:
+            _warn_failed(closing.wait_blocking(None, owner=False) for closing, _ in closings)
+            for writes in gone:
+                writes.drain(started + writes.close_timeout)
+
+        return Call(close, name="membase-close[pool]", mask=lambda error: error).start()
 
     def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
         """The user's store still alive, else ``built``, now the most recently used (``None``: neither)."""
@@ -170,7 +183,9 @@ class MembaseStorePool:
             raise ValueError(f"the Membase credential for user {user_id!r} cannot be used: {error}") from error
         except (RuntimeError, membase.MembaseError) as error:  # another process holds the directory, or no engine
             raise RuntimeError(f"user {user_id!r} cannot be served in this process: {error}") from error
-        share_counts(store, self._totals)  # a write still running after the store is gone counts there too
+        writes = join_pool(store, self._totals)
+        with self._lock:
+            self._writes.add(writes)
         return store
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -145,14 +146,15 @@ class MembaseMemoryStore:
             profile_ttl=profile_ttl if recall_profile else None,
         )
         self._writes = WriteRecord(gateway, write_timeout, close_timeout)
+        this = weakref.ref(self)  # the tools do not keep the store alive: dropped, it is collected (and closes) at once
         self._store_tools = StoreTools(
             gateway=gateway,
             log=self._log,
             container=container,
-            default_limit=lambda: self._default_limit,
+            default_limit=lambda: getattr(this(), "_default_limit", _options.DEFAULT_SEARCH_RESULTS),
             max_recall_chars=max_recall_chars,
             min_score=min_score,
-            is_closed=lambda: self._closed,
+            is_closed=lambda: getattr(this(), "_closed", False),
             ids="forget" in self._tool_names,
         )
         self._tools: list[AgentTool] | None = None
@@ -367,14 +369,16 @@ _UNFLUSHED = (
 STORE_OPTIONS = [name for name in inspect.signature(MembaseMemoryStore).parameters if name != "unknown_options"]
 
 
-def begin_closing(store: MembaseMemoryStore) -> Call[None]:
-    """Begin closing ``store`` (a pool closes its stores side by side); the call to wait for."""
-    return store._begin_closing()[0]
+def begin_closing(store: MembaseMemoryStore) -> tuple[Call[None], WriteRecord]:
+    """Begin closing ``store`` (a pool closes its stores side by side); the call to wait for, and the store's writes."""
+    return store._begin_closing()[0], store._writes
 
 
-def share_counts(store: MembaseMemoryStore, totals: StoreLog) -> None:
-    """Count what ``store`` does in ``totals`` too (a pool's), even after the store is gone (a write of it runs)."""
+def join_pool(store: MembaseMemoryStore, totals: StoreLog) -> WriteRecord:
+    """Count what ``store`` does in ``totals`` too (a pool's), even after the store is gone (a write of it runs); its
+    writes, for the pool's close to wait for when the store was dropped and is gone."""
     store._log.totals = totals
+    return store._writes
 
 
 if TYPE_CHECKING:
