@@ -103,7 +103,12 @@ class WriteRecord:
         reset_in_forked_child(self)
 
     def reset_after_fork(self) -> None:
-        self._lock, self._running, self._started = threading.Lock(), {}, weakref.WeakSet()  # the parent's threads
+        """In a forked child: the parent's running writes are not this process's to wait for, and their fate is
+        unknown here, so they are never sent again."""
+        now = time.monotonic()
+        for key in self._running:  # no block held: a key names its words too
+            self._saved.setdefault(key, _Saved(None, 0, now))
+        self._lock, self._running, self._started = threading.Lock(), {}, weakref.WeakSet()
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
         """Send the parts not sent yet as one request, within the budget; what ``send`` returned, or ``None`` when
