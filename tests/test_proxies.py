@@ -205,6 +205,10 @@ def test_a_proxy_password_shows_nowhere_and_a_proxy_scheme_httpx_cannot_use_is_r
     with pytest.raises(ValueError, match="HTTP_PROXY: the scheme 'ftp'") as refused:
         built()
     assert password not in shown_anywhere(refused.value)
+    clean_network_env.setenv("HTTP_PROXY", f"user:{password}@proxy.test:3128/?via=http://x")  # no scheme of its own
+    with pytest.raises(ValueError, match="HTTP_PROXY: its scheme is not") as refused:
+        built()
+    assert "s3cret" not in shown_anywhere(refused.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("socksio") is not None, reason="socksio is installed here")
