@@ -50,6 +50,7 @@ from tests.support.store_helpers import (
 BUDGET = 0.5  # only for writes a gate holds: it always runs out; what follows it on the same store fits in it
 RETRY_ONLY = "failed; it is not saved, and only the manager's retry sends it again (if its agent lives on)"
 LOST = "failed; it is not saved, and nothing sends it again"
+CYCLING = "I cycle to work."
 
 # strands 1.45 hands add_messages no batch context; 1.46 and later carry the sequence numbers in one.
 MANAGER_SENDS_SEQUENCE_NUMBERS = "sequence_numbers" in {f.name for f in dataclasses.fields(AddMessagesContext)}
@@ -470,10 +471,10 @@ async def test_every_cancelled_wait_is_counted_and_words_a_cancelled_retry_never
     saved, gate, in_flight = first_request == "saved", gates.new(), threading.Event()
     fake.on(*MEMORIES, signalling(in_flight, hang(gate, then=routed(fake) if saved else status(429, "rate limited"))))
     store = capturing(make_store)
-    old = [user(GREEN_TEA)]
-    first = asyncio.create_task(store.add_messages(old, batch([0])))
+    old = [user(GREEN_TEA), user(CYCLING)]
+    first = asyncio.create_task(store.add_messages(old, batch([0, 1])))
     assert await until(in_flight.is_set, timeout=LONG)
-    retry = await started(store.add_messages([*old, user(LISBON)], batch([0, 1])))  # waits for the first's words
+    retry = await started(store.add_messages([*old, user(LISBON)], batch([0, 1, 2])))  # waits for the first's words
     for task in (retry, first):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -483,12 +484,12 @@ async def test_every_cancelled_wait_is_counted_and_words_a_cancelled_retry_never
     outcome = "finished; it is saved" if saved else LOST
     assert await until(logged(caplog, f"a write whose caller was cancelled {outcome}"), timeout=LONG)
     if saved:
-        assert await store.add_messages(old, batch([0])) is None
+        assert await store.add_messages(old, batch([0, 1])) is None
 
-    await store.add_messages([user("Call me Sam")], batch([2]))  # GREEN_TEA is never sent again
-    assert sorted(posted(fake)) == sorted([GREEN_TEA, "Call me Sam"])
+    await store.add_messages([user("Call me Sam")], batch([3]))  # the old words are never sent again
+    assert sorted(posted(fake)) == sorted([f"{GREEN_TEA}\n{CYCLING}", "Call me Sam"])
     names = ("write_cancellations", "write_errors", "writes_lost")
-    assert counts(store, *names) == ((2, 0, 1) if saved else (2, 1, 2))
+    assert counts(store, *names) == ((2, 0, 1) if saved else (2, 1, 3))  # writes_lost counts words: by message
 
 
 # --- Bounds: what the store keeps alive ---------------------------------------------------------------

@@ -248,7 +248,8 @@ class WriteRecord:
             self._log.failed(error, "write_errors")
             self._log.log(logging.WARNING, f"{what} failed; {RETRY_ONLY}", error=error)
         else:  # cancelled: the manager counted the batch as handled, so nothing sends it again
-            self._log.failed(error, "write_errors", "writes_lost")
+            self._log.failed(error, "write_errors")
+            self._log.count("writes_lost", amount=len(todo))  # by part, as writes_saved counts
             self._log.log(logging.WARNING, f"{what} failed; it is not saved, and nothing sends it again", error=error)
 
     def _evict(self) -> None:
