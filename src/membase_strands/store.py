@@ -73,7 +73,8 @@ class MembaseMemoryStore:
         """Create a store; building it makes no network call.
 
         Args:
-            client: A ready ``membase.Membase``, used as is and never closed; built with ``max_retries=0`` if it writes.
+            client: A ready ``membase.Membase``, used as is and never closed; built with ``max_retries=0`` if it writes
+                (capture, ``membase_save``, ``membase_forget``).
             api_key: The key when no ``client`` is given (default: ``MEMBASE_API_KEY``).
             base_url: The Membase host (default: ``MEMBASE_BASE_URL``, else ``https://api.app.membase.com``).
             local: A directory for local Membase (Python 3.12+ and ``membase-strands[local]``); one process each.
@@ -128,12 +129,13 @@ class MembaseMemoryStore:
             store_name=self.name,
         )
         self._log = gateway.log
-        if client is not None and client.max_retries > 0 and (capture or "save" in self._tool_names):
-            writing = "capture=True" if capture else "the membase_save tool"
+        writing = [f"membase_{name}" for name in ("save", "forget") if name in self._tool_names]
+        writing = ["capture=True"] * capture + writing
+        if client is not None and client.max_retries > 0 and writing:
             raise ValueError(
-                f"client: it retries (max_retries={client.max_retries}), so a note Membase stored but answered late "
-                f"would be stored again by {writing}; build it with membase.Membase(..., max_retries=0), or pass "
-                "api_key= instead" + ("" if capture else ", or leave 'save' out of tools=")
+                f"client: it retries (max_retries={client.max_retries}), so a write Membase took but answered late "
+                f"would be sent again by {' and '.join(writing)}; build it with membase.Membase(..., max_retries=0), "
+                "or pass api_key= instead" + ("" if capture else ", or leave 'save' and 'forget' out of tools=")
             )
         self._recall = Recall(
             gateway,
