@@ -14,7 +14,6 @@ import itertools
 import logging
 import socket
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 
@@ -272,8 +271,8 @@ def test_a_proxy_dripping_what_comes_back_is_cut_off_within_request_timeout(
     built, clean_network_env, certificates, proxy_scheme, membase_scheme, dripped
 ):
     """Once a first recall went through whole, the proxy drips what comes back from Membase, a byte every 0.3 s, from
-    the first byte or from 50 bytes before the end of the answer. A recall with request_timeout=2 ends within 2.5 s,
-    and the proxy finds the client gone."""
+    the first byte or from 50 bytes before the end of the answer. A recall with request_timeout=2 ends having read
+    a few of them, and the proxy finds the client gone."""
     attempt = 2.0
     variable = "HTTPS_PROXY" if membase_scheme == "https" else "HTTP_PROXY"
     with (
@@ -290,12 +289,12 @@ def test_a_proxy_dripping_what_comes_back_is_cut_off_within_request_timeout(
         proxy.drip, proxy.fast = 0.3, (0 if dripped == "from the first byte" else whole - 50)
 
         store = built(base_url=server.url, recall_timeout=LONG, request_timeout=attempt)
-        started = time.monotonic()
         with pytest.raises(membase.APITimeoutError):
             recall(store)
-        took = time.monotonic() - started
-        assert took <= attempt + 0.5, f"the recall ended after {took:.1f} s"
         assert proxy.wait_for(lambda: len(proxy.ended) == 2) and proxy.ended[1].hung_up, proxy.ended
+        # Counted, not timed: a byte per 0.3 s, so the bytes dripped before the hang-up bound how long the recall
+        # read (generously: a busy machine notices late); the answer held 50 more than this bound lets through.
+        assert proxy.ended[1].sent - proxy.fast <= 3 * attempt / proxy.drip, proxy.ended
 
 
 def test_an_https_proxy_to_an_https_membase_is_refused_when_the_store_is_built_naming_its_variable(clean_network_env):

@@ -428,9 +428,7 @@ def test_a_name_whose_first_address_stalls_is_served_by_its_next_within_request_
     try:
         named = loopback.url.replace("127.0.0.1", "membase.test")
         store = built(base_url=named, recall_timeout=LONG, request_timeout=attempt)
-        started = time.monotonic()
-        assert recall(store) == [f"[Main] {FACT}"]
-        assert time.monotonic() - started < attempt
+        assert recall(store) == [f"[Main] {FACT}"]  # a timeout if the first address had taken all of it
     finally:
         stalled.close()
     assert len(loopback.requests("POST", "/v1/search")) == 1

@@ -137,10 +137,11 @@ class LoopbackProxy:
                         break
                     at_once = received if self.drip is None else received[: max(0, self.fast - sent)]
                     client.sendall(at_once)
+                    sent += len(at_once)
                     for byte in received[len(at_once) :]:
                         time.sleep(self.drip or 0)
                         client.sendall(bytes([byte]))
-                    sent += len(received)
+                        sent += 1  # byte by byte: what a client read before it left is counted
             except OSError:
                 hung_up = True  # the client hung up (or reset) while bytes were still going to it
                 break
