@@ -111,7 +111,7 @@ class MembaseGateway:
         self._running, self._closed, self._given_used_before_fork = 0, False, False
         reset_in_forked_child(self)
         if self.local is not None:
-            self._client("recall")  # the engine starts now, or says why it cannot
+            self._client("one_read")  # the engine starts now, or says why it cannot
 
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's connections, engine and calls are not this process's."""
@@ -195,7 +195,7 @@ class MembaseGateway:
             self.log.log(logging.WARNING, said, reason=f"2xx answer is {why}")
             return None
 
-        return self._ask(SAVE, self._resolved(container, send), use="write", container=container)
+        return self._ask(SAVE, self._resolved(container, send), use="one_write", container=container)
 
     def profile(self, topic: str | None, *, retry: bool = True) -> dict[str, Any]:
         """The profile: standing facts and recent changes (as text, masked) and, with ``topic``, relevant results."""
@@ -214,25 +214,25 @@ class MembaseGateway:
                 return client.documents.delete(urllib.parse.quote(document, safe=""), confirm=confirm)
             return client.memories.forget(urllib.parse.quote(passage_id, safe=":"), confirm=confirm)
 
-        answer = self._ask(FORGET, forget, use="write")
+        answer = self._ask(FORGET, forget, use="one_write")
         if not isinstance(answer, dict):
             raise BadResponseError("the answer to a forget is not an object")
         return answer
 
     def memories_in_reach(self) -> list[Container]:
         """The Memories this key reaches, in one attempt, their names masked."""
-        listed = parse_containers(self._ask("list_containers", lambda client: client.containers.list(), use="recall"))
+        listed = parse_containers(self._ask("list_containers", lambda client: client.containers.list(), use="one_read"))
         return [Container(container.id, self.redact(container.name)) for container in listed]
 
     def container_id(self, name: str) -> str | None:
         """The id of the Memory ``name`` names (see :meth:`_looked_up`); ``ValueError`` if none or several."""
-        return self._ask("list_containers", lambda client: self._looked_up(client, name), use="tools")
+        return self._ask("list_containers", lambda client: self._looked_up(client, name), use="retried_read")
 
     def check_setup(self, container: str | None) -> None:
         """The store's set-up check, in one attempt: the pinned Memory's id; or, with none pinned, one Memory at most
         (capture must know where to write). ``ValueError`` when not."""
         if container is not None:
-            self._ask("list_containers", lambda client: self._looked_up(client, container), use="recall")
+            self._ask("list_containers", lambda client: self._looked_up(client, container), use="one_read")
         elif len(containers := self.memories_in_reach()) > 1:
             raise ValueError(
                 f"capture=True with several Memories in reach ({names_in_reach(containers)}) needs container= naming "
@@ -256,7 +256,8 @@ class MembaseGateway:
         return news
 
     def _client(self, use: str) -> membase.Membase:
-        """The SDK client for ``use``: ``"tools"`` (retries), ``"recall"`` (one attempt) or ``"write"``."""
+        """The SDK client for ``use``: ``"retried_read"`` (the SDK's retries: the tools), ``"one_read"`` (one attempt:
+        recall) or ``"one_write"`` (one attempt, on a connection of its own)."""
         opened = self._opened
         if (clients := opened.clients) is None:
             with self._lock:  # one build, and none while a close takes what was open
@@ -269,13 +270,13 @@ class MembaseGateway:
             reads, writes = opened.http = _http.clients(self._route)
             key, url = self._secret, self.base_url
             return {
-                "tools": membase.Membase(api_key=key, base_url=url, http_client=reads),
-                "recall": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=reads),
-                "write": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=writes),
+                "retried_read": membase.Membase(api_key=key, base_url=url, http_client=reads),
+                "one_read": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=reads),
+                "one_write": membase.Membase(api_key=key, base_url=url, max_retries=0, http_client=writes),
             }
         if self.local is not None:
             engine = _local.open_engine(self.local)  # it makes one attempt
-            return dict.fromkeys(("tools", "recall", "write"), engine)
+            return dict.fromkeys(("retried_read", "one_read", "one_write"), engine)
         assert self._given is not None
         if self._given_used_before_fork:
             raise RuntimeError(
@@ -283,7 +284,7 @@ class MembaseGateway:
                 "forked, and sharing its connections would mix up the two processes' answers; build the client "
                 "after the fork (for gunicorn, in post_fork), or let the store build it from the key"
             )
-        return dict.fromkeys(("tools", "recall", "write"), self._given)
+        return dict.fromkeys(("retried_read", "one_read", "one_write"), self._given)
 
     def _looked_up(self, client: membase.Membase, name: str, *, again: bool = False) -> str | None:
         """The id of the Memory ``name`` names: cached, or (first, or ``again``) from ``containers.list()``."""
@@ -381,7 +382,7 @@ class _Opened:
 
 
 def _use(retry: bool) -> str:
-    return "tools" if retry else "recall"
+    return "retried_read" if retry else "one_read"
 
 
 def too_large(texts: Iterable[str]) -> bool:

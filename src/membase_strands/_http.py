@@ -39,7 +39,7 @@ class _Attempt:
     """One send of a request: its deadline, and how far it went."""
 
     deadline: float
-    connected: bool = False  # a new connection was made (or tried) for it
+    new_connection: bool = False  # a new connection was made (or tried) for it
     sent: bool = False  # the request itself (not a proxy's CONNECT) began to go out
     answered: bool = False  # its answer began
 
@@ -59,15 +59,15 @@ class Route:
     transport: httpx.BaseTransport | None  # the caller's (the testing kit's), instead of the network
     proxy: httpcore.Proxy | None = field(repr=False)  # it may hold a password
     tls: ssl.SSLContext | None  # for an https:// Membase or proxy: httpx's, under SSL_CERT_FILE / SSL_CERT_DIR
-    seconds: float  # one attempt, headers and body (request_timeout)
+    request_timeout: float  # one attempt, headers and body
     max_bytes: int  # max_response_bytes
 
 
-def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, max_bytes: int) -> Route:
+def route(base_url: str, transport: httpx.BaseTransport | None, request_timeout: float, max_bytes: int) -> Route:
     """The route to ``base_url`` under the environment as it is now; ``ValueError`` naming the variable (never its
     value) where ``httpx.Client()`` would refuse, and for an https:// proxy to an https:// Membase (TLS inside TLS)."""
     if transport is not None:
-        return Route(base_url, transport, None, None, seconds, max_bytes)
+        return Route(base_url, transport, None, None, request_timeout, max_bytes)
     chosen = _environment_proxy(url := httpx.URL(base_url))
     proxy_tls, tls = chosen is not None and chosen.url.scheme == "https", None
     if proxy_tls and url.scheme == "https":  # httpcore's TLS in TLS gives every socket receive the whole timeout again
@@ -78,7 +78,7 @@ def route(base_url: str, transport: httpx.BaseTransport | None, seconds: float, 
     proxy = None  # else as httpx.HTTPTransport hands it to httpcore; its TLS trusts what Membase's does
     if chosen is not None:
         proxy = httpcore.Proxy(_core(chosen.url), auth=chosen.raw_auth, ssl_context=tls if proxy_tls else None)
-    return Route(base_url, None, proxy, tls, seconds, max_bytes)
+    return Route(base_url, None, proxy, tls, request_timeout, max_bytes)
 
 
 def _core(url: httpx.URL) -> httpcore.URL:
@@ -159,8 +159,8 @@ def clients(route: Route) -> tuple[httpx.Client, httpx.Client]:
 def _client(route: Route, transport: _Transport) -> httpx.Client:
     jar = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))  # it keeps none
     # Compressed answers are not asked for (max_bytes bounds memory); the network backend caps each timeout.
-    headers, seconds = {"Accept-Encoding": "identity"}, route.seconds
-    return httpx.Client(base_url=route.base_url, transport=transport, timeout=seconds, headers=headers, cookies=jar)
+    headers, timeout = {"Accept-Encoding": "identity"}, route.request_timeout
+    return httpx.Client(base_url=route.base_url, transport=transport, timeout=timeout, headers=headers, cookies=jar)
 
 
 def may_have_arrived(error: BaseException) -> bool:
@@ -198,7 +198,7 @@ class _Transport(httpx.BaseTransport):
         self._fresh = fresh or self.pool
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        deadline = time.monotonic() + self._route.seconds
+        deadline = time.monotonic() + self._route.request_timeout
         for last in (False, True):
             attempt = _Attempt(deadline)
             token = _attempt.set(attempt)
@@ -208,7 +208,7 @@ class _Transport(httpx.BaseTransport):
                 if last or time.monotonic() >= deadline:
                     raise
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):  # a broken kept-alive connection?
-                if last or self._write or attempt.connected or attempt.answered:
+                if last or self._write or attempt.new_connection or attempt.answered:
                     raise
             finally:
                 _attempt.reset(token)
@@ -216,7 +216,7 @@ class _Transport(httpx.BaseTransport):
 
     def _send(self, request: httpx.Request, attempt: _Attempt, pool: httpcore.ConnectionPool | None) -> httpx.Response:
         if pool is None:  # the caller's transport: the bounds on its answer still hold
-            attempt.connected = True  # for all this library knows
+            attempt.new_connection = True  # for all this library knows
             with contextlib.closing(self._route.transport.handle_request(request)) as given:  # type: ignore[union-attr]
                 return self._read(request, given.status_code, given.headers, given.iter_bytes(), attempt)
         sending = httpcore.Request(request.method, _core(request.url), headers=request.headers.raw)
@@ -245,7 +245,7 @@ class _Transport(httpx.BaseTransport):
         size, overdue = 0, False
         for chunk in chunks if (length or 0) <= limit else ():
             if overdue:  # a caller's transport has no socket to bound; only more data tells a late body was not whole
-                raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.seconds:g} s")
+                raise httpx.ReadTimeout(f"Membase did not finish answering within {self._route.request_timeout:g} s")
             body.append(chunk)
             size += len(chunk)
             if size > limit:
@@ -312,7 +312,7 @@ class _Backend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, *options: Any, **named: Any) -> _Bounded:
         if (attempt := _attempt.get()) is not None:
-            attempt.connected = True  # a request on this connection never went out on a kept-alive one
+            attempt.new_connection = True  # a request on this connection never went out on a kept-alive one
         try:  # resolving the name is the one step no timeout reaches: the standard library takes none
             *others, last = [str(row[4][0]) for row in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
         except OSError as error:

@@ -98,7 +98,7 @@ class WriteRecord:
         self._saved: dict[Hashable, _Saved] = {}  # parts saved or of unknown fate, oldest first
         self._running: dict[Hashable, Call[Any]] = {}  # parts being sent, and the call sending them
         self._started: weakref.WeakSet[Call[Any]] = weakref.WeakSet()  # for closing to wait for: each until done
-        self._awaited: set[Hashable] = set()  # the newest late save's parts, whose manager retry may be on its way
+        self._retry_expected: set[Hashable] = set()  # the newest late save's parts: the manager may retry them
         _records.add(self)
         reset_in_forked_child(self)
 
@@ -120,7 +120,7 @@ class WriteRecord:
                 self._evict()
                 earlier = next((self._running[key] for key in keys if key in self._running), None)
                 if earlier is None:
-                    self._awaited -= keys  # the retry has come
+                    self._retry_expected -= keys  # the retry has come
                     todo = [part for part in parts if part.key not in self._saved]
                     call = self._new_call(todo, send) if todo else None
                     break
@@ -237,7 +237,7 @@ class WriteRecord:
         error = outcome.error
         if outcome.kind in (ANSWERED, MAY_HAVE_ARRIVED):
             with self._lock:  # spared by eviction: the manager's retry of them is the one to stop
-                self._awaited = {part.key for part in todo}
+                self._retry_expected = {part.key for part in todo}
                 self._evict()
         if error is None:
             self._log.log(logging.INFO, f"{what} finished; it is saved", reason=why)
@@ -258,7 +258,7 @@ class WriteRecord:
         excess = len(self._saved) - RECORD_SIZE
         excess_bytes = sum(saved.block_bytes for saved in self._saved.values()) - RECORD_BYTES
         for key, saved in list(self._saved.items()):
-            if saved.at < cutoff or ((excess > 0 or excess_bytes > 0) and key not in self._awaited):
+            if saved.at < cutoff or ((excess > 0 or excess_bytes > 0) and key not in self._retry_expected):
                 del self._saved[key]
                 excess -= 1
                 excess_bytes -= saved.block_bytes
