@@ -30,7 +30,6 @@ import membase
 from ._failures import BadResponseError
 
 KEEP_ALIVE = 4.0  # seconds an idle connection is kept: less than common servers keep theirs (uvicorn, Node: 5 s)
-_KEPT = 32  # idle connections a store keeps for reads, at most
 _CHUNK = 64 * 1024  # a body is written in pieces, each within the time left
 
 
@@ -152,8 +151,8 @@ def _trust(*files: tuple[Any, ...]) -> ssl.SSLContext:
 def clients(route: Route) -> tuple[httpx.Client, httpx.Client]:
     """(reads, writes): one store's clients, for the caller to keep and close. Reads keep connections alive for
     :data:`KEEP_ALIVE` s; each write gets a fresh one (a server closing an idle one never makes its fate unclear)."""
-    writes = _Transport(route, kept=0)
-    return _client(route, _Transport(route, kept=_KEPT, fresh=writes.pool)), _client(route, writes)
+    writes = _Transport(route, keep_alive=False)
+    return _client(route, _Transport(route, keep_alive=True, fresh=writes.pool)), _client(route, writes)
 
 
 def _client(route: Route, transport: _Transport) -> httpx.Client:
@@ -184,16 +183,21 @@ def may_have_arrived(error: BaseException) -> bool:
 
 class _Transport(httpx.BaseTransport):
     """One client's requests, each attempt bounded, sent once more (on ``fresh``) if the resend rule allows it;
-    ``kept``: the idle connections it keeps, at most (none for writes)."""
+    ``keep_alive``: whether idle connections are kept (for reads; each write gets a new one)."""
 
-    def __init__(self, route: Route, kept: int, fresh: httpcore.ConnectionPool | None = None) -> None:
-        self._route, self._write, self.pool = route, not kept, None
+    def __init__(self, route: Route, keep_alive: bool, fresh: httpcore.ConnectionPool | None = None) -> None:
+        self._route, self._write, self.pool = route, not keep_alive, None
         if route.transport is None:  # no cap: a hung request holds a connection of its own, never one others wait for
+            # Every idle read connection is kept until the sweeper ends it: httpcore closes surplus idle ones outside
+            # its lock, so one just handed to a request can be closed after it went out (and the read sent twice).
             options: dict[str, Any] = {"ssl_context": route.tls, "proxy": route.proxy, "max_connections": None}
             self.pool = httpcore.ConnectionPool(
-                max_keepalive_connections=kept, keepalive_expiry=KEEP_ALIVE, network_backend=_BACKEND, **options
+                max_keepalive_connections=None if keep_alive else 0,
+                keepalive_expiry=KEEP_ALIVE,
+                network_backend=_BACKEND,
+                **options,
             )
-        if kept and self.pool is not None:
+        if keep_alive and self.pool is not None:
             _pools.add(weakref.ref(self.pool, _pools.discard))
         self._fresh = fresh or self.pool
 
@@ -282,7 +286,11 @@ _sweeping = threading.Lock()  # held by the sweeper thread, while one runs
 
 
 def _sweep() -> None:
-    """Until no connection is idle, close those past their keep-alive (httpcore does only on their pool's next use)."""
+    """Until no connection is idle, close those past their keep-alive (httpcore does only on their pool's next use).
+
+    Only one past it at the look before too: httpcore hands an idle connection to a request a moment before the request
+    marks it busy, and a socket closed under a request in flight leaves the request waiting out its timeout."""
+    expired: set[Any] = set()
     while True:
         time.sleep(0.5)
         idle = [c for ref in list(_pools) for c in getattr(ref(), "connections", ()) if c.is_idle()]
@@ -292,9 +300,9 @@ def _sweep() -> None:
                 return
             if not _sweeping.acquire(blocking=False):
                 return  # another sweeper took over
-        for connection in idle:
-            if connection.has_expired():
-                connection.close()  # its pool drops it, closed, when next used
+        expired, expired_before = {c for c in idle if c.has_expired()}, expired
+        for connection in expired & expired_before:
+            connection.close()  # its pool drops it, closed, when next used
 
 
 def _forget_sweeper() -> None:  # a forked child has no sweeper thread, nor any pool of the parent's
