@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import membase
 import pytest
+from strands import Agent
 
 from membase_strands import MembaseMemoryStore
 from membase_strands._tools import CLOSED_SENTENCE
-from membase_strands.testing import API_KEY, InMemoryMembase, ToolCall, hang, status
+from membase_strands.testing import API_KEY, InMemoryMembase, ScriptedModel, ToolCall, hang, status
 from tests.support.agents import ALL_TOOLS, entries, resume, tool_texts, tool_turn
 from tests.support.loopback import LoopbackMembase, as_usual, stall
 from tests.support.store_helpers import make_agent, result_text, sized
@@ -415,6 +416,26 @@ def test_a_stores_tools_keep_nothing_of_other_stores_alive_and_a_spec_of_their_o
 
         spec["description"] = "changed by someone's registry"
         assert fake.store().get_tools()[0].tool_spec["description"] != spec["description"]
+
+
+def test_an_agent_holding_only_the_tools_keeps_their_store_and_its_settings(fake):
+    """Dropped by the code that built it, the store lives on in the tools an agent holds: they search with the
+    number of passages set on the store, and tell the model once the store is closed."""
+    store = fake.store(max_search_results=3)
+    store.max_search_results = 2  # a plain attribute, read at each search
+    model = ScriptedModel([search(), "done", search(), "done"])
+    agent = Agent(model=model, tools=store.get_tools(), callback_handler=None)
+    held = weakref.ref(store)
+    del store
+    gc.collect()
+
+    agent("which database?")
+    held().close()  # type: ignore[union-attr] - None here would mean the tools let their store go
+    agent("which database?")
+
+    assert limits(fake) == [2]
+    assert [result["status"] for result in model.tool_results()] == ["success", "error"]
+    assert CLOSED_SENTENCE in model.tool_result_text()
 
 
 def test_the_tools_work_for_every_agent_built_on_the_store_until_it_closes(fake, make_store):

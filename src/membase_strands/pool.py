@@ -109,11 +109,12 @@ class MembaseStorePool:
         """Close every store the pool built that is still alive, side by side, as :meth:`MembaseMemoryStore.close`
         does, and wait for the writes of stores dropped and gone: within about ``close_timeout``; safe to call twice.
         From async code, use :meth:`aclose`."""
-        self._begin_closing().wait_blocking(None, owner=False)
+        self._begin_closing()()  # on this thread: at interpreter exit no new thread can be started
 
     async def aclose(self) -> None:
         """:meth:`close` for async code, without blocking the loop."""
-        await self._begin_closing().wait(None, owner=False)
+        closing = Call(self._begin_closing(), name="membase-close[pool]", mask=lambda error: error)
+        await closing.start().wait(None, owner=False)
 
     def __enter__(self) -> MembaseStorePool:
         return self
@@ -127,8 +128,9 @@ class MembaseStorePool:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _begin_closing(self) -> Call[None]:
-        """Refuse new stores and begin closing every store handed out that is still alive, side by side."""
+    def _begin_closing(self) -> Callable[[], None]:
+        """Refuse new stores and begin closing every store handed out that is still alive, side by side; returns
+        the wait for them, and for the writes of stores dropped and collected."""
         with self._lock:
             self._closed = True
             alive = list(self._alive.values())  # before dropping the kept ones, which may be their only holder
@@ -137,12 +139,12 @@ class MembaseStorePool:
         started, closings = time.monotonic(), [begin_closing(store) for store in alive]
         gone = records - {writes for _, writes in closings}  # of stores dropped and collected, still writing
 
-        def close() -> None:
+        def wait() -> None:
             _warn_failed(closing.wait_blocking(None, owner=False) for closing, _ in closings)
             for writes in gone:
                 writes.drain(started + writes.close_timeout)
 
-        return Call(close, name="membase-close[pool]", mask=lambda error: error).start()
+        return wait
 
     def _keep(self, user_id: str, built: MembaseMemoryStore | None) -> MembaseMemoryStore | None:
         """The user's store still alive, else ``built``, now the most recently used (``None``: neither)."""

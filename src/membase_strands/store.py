@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -148,15 +147,14 @@ class MembaseMemoryStore:
             profile_ttl=profile_ttl if recall_profile else None,
         )
         self._writes = WriteRecord(gateway, write_timeout, close_timeout)
-        this = weakref.ref(self)  # the tools do not keep the store alive: dropped, it is collected (and closes) at once
         self._store_tools = StoreTools(
             gateway=gateway,
             log=self._log,
             container=container,
-            default_limit=lambda: getattr(this(), "_default_limit", _options.DEFAULT_SEARCH_RESULTS),
+            default_limit=lambda: self._default_limit,  # a tool held by an agent keeps its store, settings and all
             max_recall_chars=max_recall_chars,
             min_score=min_score,
-            is_closed=lambda: getattr(this(), "_closed", False),
+            is_closed=lambda: self._closed,
             ids="forget" in self._tool_names,
         )
         self._tools: list[AgentTool] | None = None
