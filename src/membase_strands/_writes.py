@@ -96,7 +96,7 @@ class WriteRecord:
         self._gateway, self._log, self._budget, self.close_timeout = gateway, gateway.log, budget, close_timeout
         self._lock = threading.Lock()
         self._saved: dict[Hashable, _Saved] = {}  # parts saved or of unknown fate, oldest first
-        self._running: dict[Hashable, Call[Any]] = {}  # parts being sent, and the call sending them
+        self._running: dict[Hashable, tuple[Part, Call[Any]]] = {}  # parts being sent, each with the call sending it
         self._started: weakref.WeakSet[Call[Any]] = weakref.WeakSet()  # for closing to wait for: each until done
         self._retry_expected: set[Hashable] = set()  # the newest late save's parts: the manager may retry them
         _records.add(self)
@@ -106,8 +106,8 @@ class WriteRecord:
         """In a forked child: the parent's running writes are not this process's to wait for, and their fate is
         unknown here, so they are never sent again."""
         now = time.monotonic()
-        for key in self._running:  # no block held: a key names its words too
-            self._saved.setdefault(key, _Saved(None, 0, now))
+        for key, (part, _) in self._running.items():
+            self._saved.setdefault(key, _Saved(part.block, part.block_bytes, now))
         self._lock, self._running, self._started = threading.Lock(), {}, weakref.WeakSet()
 
     async def write(self, parts: Sequence[Part], send: Send) -> Any:
@@ -118,7 +118,7 @@ class WriteRecord:
         while True:
             with self._lock:
                 self._evict()
-                earlier = next((self._running[key] for key in keys if key in self._running), None)
+                earlier = next((self._running[key][1] for key in keys if key in self._running), None)
                 if earlier is None:
                     self._retry_expected -= keys  # the retry has come
                     todo = [part for part in parts if part.key not in self._saved]
@@ -173,7 +173,7 @@ class WriteRecord:
             on_late_end=lambda outcome, why: self._ended_late(todo, outcome, why),
         )
         for part in todo:
-            self._running[part.key] = call
+            self._running[part.key] = (part, call)
         self._started.add(call)
         return call
 
