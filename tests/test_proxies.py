@@ -205,7 +205,7 @@ def test_a_proxy_password_shows_nowhere_and_a_proxy_scheme_httpx_cannot_use_is_r
         built()
     assert password not in shown_anywhere(refused.value)
     clean_network_env.setenv("HTTP_PROXY", f"user:{password}@proxy.test:3128/?via=http://x")  # no scheme of its own
-    with pytest.raises(ValueError, match="HTTP_PROXY: its scheme is not") as refused:
+    with pytest.raises(ValueError, match="HTTP_PROXY: it names no scheme httpx takes") as refused:
         built()
     assert "s3cret" not in shown_anywhere(refused.value)
 

@@ -292,13 +292,14 @@ def test_a_store_given_a_client_sends_a_save_once_and_refuses_a_client_that_woul
         assert status_ == "error" and "may or may not have been saved" in text
 
         retrying = membase.Membase(api_key=API_KEY, base_url=server.url, http_client=http)  # max_retries=2
-        for options, named in [
-            ({}, "membase_save"),
-            ({"capture": True, "tools": ()}, "capture=True"),
-            ({"tools": ("search", "forget")}, "membase_forget"),  # a delete answered late would be sent again too
+        for options, named, advice in [
+            ({}, "membase_save", ", or leave 'save' out of tools="),
+            ({"capture": True, "tools": ()}, "capture=True", ""),
+            ({"tools": ("search", "forget")}, "membase_forget", ", or leave 'forget' out of tools="),  # a delete too
         ]:
-            with pytest.raises(ValueError, match=f"client: it retries .* sent again by {named};.*max_retries=0"):
+            with pytest.raises(ValueError, match=f"client: it retries .* sent again by {named};.*max_retries=0") as no:
                 MembaseMemoryStore(client=retrying, **options)
+            assert str(no.value).endswith("or pass api_key= instead" + advice)
         MembaseMemoryStore(client=retrying, tools=("search", "profile")).close()  # a reading store takes it as it is
 
 

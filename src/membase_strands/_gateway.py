@@ -8,6 +8,7 @@ is used as it is, and must not retry if it writes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -375,10 +376,11 @@ class _Opened:
     def close(self) -> None:
         opened, http = self.clients is not None, self.http
         self.forget()
-        for client in http:
-            client.close()
-        if opened and self.local is not None:
-            _local.close_engine(self.local)
+        with contextlib.ExitStack() as closing:  # each closed even when one before it fails; last in, first out
+            if opened and self.local is not None:
+                closing.callback(_local.close_engine, self.local)
+            for client in http:
+                closing.callback(client.close)
 
 
 def _use(retry: bool) -> str:

@@ -123,8 +123,10 @@ def _parsed(key: str, value: str | None) -> tuple[httpx.URL, httpx.Proxy | None]
         rule, proxy = httpx.URL(key), (None if value is None else httpx.Proxy(value))
     except (httpx.InvalidURL, ValueError):  # their text quotes the URL, password and all
         scheme = (value or key).partition("://")[0].lower()
-        named = f"the scheme {scheme!r}" if re.fullmatch("[a-z][a-z0-9+.-]*", scheme) else "its scheme"  # no password
-        why = f"{named} is not one httpx takes (http, https, socks5, socks5h)"
+        named = "it names no scheme"
+        if re.fullmatch("[a-z][a-z0-9+.-]*", scheme):  # a scheme, never a password
+            named = f"the scheme {scheme!r} is not one"
+        why = f"{named} httpx takes (http, https, socks5, socks5h)"
         if scheme in ("http", "https", "socks5", "socks5h", "all"):
             why = "httpx cannot parse it (a '#', '/' or '?' in a password must be percent-encoded)"
     else:

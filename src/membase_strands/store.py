@@ -128,13 +128,14 @@ class MembaseMemoryStore:
             store_name=self.name,
         )
         self._log = gateway.log
-        writing = [f"membase_{name}" for name in ("save", "forget") if name in self._tool_names]
-        writing = ["capture=True"] * capture + writing
+        writing_tools = [name for name in ("save", "forget") if name in self._tool_names]
+        writing = ["capture=True"] * capture + [f"membase_{name}" for name in writing_tools]
         if client is not None and client.max_retries > 0 and writing:
+            leave_out = " and ".join(repr(name) for name in writing_tools)
             raise ValueError(
                 f"client: it retries (max_retries={client.max_retries}), so a write Membase took but answered late "
                 f"would be sent again by {' and '.join(writing)}; build it with membase.Membase(..., max_retries=0), "
-                "or pass api_key= instead" + ("" if capture else ", or leave 'save' and 'forget' out of tools=")
+                "or pass api_key= instead" + ("" if capture else f", or leave {leave_out} out of tools=")
             )
         self._recall = Recall(
             gateway,

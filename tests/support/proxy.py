@@ -141,7 +141,7 @@ class LoopbackProxy:
                     for byte in received[len(at_once) :]:
                         time.sleep(self.drip or 0)
                         client.sendall(bytes([byte]))
-                        sent += 1  # byte by byte: what a client read before it left is counted
+                        sent += 1  # byte by byte: what was sent to the client before it left is counted
             except OSError:
                 hung_up = True  # the client hung up (or reset) while bytes were still going to it
                 break
