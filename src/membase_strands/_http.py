@@ -290,8 +290,9 @@ _sweeping = threading.Lock()  # held by the sweeper thread, while one runs
 def _sweep() -> None:
     """Until no connection is idle, close those past their keep-alive (httpcore does only on their pool's next use).
 
-    Only one past it at the look before too: httpcore hands an idle connection to a request a moment before the request
-    marks it busy, and a socket closed under a request in flight leaves the request waiting out its timeout."""
+    A connection is closed only when it was past its keep-alive at the look before too (0.5 s earlier): httpcore hands
+    an idle connection to a request a moment before the request marks it busy, and a socket closed under a request in
+    flight leaves the request waiting out its timeout."""
     expired: set[Any] = set()
     while True:
         time.sleep(0.5)
