@@ -109,7 +109,7 @@ class MembaseStorePool:
         """Close every store the pool built that is still alive, side by side, as :meth:`MembaseMemoryStore.close`
         does, and wait for the writes of stores dropped and gone: within about ``close_timeout``; safe to call twice.
         From async code, use :meth:`aclose`."""
-        self._begin_closing()()  # on this thread: at interpreter exit no new thread can be started
+        self._begin_closing()()  # the wait runs on this thread: it needs none of its own
 
     async def aclose(self) -> None:
         """:meth:`close` for async code, without blocking the loop."""
@@ -160,7 +160,7 @@ class MembaseStorePool:
             if len(self._stores) > self._max_stores:
                 old_user, dropped = self._stores.popitem(last=False)
                 logger.debug("user=<%s> | pool full; dropping the least recently used store", old_user)
-        del dropped  # outside the lock: collected, a store lets go of its connections
+        del dropped  # outside the lock; the garbage collector ends the store (its tools hold it: a cycle)
         return store
 
     def _build(self, user_id: str) -> MembaseMemoryStore:
